@@ -1,0 +1,187 @@
+"""Data-parallel MNIST training with sdp and a TensorFlow 2 GradientTape loop.
+
+The same script runs on one process or on many; sdp does the gradient averaging:
+
+    python examples/tf2_mnist.py --data-dir ../shared/data/mnist
+    sdprun -np 2 python examples/tf2_mnist.py --data-dir ../shared/data/mnist
+
+The recipe is the usual Horovod / SageMaker data-parallel one:
+  1. sdp.init(), and pin one GPU per process by local rank (if there are GPUs);
+  2. give each rank its own shard of the training data;
+  3. scale the learning rate by sdp.size();
+  4. wrap the tape in sdp.DistributedGradientTape, which averages gradients over ranks;
+  5. after the first step, broadcast model and optimizer state from rank 0;
+  6. checkpoint (and evaluate) on rank 0 only.
+"""
+
+import argparse
+import hashlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+# mnist_data.py lives next to this script. Running from a source checkout without
+# `pip install` also works: the repository root goes last on the path, so an
+# installed sdp wins if there is one.
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+sys.path.append(str(_HERE.parent))
+
+import mnist_data  # noqa: E402
+import sdp.tensorflow as sdp  # noqa: E402
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", default=None,
+                   help="directory with the MNIST IDX .gz files "
+                        "(default: $SDP_MNIST_DIR or ../shared/data/mnist, else download)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=64, help="batch size per rank")
+    p.add_argument("--steps", type=int, default=None,
+                   help="stop after this many training steps in total (default: no cap)")
+    p.add_argument("--lr", type=float, default=0.001, help="learning rate for one rank")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="where rank 0 saves the final checkpoint (default: a new temp dir)")
+    p.add_argument("--seed", type=int, default=42)
+    return p.parse_args()
+
+
+def build_model():
+    return tf.keras.Sequential([
+        tf.keras.Input(shape=(28, 28, 1)),
+        tf.keras.layers.Conv2D(32, 3, activation="relu"),
+        tf.keras.layers.Conv2D(64, 3, activation="relu"),
+        tf.keras.layers.MaxPooling2D(),
+        tf.keras.layers.Dropout(0.25),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(128, activation="relu"),
+        tf.keras.layers.Dropout(0.5),
+        tf.keras.layers.Dense(10),
+    ])
+
+
+def preprocess(images):
+    return (images.astype(np.float32) / 255.0)[..., np.newaxis]
+
+
+def weights_checksum(model):
+    flat = np.concatenate([w.numpy().ravel() for w in model.trainable_variables])
+    return hashlib.sha256(flat.tobytes()).hexdigest()[:16]
+
+
+def evaluate(model, images, labels, batch_size=1000):
+    correct = 0
+    for i in range(0, len(images), batch_size):
+        logits = model(images[i:i + batch_size], training=False)
+        correct += int(np.sum(np.argmax(logits, axis=1) == labels[i:i + batch_size]))
+    return correct / len(images)
+
+
+def main():
+    args = parse_args()
+
+    sdp.init()
+    rank, size = sdp.rank(), sdp.size()
+
+    # Share the CPU cores between the processes on this machine instead of
+    # letting each of them start one thread per core.
+    threads = max(1, (os.cpu_count() or 1) // sdp.local_size())
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+
+    # One GPU per process, chosen by local rank.
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        tf.config.experimental.set_memory_growth(gpu, True)
+    if gpus:
+        tf.config.set_visible_devices(gpus[sdp.local_rank() % len(gpus)], "GPU")
+
+    # A different seed on each rank: the ranks start from different weights, and
+    # only the broadcast below makes them agree.
+    tf.keras.utils.set_random_seed(args.seed + rank)
+
+    data_dir = args.data_dir or mnist_data.find_mnist_dir()
+    (x_train, y_train), (x_test, y_test) = mnist_data.load_mnist(data_dir)
+
+    # Each rank trains on its own shard, cut to a common length so that every
+    # rank runs the same number of steps (a rank with an extra step would wait
+    # forever for the others in allreduce).
+    per_rank = len(x_train) // size
+    x_shard = preprocess(x_train[rank::size][:per_rank])
+    y_shard = y_train[rank::size][:per_rank].astype(np.int64)
+    steps_per_epoch = per_rank // args.batch_size
+    if steps_per_epoch == 0:
+        raise SystemExit(f"--batch-size {args.batch_size} is larger than the "
+                         f"{per_rank} training images per rank")
+
+    dataset = (tf.data.Dataset.from_tensor_slices((x_shard, y_shard))
+               .shuffle(10000, seed=args.seed + rank, reshuffle_each_iteration=True)
+               .batch(args.batch_size, drop_remainder=True)
+               .prefetch(tf.data.AUTOTUNE))
+
+    model = build_model()
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    # With size ranks, each step sees size times more data: scale the LR with it.
+    opt = tf.keras.optimizers.Adam(args.lr * size)
+
+    @tf.function
+    def training_step(images, labels):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            loss = loss_fn(labels, logits)
+        # Averages the gradients over all ranks before they are applied.
+        tape = sdp.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    if rank == 0:
+        print(f"training on {size} rank(s): {per_rank} images and "
+              f"{steps_per_epoch} steps of {args.batch_size} per rank per epoch", flush=True)
+
+    step = 0
+    done = False
+    for epoch in range(1, args.epochs + 1):
+        start = time.perf_counter()
+        losses = []
+        for images, labels in dataset:
+            losses.append(training_step(images, labels))
+            step += 1
+            if step == 1:
+                # The optimizer creates its slots on the first step; now that
+                # they exist, copy model and optimizer state from rank 0.
+                sdp.broadcast_variables(model.variables, root_rank=0)
+                sdp.broadcast_variables(opt.variables, root_rank=0)
+            if args.steps is not None and step >= args.steps:
+                done = True
+                break
+        elapsed = time.perf_counter() - start
+        # Every rank takes part in the allreduce; only rank 0 reports.
+        mean_loss = sdp.allreduce(tf.reduce_mean(tf.stack(losses)), op=sdp.ReduceOp.AVERAGE)
+        if rank == 0:
+            images_per_sec = len(losses) * args.batch_size * size / elapsed
+            print(f"epoch {epoch}: loss {float(mean_loss):.4f}, "
+                  f"{images_per_sec:.0f} images/sec, {elapsed:.1f} s", flush=True)
+        if done:
+            break
+
+    if rank == 0:
+        checkpoint_dir = args.checkpoint_dir or tempfile.mkdtemp(prefix="sdp_mnist_")
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=opt)
+        path = checkpoint.save(os.path.join(checkpoint_dir, "ckpt"))
+        print(f"checkpoint saved to {path}", flush=True)
+
+        accuracy = evaluate(model, preprocess(x_test), y_test)
+        print(f"test accuracy: {accuracy:.4f}", flush=True)
+
+    print(f"weights checksum: {weights_checksum(model)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

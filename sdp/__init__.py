@@ -1,0 +1,13 @@
+"""sdp: distributed data-parallel training for TensorFlow 2 over ZeroMQ.
+
+``import sdp.tensorflow as hvd`` for the Horovod / SageMaker API; ``sdp`` itself exposes the
+framework-free numpy API (:mod:`sdp.api`).
+"""
+from sdp.api import (allgather, allgather_async, allgather_object, allreduce, allreduce_async,  # noqa: F401
+                     alltoall, barrier, broadcast, broadcast_async, broadcast_object, cross_rank,
+                     cross_size, grouped_allgather, grouped_allreduce, init, is_initialized,
+                     local_rank, local_size, rank, reducescatter, shutdown, size)
+from sdp.common import errors  # noqa: F401
+from sdp.common.reduce_ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
+
+__version__ = "0.1.0"

@@ -1,0 +1,249 @@
+"""Framework-free API on numpy arrays: the layer every face (TensorFlow, KungFu) is built on.
+
+``init()`` reads the topology from the environment (see :mod:`sdp.common.topology`), meets the
+other ranks and starts the engine.  Collectives come in ``*_async`` forms returning a
+:class:`~sdp.engine.runtime.Handle` and synchronous forms returning numpy arrays.
+
+Names identify a collective across ranks: ranks may submit in different orders, and the engine
+matches them by name.  Without a ``name``, one is generated from a per-process counter, which
+matches across ranks when every rank makes the same unnamed calls in the same order.
+"""
+import atexit
+import io
+import itertools
+import logging
+import pickle
+import threading
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from sdp.common import topology as _topology
+from sdp.common.config import Config
+from sdp.common.errors import AlreadyInitializedError, NotInitializedError
+from sdp.common.reduce_ops import ReduceOp, resolve_op
+from sdp.engine.runtime import Handle, Request, Runtime
+
+_lock = threading.Lock()
+_runtime: Optional[Runtime] = None
+_counters = {}
+_counter_lock = threading.Lock()
+
+
+def _setup_logging() -> None:
+    import os
+    level = os.environ.get("SDP_LOG_LEVEL")
+    logger = logging.getLogger("sdp")
+    if level:
+        logger.setLevel(level.upper())
+    if not logger.handlers and not logging.getLogger().handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        logger.addHandler(h)
+
+
+def init(config: Optional[Config] = None) -> None:
+    """Start sdp in this process: read the topology, rendezvous with all ranks, start the engine.
+
+    Mirrors ``smdistributed.dataparallel.tensorflow.init`` / ``horovod.tensorflow.init``.
+    Raises :class:`AlreadyInitializedError` if called twice (as SMDDP documents),
+    :class:`TopologyError` for a bad environment, :class:`RendezvousError` if the other ranks do
+    not show up within ``SDP_START_TIMEOUT`` seconds."""
+    global _runtime
+    with _lock:
+        if _runtime is not None:
+            raise AlreadyInitializedError()
+        _setup_logging()
+        cfg = config or Config.from_env()
+        _runtime = Runtime(_topology.from_env(), cfg)
+        if cfg.timeline:
+            from sdp.engine import timeline
+            timeline.start(_runtime, cfg.timeline)
+        _counters.clear()
+
+
+def shutdown() -> None:
+    """Stop the engine and close connections.  Safe to call when not initialized.
+
+    Mirrors ``horovod.tensorflow.shutdown``; after it, ``init()`` may be called again."""
+    global _runtime
+    with _lock:
+        rt, _runtime = _runtime, None
+    if rt is not None:
+        if rt.timeline:
+            rt.timeline.close()
+        rt.shutdown()
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``.  Mirrors ``horovod.tensorflow.is_initialized``."""
+    return _runtime is not None
+
+
+def runtime(what: str = "this function") -> Runtime:
+    """The engine of this process; raises :class:`NotInitializedError` before ``init()``."""
+    rt = _runtime
+    if rt is None:
+        raise NotInitializedError(what)
+    return rt
+
+
+def rank() -> int:
+    """This process's rank in [0, size).  Mirrors ``horovod.tensorflow.rank``."""
+    return runtime("rank()").topology.rank
+
+
+def size() -> int:
+    """Number of processes in the job.  Mirrors ``horovod.tensorflow.size``."""
+    return runtime("size()").topology.size
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host.  Mirrors ``horovod.tensorflow.local_rank``."""
+    return runtime("local_rank()").topology.local_rank
+
+
+def local_size() -> int:
+    """Number of processes on this host.  Mirrors ``horovod.tensorflow.local_size``."""
+    return runtime("local_size()").topology.local_size
+
+
+def cross_rank() -> int:
+    """Index of this host among hosts.  Mirrors ``horovod.tensorflow.cross_rank``."""
+    return runtime("cross_rank()").topology.cross_rank
+
+
+def cross_size() -> int:
+    """Number of hosts.  Mirrors ``horovod.tensorflow.cross_size``."""
+    return runtime("cross_size()").topology.cross_size
+
+
+def auto_name(kind: str) -> str:
+    """A name from a per-process, per-kind counter: ``allreduce.noname.7``."""
+    with _counter_lock:
+        c = _counters.setdefault(kind, itertools.count())
+        return f"{kind}.noname.{next(c)}"
+
+
+def _submit(kind, tensor, name, **kw) -> Handle:
+    rt = runtime(f"{kind}()")
+    return rt.submit(Request(name or auto_name(kind), kind, np.asarray(tensor), **kw))
+
+
+def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0) -> Handle:
+    """Start an allreduce of ``tensor`` (numpy array, any shape) and return a handle.
+
+    ``op``: :class:`ReduceOp` (default AVERAGE).  Scale factors multiply before / after reduction.
+    The result has the shape and dtype of ``tensor``.  Mirrors ``horovod.torch.allreduce_async``."""
+    return _submit("allreduce", tensor, name, op=resolve_op(op), prescale=prescale_factor,
+                   postscale=postscale_factor)
+
+
+def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0) -> np.ndarray:
+    """Reduce ``tensor`` across all ranks (default: average) and return the result everywhere.
+
+    Shape, dtype, op and scale factors must agree on every rank, otherwise every rank raises
+    :class:`TensorMismatchError`.  Mirrors ``horovod.tensorflow.allreduce`` on numpy arrays."""
+    return allreduce_async(tensor, name, op, prescale_factor, postscale_factor).wait()
+
+
+def grouped_allreduce(tensors: Sequence, name: Optional[str] = None, op=None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[np.ndarray]:
+    """Allreduce a list of arrays as one unit (they are fused together where dtypes allow).
+
+    Mirrors ``horovod.tensorflow.grouped_allreduce``."""
+    base = name or auto_name("grouped_allreduce")
+    handles = [allreduce_async(t, f"{base}.{i}", op, prescale_factor, postscale_factor)
+               for i, t in enumerate(tensors)]
+    return [h.wait() for h in handles]
+
+
+def allgather_async(tensor, name: Optional[str] = None) -> Handle:
+    """Start an allgather; see :func:`allgather`."""
+    return _submit("allgather", tensor, name)
+
+
+def allgather(tensor, name: Optional[str] = None) -> np.ndarray:
+    """Concatenate every rank's ``tensor`` along the first dimension, in rank order.
+
+    The first dimension may differ per rank; all other dimensions and the dtype must agree.
+    Mirrors ``horovod.tensorflow.allgather``."""
+    return allgather_async(tensor, name).wait()
+
+
+def grouped_allgather(tensors: Sequence, name: Optional[str] = None) -> List[np.ndarray]:
+    """Allgather each array of a list.  Mirrors ``horovod.tensorflow.grouped_allgather``."""
+    base = name or auto_name("grouped_allgather")
+    handles = [allgather_async(t, f"{base}.{i}") for i, t in enumerate(tensors)]
+    return [h.wait() for h in handles]
+
+
+def broadcast_async(tensor, root_rank: int, name: Optional[str] = None) -> Handle:
+    """Start a broadcast; see :func:`broadcast`."""
+    return _submit("broadcast", tensor, name, root=int(root_rank))
+
+
+def broadcast(tensor, root_rank: int, name: Optional[str] = None) -> np.ndarray:
+    """Return ``root_rank``'s ``tensor`` on every rank.  Shape and dtype must agree; a
+    ``root_rank`` outside [0, size) raises :class:`TensorMismatchError` on every rank.
+    Mirrors ``horovod.tensorflow.broadcast``."""
+    return broadcast_async(tensor, root_rank, name).wait()
+
+
+def alltoall(tensor, splits=None, name: Optional[str] = None):
+    """Send ``splits[j]`` rows of ``tensor`` (in order) to rank j; return ``(received, received_splits)``.
+
+    ``splits`` defaults to an equal split of the first dimension (which must then divide by
+    size).  Mirrors ``horovod.tensorflow.alltoall``."""
+    arr = np.asarray(tensor)
+    n = size()
+    if splits is None:
+        dim0 = arr.shape[0] if arr.ndim else 0
+        splits = [dim0 // n] * n if dim0 % n == 0 else None
+    return _submit("alltoall", arr, name, splits=None if splits is None else list(np.asarray(splits).ravel())
+                   ).wait()
+
+
+def reducescatter(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> np.ndarray:
+    """Reduce ``tensor`` across ranks and return this rank's share of the first dimension
+    (split as evenly as possible, lower ranks get the extra rows).
+    Mirrors ``horovod.tensorflow.reducescatter``."""
+    op = resolve_op(op)
+    return _submit("reducescatter", tensor, name, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor).wait()
+
+
+def barrier() -> None:
+    """Block until every rank reaches the barrier.  Mirrors ``horovod.tensorflow.barrier``."""
+    allreduce(np.zeros(1, np.int32), name=auto_name("barrier"), op=ReduceOp.SUM)
+
+
+def broadcast_object(obj, root_rank: int = 0, name: Optional[str] = None):
+    """Pickle ``obj`` on ``root_rank`` and return it on every rank.
+    Mirrors ``horovod.tensorflow.broadcast_object``."""
+    base = name or auto_name("broadcast_object")
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if rank() == root_rank else np.zeros(0, np.uint8)
+    length = broadcast(np.array([payload.size], np.int64), root_rank, f"{base}.len")
+    buf = payload if rank() == root_rank else np.zeros(int(length[0]), np.uint8)
+    data = broadcast(buf, root_rank, f"{base}.data")
+    return obj if rank() == root_rank else pickle.load(io.BytesIO(data.tobytes()))
+
+
+def allgather_object(obj, name: Optional[str] = None) -> list:
+    """Pickle ``obj`` on every rank and return the list of all ranks' objects, in rank order.
+    Mirrors ``horovod.tensorflow.allgather_object``."""
+    base = name or auto_name("allgather_object")
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+    lengths = allgather(np.array([payload.size], np.int64), f"{base}.len")
+    data = allgather(payload, f"{base}.data")
+    out, off = [], 0
+    for n in lengths:
+        out.append(pickle.loads(data[off:off + int(n)].tobytes()))
+        off += int(n)
+    return out

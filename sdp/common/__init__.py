@@ -1,0 +1,1 @@
+"""Framework-free pieces shared by every layer: topology, reduce ops, errors, configuration."""

@@ -1,0 +1,75 @@
+"""Runtime settings read from the environment, with their defaults and units.
+
+| variable                  | default      | meaning                                                   |
+|---------------------------|--------------|-----------------------------------------------------------|
+| SDP_FUSION_THRESHOLD      | 26214400 (B) | fusion buffer size in bytes (25 MB, SMDDP's bucket_cap_mb) |
+| SDP_CYCLE_TIME            | 1 (ms)       | longest the engine waits to batch newly submitted tensors  |
+| SDP_TIMEOUT               | 300 (s)      | deadline of any single receive inside a collective         |
+| SDP_START_TIMEOUT         | 60 (s)       | deadline for all ranks to meet at rendezvous               |
+| SDP_STALL_CHECK_TIME      | 60 (s)       | warn when a tensor waits this long for other ranks         |
+| SDP_STALL_SHUTDOWN_TIME   | 0 (s, off)   | raise StallError after this long                           |
+| SDP_SEGMENT_BYTES         | 1048576 (B)  | size of one pipelined frame on the wire                    |
+| SDP_TIMELINE              | unset        | path of a Chrome-trace JSON timeline                       |
+| SDP_LOG_LEVEL             | WARNING      | level of the ``sdp`` logger                                |
+
+Horovod spellings (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``, ``HOROVOD_TIMELINE``,
+``HOROVOD_STALL_CHECK_TIME_SECONDS``, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``) are read as fallbacks.
+"""
+import dataclasses
+import os
+from typing import Mapping, Optional
+
+DEFAULT_FUSION_THRESHOLD = 25 * 1024 * 1024
+
+
+def _get(env, names, default, cast):
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return cast(value)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={value!r} is not a valid {cast.__name__}") from None
+    return default
+
+
+@dataclasses.dataclass
+class Config:
+    fusion_threshold: int = DEFAULT_FUSION_THRESHOLD  # bytes; 0 disables fusion
+    cycle_time_ms: float = 1.0
+    timeout_s: float = 300.0
+    start_timeout_s: float = 60.0
+    stall_check_s: float = 60.0
+    stall_shutdown_s: float = 0.0
+    segment_bytes: int = 1 << 20
+    timeline: Optional[str] = None
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":
+        env = os.environ if env is None else env
+        return cls(
+            fusion_threshold=_get(env, ["SDP_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"],
+                                  DEFAULT_FUSION_THRESHOLD, int),
+            cycle_time_ms=_get(env, ["SDP_CYCLE_TIME", "HOROVOD_CYCLE_TIME"], 1.0, float),
+            timeout_s=_get(env, ["SDP_TIMEOUT"], 300.0, float),
+            start_timeout_s=_get(env, ["SDP_START_TIMEOUT", "HOROVOD_START_TIMEOUT"], 60.0, float),
+            stall_check_s=_get(env, ["SDP_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS"], 60.0, float),
+            stall_shutdown_s=_get(env, ["SDP_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"],
+                                  0.0, float),
+            segment_bytes=_get(env, ["SDP_SEGMENT_BYTES"], 1 << 20, int),
+            timeline=_get(env, ["SDP_TIMELINE", "HOROVOD_TIMELINE"], None, str),
+        )
+
+
+def bucket_cap_mb_to_bytes(bucket_cap_mb) -> int:
+    """Convert SMDDP's ``bucket_cap_mb`` to bytes.
+
+    Raises ``ValueError`` unless ``bucket_cap_mb * 1024 * 1024`` is a non-negative multiple of 128,
+    as SMDDP documents.
+    """
+    nbytes = bucket_cap_mb * 1024 * 1024
+    if nbytes < 0 or int(nbytes) != nbytes or int(nbytes) % 128:
+        raise ValueError(
+            f"bucket_cap_mb={bucket_cap_mb!r} gives {nbytes} bytes; bucket_cap_mb * 1024 * 1024 must be "
+            "a non-negative whole multiple of 128")
+    return int(nbytes)

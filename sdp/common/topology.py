@@ -1,0 +1,394 @@
+"""Where this process sits in the job: rank, world size, local rank/size, cross rank/size.
+
+Read from the environment by :func:`from_env`, first match wins:
+
+============  =====================================================================================
+source        variables (a source matches when its rank and size variables are both present)
+============  =====================================================================================
+SDP           ``SDP_RANK``, ``SDP_SIZE``, ``SDP_LOCAL_RANK``, ``SDP_LOCAL_SIZE``,
+              ``SDP_CROSS_RANK``, ``SDP_CROSS_SIZE``, ``SDP_RENDEZVOUS_ADDR`` (set by ``sdprun``)
+HOROVOD       ``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``,
+              ``HOROVOD_CROSS_RANK``, ``HOROVOD_CROSS_SIZE`` (``horovodrun``, Gloo mode)
+OMPI          ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_LOCAL_RANK``,
+              ``OMPI_COMM_WORLD_LOCAL_SIZE`` (Open MPI's ``mpirun``)
+PMI           ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``
+              (MPICH / Intel MPI / hydra)
+SLURM         ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` or ``SLURM_NTASKS``, ``SLURM_LOCALID``,
+              ``SLURM_NODEID``, ``SLURM_STEP_NUM_NODES`` / ``SLURM_NNODES`` / ``SLURM_JOB_NUM_NODES``,
+              tasks per node from ``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE`` /
+              ``SLURM_NTASKS_PER_NODE`` (``srun``; step values are preferred to job values)
+SAGEMAKER     ``SM_HOSTS`` (JSON list), ``SM_CURRENT_HOST``: one process per host
+TORCHRUN      ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+              ``GROUP_WORLD_SIZE`` (``torchrun``, Kubeflow and other Kubernetes operators)
+default       nothing of the above: a world of size 1, so scripts run unchanged
+============  =====================================================================================
+
+The SDP source is taken literally (missing local/cross values are 0/1; the rendezvous address is
+``SDP_RENDEZVOUS_ADDR``, served by ``sdprun``).  For every other source:
+
+* Rendezvous: ``SDP_RENDEZVOUS_ADDR`` if set (someone else serves it, ``serve_rendezvous=False``),
+  else ``tcp://{MASTER_ADDR}:{MASTER_PORT}`` with ``serve_rendezvous=True`` (rank 0 serves it;
+  ``MASTER_PORT`` defaults to :data:`DEFAULT_RENDEZVOUS_PORT`).  SageMaker falls back to the first
+  of the sorted ``SM_HOSTS`` when ``MASTER_ADDR`` is unset.  Horovod's own
+  ``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT`` is an HTTP server that does not speak our protocol and
+  is ignored.  Under ``torchrun`` with ``TORCHELASTIC_USE_AGENT_STORE=True`` the port
+  ``MASTER_PORT`` is already taken by torchrun's own TCPStore, so ``MASTER_PORT + 1`` is used.
+  World size > 1 with no rendezvous address raises :class:`TopologyError`.
+* Local rank/size: when the launcher gives neither, each process is assumed to run on its own
+  host (local rank 0, local size 1).  A local rank without a local size (or a local size > 1
+  without a local rank) raises :class:`TopologyError` rather than guessing.
+* Cross rank/size (Horovod's meaning: the rank among the processes with the same local rank on
+  the other hosts; with a uniform layout, the host index and the number of hosts): taken from the
+  launcher where it says them (``HOROVOD_CROSS_*``, ``GROUP_RANK``/``GROUP_WORLD_SIZE``, Slurm's
+  node id and tasks per node).  Otherwise, when ``local_size`` divides ``size``, they are derived
+  assuming *contiguous placement* (ranks ``k*local_size ... (k+1)*local_size-1`` on host ``k``,
+  which is what ``mpirun``'s default by-slot/by-core mapping and ``torchrun`` produce):
+  ``cross_size = size // local_size`` and ``cross_rank = rank // local_size``.  When they cannot
+  be derived (non-uniform placement), they are 0 and 1: treat them as unknown then.
+* ``hostname`` is ``SDP_HOSTNAME`` if set, else :func:`socket.gethostname`.
+* A value that is not an integer raises :class:`TopologyError` naming the variable; so does an
+  impossible topology (rank >= size, local rank >= local size, ...).
+"""
+import dataclasses
+import json
+import os
+import re
+import socket
+from typing import Callable, List, Mapping, Optional, Tuple
+
+from sdp.common.errors import TopologyError
+
+#: Port used with ``MASTER_ADDR`` (or SageMaker's first host) when ``MASTER_PORT`` is not set;
+#: the same default as ``torchrun``.
+DEFAULT_RENDEZVOUS_PORT = 29500
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    hostname: str = dataclasses.field(default_factory=socket.gethostname)
+    rendezvous_addr: Optional[str] = None  # tcp://host:port
+    serve_rendezvous: bool = False  # true: rank 0 hosts the rendezvous server itself
+    source: str = "default"  # which environment family the values came from
+
+    def __post_init__(self):
+        checks = [
+            (self.size >= 1, f"world size must be >= 1, got {self.size}"),
+            (0 <= self.rank < self.size, f"rank {self.rank} is outside [0, {self.size})"),
+            (self.local_size >= 1, f"local size must be >= 1, got {self.local_size}"),
+            (0 <= self.local_rank < self.local_size,
+             f"local rank {self.local_rank} is outside [0, {self.local_size})"),
+            (0 <= self.cross_rank < self.cross_size,
+             f"cross rank {self.cross_rank} is outside [0, {self.cross_size})"),
+            (self.size == 1 or self.rendezvous_addr,
+             f"world size {self.size} needs a rendezvous address (SDP_RENDEZVOUS_ADDR or MASTER_ADDR/MASTER_PORT)"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise TopologyError(f"bad topology from {self.source} environment: {msg}")
+
+
+def _int(env, name):
+    try:
+        return int(env[name])
+    except ValueError:
+        raise TopologyError(f"environment variable {name}={env[name]!r} is not an integer") from None
+
+
+def _first(env, names) -> Optional[str]:
+    """The first of ``names`` present in ``env``, or None."""
+    for name in names:
+        if name in env:
+            return name
+    return None
+
+
+def _first_int(env, names) -> Tuple[Optional[int], Optional[str]]:
+    """(value, variable) of the first of ``names`` present in ``env``; (None, None) if none is."""
+    name = _first(env, names)
+    return (None, None) if name is None else (_int(env, name), name)
+
+
+# --------------------------------------------------------------------------------------------
+# What a launcher says, before the gaps are filled.
+
+
+@dataclasses.dataclass
+class _Raw:
+    rank: int
+    size: int
+    local_rank: Optional[int] = None
+    local_size: Optional[int] = None
+    cross_rank: Optional[int] = None
+    cross_size: Optional[int] = None
+    default_master_host: Optional[str] = None  # rendezvous host when MASTER_ADDR is unset
+    port_offset: int = 0  # added to MASTER_PORT (torchrun's agent store occupies MASTER_PORT)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """One launcher family: the variables it sets, as alternatives in order of preference.
+
+    ``rank`` and ``size`` must both be present for the source to match.  ``adjust`` (optional)
+    refines what the plain variables give (Slurm's tasks-per-node, torchrun's agent store).
+    ``read`` (optional) replaces the variable lookup altogether (SageMaker).
+    """
+    name: str
+    rank: Tuple[str, ...] = ()
+    size: Tuple[str, ...] = ()
+    local_rank: Tuple[str, ...] = ()
+    local_size: Tuple[str, ...] = ()
+    cross_rank: Tuple[str, ...] = ()
+    cross_size: Tuple[str, ...] = ()
+    adjust: Optional[Callable[[Mapping[str, str], _Raw], None]] = None
+    read: Optional[Callable[[Mapping[str, str]], Optional[_Raw]]] = None
+
+    def raw(self, env) -> Optional[_Raw]:
+        """What ``env`` says for this source, or None when the source does not match."""
+        if self.read is not None:
+            return self.read(env)
+        if _first(env, self.rank) is None or _first(env, self.size) is None:
+            return None
+        raw = _Raw(rank=_first_int(env, self.rank)[0], size=_first_int(env, self.size)[0],
+                   local_rank=_first_int(env, self.local_rank)[0],
+                   local_size=_first_int(env, self.local_size)[0],
+                   cross_rank=_first_int(env, self.cross_rank)[0],
+                   cross_size=_first_int(env, self.cross_size)[0])
+        if self.adjust is not None:
+            self.adjust(env, raw)
+        return raw
+
+
+# --------------------------------------------------------------------------------------------
+# Slurm
+
+
+_SLURM_TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+_SLURM_NNODES = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+_SLURM_ITEM = re.compile(r"^\s*(\d+)\s*(?:\(\s*x\s*(\d+)\s*\))?\s*$")
+
+
+def expand_slurm_tasks_per_node(value: str, name: str = "SLURM_TASKS_PER_NODE") -> List[int]:
+    """Expand Slurm's compressed tasks-per-node list into one count per node.
+
+    ``"4"`` -> ``[4]``, ``"4(x2)"`` -> ``[4, 4]``, ``"2(x3),1"`` -> ``[2, 2, 2, 1]``.
+    Raises :class:`TopologyError` (naming ``name``) on anything else, or on a zero count.
+    """
+    counts: List[int] = []
+    for item in value.split(","):
+        m = _SLURM_ITEM.match(item)
+        if not m or int(m.group(1)) < 1 or (m.group(2) is not None and int(m.group(2)) < 1):
+            raise TopologyError(
+                f"environment variable {name}={value!r} is not a Slurm tasks-per-node list "
+                "(expected e.g. '4', '4(x2)' or '2(x3),1')")
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts
+
+
+def _slurm_adjust(env, raw: _Raw) -> None:
+    """Local size and cross rank/size from Slurm's node id and tasks-per-node list."""
+    nodeid, nodeid_var = _first_int(env, ("SLURM_NODEID",))
+    nnodes, nnodes_var = _first_int(env, _SLURM_NNODES)
+    tpn_var = _first(env, _SLURM_TASKS_PER_NODE)
+    counts = None
+    if tpn_var is not None:
+        counts = expand_slurm_tasks_per_node(env[tpn_var], tpn_var)
+        if len(counts) == 1 and nnodes is None and raw.size % counts[0] == 0:
+            counts = counts * (raw.size // counts[0])  # a bare per-node count: uniform layout
+        elif len(counts) == 1 and nnodes is not None:
+            counts = counts * nnodes
+        if nnodes is not None and len(counts) != nnodes:
+            raise TopologyError(
+                f"inconsistent Slurm environment: {tpn_var}={env[tpn_var]!r} describes "
+                f"{len(counts)} nodes but {nnodes_var}={nnodes}")
+        if sum(counts) != raw.size:
+            raise TopologyError(
+                f"inconsistent Slurm environment: {tpn_var}={env[tpn_var]!r} adds up to "
+                f"{sum(counts)} tasks but the world size is {raw.size}")
+    elif nnodes is not None and nnodes >= 1 and raw.size % nnodes == 0:
+        counts = [raw.size // nnodes] * nnodes  # no per-node list: assume a uniform layout
+    if counts is None:
+        return
+    if nodeid is not None:
+        if not 0 <= nodeid < len(counts):
+            raise TopologyError(
+                f"inconsistent Slurm environment: {nodeid_var}={nodeid} but the job has {len(counts)} nodes")
+        raw.local_size = counts[nodeid]
+        lr = raw.local_rank
+        if lr is not None and 0 <= lr < raw.local_size:
+            # Horovod's cross communicator: the processes with this local rank, one per node.
+            raw.cross_size = sum(1 for c in counts if c > lr)
+            raw.cross_rank = sum(1 for c in counts[:nodeid] if c > lr)
+    elif len(set(counts)) == 1:
+        raw.local_size = counts[0]
+
+
+# --------------------------------------------------------------------------------------------
+# SageMaker
+
+
+def _sagemaker_read(env) -> Optional[_Raw]:
+    """One process per host: rank = index of SM_CURRENT_HOST in the sorted SM_HOSTS."""
+    if "SM_HOSTS" not in env or "SM_CURRENT_HOST" not in env:
+        return None
+    try:
+        hosts = json.loads(env["SM_HOSTS"])
+    except ValueError:
+        hosts = None
+    if not isinstance(hosts, list) or not hosts or not all(isinstance(h, str) and h for h in hosts):
+        raise TopologyError(
+            f"environment variable SM_HOSTS={env['SM_HOSTS']!r} is not a JSON list of host names")
+    hosts = sorted(hosts)
+    if len(set(hosts)) != len(hosts):
+        raise TopologyError(f"environment variable SM_HOSTS={env['SM_HOSTS']!r} names a host twice")
+    current = env["SM_CURRENT_HOST"]
+    if current not in hosts:
+        raise TopologyError(
+            f"environment variable SM_CURRENT_HOST={current!r} is not one of SM_HOSTS={env['SM_HOSTS']!r}")
+    rank = hosts.index(current)
+    return _Raw(rank=rank, size=len(hosts), local_rank=0, local_size=1,
+                cross_rank=rank, cross_size=len(hosts), default_master_host=hosts[0])
+
+
+# --------------------------------------------------------------------------------------------
+# torchrun
+
+
+def _torchrun_adjust(env, raw: _Raw) -> None:
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raw.port_offset = 1  # torchrun's agent already serves its TCPStore on MASTER_PORT
+
+
+#: The launcher families after SDP, in order of precedence.
+_SOURCES: Tuple[_Source, ...] = (
+    _Source("HOROVOD",
+            rank=("HOROVOD_RANK",), size=("HOROVOD_SIZE",),
+            local_rank=("HOROVOD_LOCAL_RANK",), local_size=("HOROVOD_LOCAL_SIZE",),
+            cross_rank=("HOROVOD_CROSS_RANK",), cross_size=("HOROVOD_CROSS_SIZE",)),
+    # OMPI_COMM_WORLD_NODE_RANK is not a cross rank (it is a per-node rank across all jobs);
+    # Open MPI has no cross variables, so they are derived.
+    _Source("OMPI",
+            rank=("OMPI_COMM_WORLD_RANK",), size=("OMPI_COMM_WORLD_SIZE",),
+            local_rank=("OMPI_COMM_WORLD_LOCAL_RANK",), local_size=("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+    _Source("PMI",
+            rank=("PMI_RANK",), size=("PMI_SIZE",),
+            local_rank=("MPI_LOCALRANKID",), local_size=("MPI_LOCALNRANKS",)),
+    _Source("SLURM",
+            rank=("SLURM_PROCID",), size=("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+            local_rank=("SLURM_LOCALID",), adjust=_slurm_adjust),
+    _Source("SAGEMAKER", read=_sagemaker_read),
+    _Source("TORCHRUN",
+            rank=("RANK",), size=("WORLD_SIZE",),
+            local_rank=("LOCAL_RANK",), local_size=("LOCAL_WORLD_SIZE",),
+            cross_rank=("GROUP_RANK",), cross_size=("GROUP_WORLD_SIZE",), adjust=_torchrun_adjust),
+)
+
+#: Names of every source, in order of precedence (what :attr:`Topology.source` can be).
+SOURCES: Tuple[str, ...] = ("SDP",) + tuple(s.name for s in _SOURCES) + ("default",)
+
+
+# --------------------------------------------------------------------------------------------
+# Filling the gaps
+
+
+def _complete_local(src: _Source, raw: _Raw) -> Tuple[int, int]:
+    lr, ls = raw.local_rank, raw.local_size
+    if lr is None and ls is None:
+        return 0, 1  # size 1, or (documented assumption) one process per host
+    if ls is None:
+        if raw.size == 1:
+            return lr, 1
+        raise TopologyError(
+            f"the {src.name} environment gives a local rank ({lr}) but no local size; "
+            f"set {' or '.join(src.local_size) or 'the local size'}")
+    if lr is None:
+        if ls == 1:
+            return 0, 1
+        raise TopologyError(
+            f"the {src.name} environment gives a local size ({ls}) but no local rank; "
+            f"set {' or '.join(src.local_rank) or 'the local rank'}")
+    return lr, ls
+
+
+def _complete_cross(raw: _Raw, local_size: int) -> Tuple[int, int]:
+    cr, cs = raw.cross_rank, raw.cross_size
+    if cr is not None and cs is not None:
+        return cr, cs
+    if local_size >= 1 and raw.size % local_size == 0:
+        # Contiguous placement: host k runs ranks k*local_size .. (k+1)*local_size - 1.
+        return (raw.rank // local_size if cr is None else cr,
+                raw.size // local_size if cs is None else cs)
+    return 0, 1  # non-uniform placement: unknown
+
+
+def _rendezvous(env, src_name: str, raw: _Raw) -> Tuple[Optional[str], bool]:
+    """(rendezvous_addr, serve_rendezvous) for a non-SDP source."""
+    addr = env.get("SDP_RENDEZVOUS_ADDR")
+    if addr:
+        return addr, False
+    host = env.get("MASTER_ADDR") or raw.default_master_host
+    if host:
+        port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else DEFAULT_RENDEZVOUS_PORT
+        port += raw.port_offset
+        if not 1 <= port <= 65535:
+            raise TopologyError(f"rendezvous port {port} (from MASTER_PORT) is outside [1, 65535]")
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # IPv6 literal
+        return f"tcp://{host}:{port}", True
+    if raw.size > 1:
+        raise TopologyError(
+            f"the {src_name} environment describes {raw.size} processes but no rendezvous address: "
+            "set MASTER_ADDR (and MASTER_PORT, default "
+            f"{DEFAULT_RENDEZVOUS_PORT}) to the host of rank 0, which then serves the rendezvous, "
+            "or SDP_RENDEZVOUS_ADDR=tcp://host:port to a rendezvous server you run "
+            "(or launch with sdprun, which sets everything)")
+    return None, False
+
+
+def _from_source(env, src: _Source, raw: _Raw) -> Topology:
+    local_rank, local_size = _complete_local(src, raw)
+    if local_size > raw.size >= 1:
+        raise TopologyError(
+            f"bad topology from {src.name} environment: local size {local_size} "
+            f"exceeds world size {raw.size}")
+    cross_rank, cross_size = _complete_cross(raw, local_size)
+    addr, serve = _rendezvous(env, src.name, raw)
+    return Topology(
+        rank=raw.rank, size=raw.size, local_rank=local_rank, local_size=local_size,
+        cross_rank=cross_rank, cross_size=cross_size,
+        hostname=env.get("SDP_HOSTNAME") or socket.gethostname(),
+        rendezvous_addr=addr, serve_rendezvous=serve, source=src.name)
+
+
+def from_env(env: Optional[Mapping[str, str]] = None) -> Topology:
+    """Build the :class:`Topology` of this process from ``env`` (default ``os.environ``).
+
+    Sources are tried in the order of :data:`SOURCES` (``SDP``, ``HOROVOD``, ``OMPI``, ``PMI``,
+    ``SLURM``, ``SAGEMAKER``, ``TORCHRUN``, ``default``); the first whose rank and size variables
+    are present wins.  See the module docstring for the variables and for how missing values
+    (local, cross, rendezvous) are filled in.
+
+    Raises :class:`~sdp.common.errors.TopologyError` for non-integer or inconsistent values, and
+    when a world of size > 1 has no rendezvous address.
+    """
+    env = os.environ if env is None else env
+    if "SDP_RANK" in env and "SDP_SIZE" in env:
+        return Topology(
+            rank=_int(env, "SDP_RANK"), size=_int(env, "SDP_SIZE"),
+            local_rank=_int(env, "SDP_LOCAL_RANK") if "SDP_LOCAL_RANK" in env else 0,
+            local_size=_int(env, "SDP_LOCAL_SIZE") if "SDP_LOCAL_SIZE" in env else 1,
+            cross_rank=_int(env, "SDP_CROSS_RANK") if "SDP_CROSS_RANK" in env else 0,
+            cross_size=_int(env, "SDP_CROSS_SIZE") if "SDP_CROSS_SIZE" in env else 1,
+            hostname=env.get("SDP_HOSTNAME") or socket.gethostname(),
+            rendezvous_addr=env.get("SDP_RENDEZVOUS_ADDR"),
+            serve_rendezvous=False, source="SDP")
+    for src in _SOURCES:
+        raw = src.raw(env)
+        if raw is not None:
+            return _from_source(env, src, raw)
+    return Topology(source="default")

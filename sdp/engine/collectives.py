@@ -1,0 +1,197 @@
+"""Collective algorithms on a :class:`~sdp.transport.zmq_mesh.Mesh`, on 1-D numpy buffers.
+
+All functions are called by every rank in the same order with the same ``seq`` (the engine's
+agreed collective number), so that messages can be checked against what is expected.
+
+* ``allreduce``: recursive doubling for small buffers (latency: log2(n) hops), pipelined ring
+  (reduce-scatter + allgather, ``segment_bytes`` frames) for large ones (bandwidth: each rank
+  sends 2(n-1)/n of the buffer).  Every rank ends with bit-identical results.
+* ``broadcast``: binomial tree from ``root``.
+* ``allgatherv``: ring over variable-size blocks.
+* ``alltoallv``: pairwise exchange.
+* ``reducescatter``: the reduce-scatter half of the ring.
+"""
+import numpy as np
+
+from sdp.transport.zmq_mesh import DATA
+
+SMALL_BYTES = 64 * 1024  # at or below this, allreduce uses recursive doubling
+
+
+def _frombuf(frame, dtype):
+    return np.frombuffer(frame.buffer, dtype=dtype)
+
+
+class _Wire:
+    """Segmented send/recv of a buffer's slices between two peers for one collective."""
+
+    def __init__(self, mesh, seq, segment_bytes, dtype):
+        self.mesh, self.seq, self.dtype = mesh, seq, dtype
+        self.seg = max(1, segment_bytes // max(1, dtype.itemsize))
+        self.trackers = []
+        self.aux = 0
+
+    def send(self, dst, arr):
+        """Send ``arr`` (1-D view) to ``dst`` as consecutive segments (at least one)."""
+        n = arr.size
+        starts = range(0, n, self.seg) if n else [0]
+        for s in starts:
+            self.trackers.append(self.mesh.send(dst, DATA, self.seq, 0, arr[s:s + self.seg]))
+
+    def recv_each(self, src, n):
+        """Yield ``(start, segment_array)`` for the ``n`` elements expected from ``src``."""
+        starts = range(0, n, self.seg) if n else [0]
+        for s in starts:
+            frames = self.mesh.recv(src, DATA, seq=self.seq)
+            if len(frames) != 1:
+                from sdp.common.errors import ProtocolError
+                raise ProtocolError(f"expected one data frame from rank {src}, got {len(frames)}")
+            seg = _frombuf(frames[0], self.dtype)
+            want = min(self.seg, n - s)
+            if seg.size != want:
+                from sdp.common.errors import ProtocolError
+                raise ProtocolError(f"rank {self.mesh.rank}: segment from rank {src} has {seg.size} "
+                                    f"elements, expected {want}")
+            yield s, seg
+
+    def finish(self):
+        self.mesh.sendrecv_done(self.trackers)
+
+
+def _bounds(n_elems, parts, unit=1):
+    """Split ``n_elems`` (multiple of ``unit``) into ``parts`` contiguous ranges, first ones larger."""
+    rows = n_elems // unit
+    base, extra = divmod(rows, parts)
+    edges = [0]
+    for i in range(parts):
+        edges.append(edges[-1] + (base + (i < extra)) * unit)
+    return edges
+
+
+def allreduce(mesh, buf, ufunc, seq, segment_bytes, acc=None):
+    """Reduce ``buf`` (1-D, contiguous, writable) in place across all ranks with ``ufunc``.
+
+    ``acc`` is an optional accumulation dtype (float32 for float16/bfloat16 payloads)."""
+    n = mesh.size
+    if n == 1 or buf.size == 0:
+        return
+    if buf.nbytes <= SMALL_BYTES or buf.size < n:
+        _recursive_doubling(mesh, buf, ufunc, seq, acc)
+    else:
+        edges = _bounds(buf.size, n)
+        _ring_reduce_scatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc)
+        _ring_allgather(mesh, buf, seq, segment_bytes, edges)
+
+
+def _combine(ufunc, mine, theirs, acc):
+    if acc is None:
+        ufunc(mine, theirs, out=mine)
+    else:
+        mine[...] = ufunc(mine.astype(acc), theirs.astype(acc))
+
+
+def _recursive_doubling(mesh, buf, ufunc, seq, acc):
+    n, r = mesh.size, mesh.rank
+    p = 1 << (n.bit_length() - 1)  # largest power of two <= n
+    w = _Wire(mesh, seq, max(buf.nbytes, 1), buf.dtype)
+    # fold ranks >= p into rank - p
+    if r >= p:
+        w.send(r - p, buf)
+    elif r + p < n:
+        for _, seg in w.recv_each(r + p, buf.size):
+            _combine(ufunc, buf, seg, acc)
+    if r < p:
+        mask = 1
+        while mask < p:
+            partner = r ^ mask
+            w.send(partner, buf)
+            for _, seg in w.recv_each(partner, buf.size):
+                w.finish()  # our send must have left ``buf`` before we overwrite it
+                # both partners compute a op b with a, b swapped: IEEE add/mul/min/max are
+                # commutative, so every rank ends with identical bits
+                _combine(ufunc, buf, seg, acc)
+            mask <<= 1
+        if r + p < n:
+            w.send(r + p, buf)
+    else:
+        for _, seg in w.recv_each(r - p, buf.size):
+            buf[...] = seg
+    w.finish()
+
+
+def _ring_reduce_scatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc):
+    """After this, rank r holds the full reduction of chunk r (``edges[r]:edges[r+1]``)."""
+    n, r = mesh.size, mesh.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    w = _Wire(mesh, seq, segment_bytes, buf.dtype)
+    for step in range(n - 1):
+        si, ri = (r - step - 1) % n, (r - step - 2) % n
+        w.send(right, buf[edges[si]:edges[si + 1]])
+        chunk = buf[edges[ri]:edges[ri + 1]]
+        for s, seg in w.recv_each(left, chunk.size):
+            _combine(ufunc, chunk[s:s + seg.size], seg, acc)
+    w.finish()
+
+
+def _ring_allgather(mesh, buf, seq, segment_bytes, edges):
+    """Rank r starts owning chunk r; afterwards every rank has every chunk."""
+    n, r = mesh.size, mesh.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    w = _Wire(mesh, seq, segment_bytes, buf.dtype)
+    for step in range(n - 1):
+        si, ri = (r - step) % n, (r - step - 1) % n
+        w.send(right, buf[edges[si]:edges[si + 1]])
+        chunk = buf[edges[ri]:edges[ri + 1]]
+        for s, seg in w.recv_each(left, chunk.size):
+            chunk[s:s + seg.size] = seg
+    w.finish()
+
+
+def reducescatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc=None):
+    """Reduce ``buf`` so that rank r's range ``edges[r]:edges[r+1]`` holds the full result."""
+    if mesh.size > 1 and buf.size:
+        _ring_reduce_scatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc)
+
+
+def allgatherv(mesh, out, edges, seq, segment_bytes):
+    """``out`` holds this rank's block at ``edges[rank]:edges[rank+1]``; fill in all others."""
+    if mesh.size > 1 and out.size:
+        _ring_allgather(mesh, out, seq, segment_bytes, edges)
+
+
+def broadcast(mesh, buf, root, seq, segment_bytes):
+    """Copy ``root``'s ``buf`` into every rank's ``buf`` along a binomial tree."""
+    n = mesh.size
+    if n == 1:
+        return
+    vr = (mesh.rank - root) % n  # virtual rank: root is 0
+    w = _Wire(mesh, seq, segment_bytes, buf.dtype)
+    mask = 1
+    while mask < n:  # receive from parent
+        if vr & mask:
+            parent = ((vr - mask) + root) % n
+            for s, seg in w.recv_each(parent, buf.size):
+                buf[s:s + seg.size] = seg
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask > 0:  # send to children
+        if vr + mask < n:
+            w.send((vr + mask + root) % n, buf)
+        mask >>= 1
+    w.finish()
+
+
+def alltoallv(mesh, send, send_edges, recv, recv_edges, seq, segment_bytes):
+    """Send ``send[send_edges[j]:send_edges[j+1]]`` to rank j; receive rank j's block for us into
+    ``recv[recv_edges[j]:recv_edges[j+1]]``.  Pairwise exchange in n-1 steps."""
+    n, r = mesh.size, mesh.rank
+    recv[recv_edges[r]:recv_edges[r + 1]] = send[send_edges[r]:send_edges[r + 1]]
+    w = _Wire(mesh, seq, segment_bytes, send.dtype)
+    for step in range(1, n):
+        dst, src = (r + step) % n, (r - step) % n
+        w.send(dst, send[send_edges[dst]:send_edges[dst + 1]])
+        block = recv[recv_edges[src]:recv_edges[src + 1]]
+        for s, seg in w.recv_each(src, block.size):
+            block[s:s + seg.size] = seg
+    w.finish()

@@ -1,0 +1,183 @@
+"""Negotiation on rank 0: a collective runs once every rank has submitted its name, in one order
+that all ranks follow, after checking that every rank asked for the same thing.
+
+Pure logic (no sockets), so it is unit-testable.  Requests carry a *meta* dict per tensor:
+
+=====  =====================================================================
+key    meaning
+=====  =====================================================================
+``n``  tensor name (unique among a rank's in-flight tensors)
+``k``  kind: allreduce, allgather, broadcast, alltoall, reducescatter
+``d``  numpy dtype string
+``s``  shape (list of ints)
+``o``  ReduceOp value (reductions) or None
+``r``  root rank (broadcast) or None
+``pre``/``post``  prescale / postscale factors
+``sp`` alltoall splits (list of n ints) or None
+=====  =====================================================================
+
+A **response cache** keeps steady state cheap: the first time a meta is agreed it gets an integer
+id, sent once to all ranks; afterwards a rank submits just the id.
+"""
+import json
+import logging
+import time
+from typing import Dict, List, Optional, Tuple
+
+log = logging.getLogger("sdp.coordinator")
+
+# fields that must agree on every rank (allgather: all but the first dimension of the shape)
+CHECKED = (("k", "op"), ("d", "dtype"), ("o", "reduce op"), ("r", "root rank"),
+           ("pre", "prescale factor"), ("post", "postscale factor"))
+
+
+def signature(meta: dict) -> str:
+    return json.dumps(meta, sort_keys=True, separators=(",", ":"))
+
+
+def _describe(values: Dict[int, object]) -> str:
+    groups: Dict[str, List[int]] = {}
+    for rank in sorted(values):
+        groups.setdefault(json.dumps(values[rank]).replace(",", ", "), []).append(rank)
+    parts = []
+    for val, ranks in groups.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        parts.append(f"{who} {'has' if len(ranks) == 1 else 'have'} {val}")
+    return ", ".join(parts)
+
+
+def check(metas: Dict[int, dict], size: int) -> Optional[str]:
+    """Return an error message if the ranks' metas for one name disagree, else None."""
+    first = metas[min(metas)]
+    name, kind = first["n"], first["k"]
+    for key, label in CHECKED:
+        vals = {r: m.get(key) for r, m in metas.items()}
+        if len(set(map(json.dumps, vals.values()))) > 1:
+            what = kind if key != "k" else "collective"
+            return f"{what} of '{name}': {label} mismatch, {_describe(vals)}"
+    if kind == "allgather":
+        vals = {r: m["s"][1:] for r, m in metas.items()}
+        if any(len(m["s"]) == 0 for m in metas.values()):
+            return f"allgather of '{name}': tensors must have at least one dimension, " \
+                   f"{_describe({r: m['s'] for r, m in metas.items()})}"
+        label = "shape (all but the first dimension)"
+    elif kind == "alltoall":
+        vals = {r: m["s"][1:] for r, m in metas.items()}
+        label = "shape (all but the first dimension)"
+        for r, m in metas.items():
+            sp = m.get("sp")
+            dim0 = m["s"][0] if m["s"] else 0
+            if sp is None or len(sp) != size or sum(sp) != dim0 or min(sp, default=0) < 0:
+                return (f"alltoall of '{name}': rank {r} has splits {sp} for first dimension {dim0}; "
+                        f"splits must be {size} non-negative ints summing to the first dimension")
+    else:
+        vals = {r: m["s"] for r, m in metas.items()}
+        label = "shape"
+    if len(set(map(json.dumps, vals.values()))) > 1:
+        return f"{kind} of '{name}': {label} mismatch, {_describe(vals)}"
+    root = first.get("r")
+    if kind == "broadcast" and not (isinstance(root, int) and 0 <= root < size):
+        return f"broadcast of '{name}': root rank {root} is not a valid rank (world size {size})"
+    return None
+
+
+class Coordinator:
+    """Collects requests from all ranks and decides what runs, in which order."""
+
+    def __init__(self, size: int, stall_check_s: float = 60.0, stall_shutdown_s: float = 0.0):
+        self.size = size
+        self.stall_check_s = stall_check_s
+        self.stall_shutdown_s = stall_shutdown_s
+        self.table: Dict[str, Dict[int, dict]] = {}  # name -> rank -> meta
+        self.first_seen: Dict[str, float] = {}
+        self.order: List[str] = []  # names in order of first submission
+        self.cache_ids: Dict[str, int] = {}  # signature -> id
+        self.cache_meta: List[dict] = []  # id -> meta
+        self._warned: Dict[str, float] = {}
+
+    def add(self, rank: int, request: dict) -> List[dict]:
+        """Record ``request`` (``{"new": [meta...], "ids": [int...]}``) from ``rank``.
+
+        Returns error items for requests that are malformed (unknown cache id, duplicate name)."""
+        errors = []
+        metas = list(request.get("new", []))
+        for cid in request.get("ids", []):
+            if not isinstance(cid, int) or not 0 <= cid < len(self.cache_meta):
+                log.warning("coordinator: rank %d sent unknown cache id %r; dropped", rank, cid)
+                continue
+            metas.append(self.cache_meta[cid])
+        now = time.monotonic()
+        for meta in metas:
+            name = meta["n"]
+            entry = self.table.setdefault(name, {})
+            if rank in entry:
+                errors.append({"n": name, "err": f"rank {rank} submitted '{name}' twice before it completed",
+                               "ranks": [rank]})
+                continue
+            if not entry:
+                self.first_seen[name] = now
+                self.order.append(name)
+            entry[rank] = meta
+        return errors
+
+    def ready(self) -> List[dict]:
+        """Pop the names every rank has submitted, in first-submission order, as response items.
+
+        An item is ``{"n", "meta", "id", "new": bool, "dim0": [...], "splits": [[...]]}`` or,
+        when the ranks disagree, ``{"n", "err", "ranks"}``."""
+        items, keep = [], []
+        for name in self.order:
+            entry = self.table[name]
+            if len(entry) < self.size:
+                keep.append(name)
+                continue
+            del self.table[name]
+            self.first_seen.pop(name, None)
+            self._warned.pop(name, None)
+            err = check(entry, self.size)
+            if err:
+                items.append({"n": name, "err": err, "ranks": list(range(self.size))})
+                continue
+            meta = dict(entry[0])
+            item = {"n": name}
+            if meta["k"] in ("allgather", "alltoall"):
+                item["dim0"] = [entry[r]["s"][0] for r in range(self.size)]
+                if meta["k"] == "alltoall":
+                    item["splits"] = [entry[r]["sp"] for r in range(self.size)]
+            sig = signature(meta)
+            cid = self.cache_ids.get(sig)
+            if cid is None:
+                cid = self.cache_ids[sig] = len(self.cache_meta)
+                self.cache_meta.append(meta)
+                item["meta"] = meta
+            item["id"] = cid
+            items.append(item)
+        self.order = keep
+        return items
+
+    def stalls(self, now: Optional[float] = None) -> Tuple[List[str], Optional[str]]:
+        """Return (warnings to log, fatal message or None) for names waiting on some ranks."""
+        now = time.monotonic() if now is None else now
+        warnings, fatal = [], None
+        late = {}
+        for name in self.order:
+            age = now - self.first_seen[name]
+            if age >= self.stall_check_s:
+                missing = sorted(set(range(self.size)) - set(self.table[name]))
+                late[name] = (age, missing)
+        if not late:
+            return warnings, None
+        fresh = [n for n in late if now - self._warned.get(n, -1e18) >= self.stall_check_s]
+        if fresh:
+            desc = "; ".join(f"'{n}' (waited {late[n][0]:.0f} s, missing ranks {late[n][1]})" for n in fresh)
+            warnings.append("stall: some ranks submitted tensors that other ranks have not: " + desc +
+                            ". One or more ranks may have stopped calling collectives or call them "
+                            "in a different set.")
+            for n in fresh:
+                self._warned[n] = now
+        if self.stall_shutdown_s > 0:
+            over = [n for n, (age, _) in late.items() if age >= self.stall_shutdown_s]
+            if over:
+                fatal = ("stall: " + "; ".join(f"'{n}' missing ranks {late[n][1]}" for n in over) +
+                         f" for more than SDP_STALL_SHUTDOWN_TIME={self.stall_shutdown_s:g} s")
+        return warnings, fatal

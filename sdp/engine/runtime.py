@@ -1,0 +1,374 @@
+"""The per-process engine: a background thread that owns the sockets, negotiates with rank 0,
+fuses, and runs collectives, while the caller's threads (e.g. TensorFlow) keep computing.
+
+Callers :meth:`Runtime.submit` a :class:`Request` and get a :class:`Handle`; ``handle.wait()``
+returns the result array or raises the error every rank sees.
+"""
+import collections
+import json
+import logging
+import os
+import threading
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from sdp.common import errors
+from sdp.common.config import Config
+from sdp.common.reduce_ops import UFUNCS, ReduceOp
+from sdp.engine import collectives, fusion
+from sdp.engine.coordinator import Coordinator, signature
+from sdp.transport.zmq_mesh import CTRL, Mesh
+
+log = logging.getLogger("sdp.engine")
+
+KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
+
+
+def accumulation_dtype(dtype: np.dtype) -> Optional[np.dtype]:
+    """float32 for 16-bit floats (float16, bfloat16): sums never overflow or lose small terms
+    in the 16-bit format while they are being accumulated."""
+    if dtype.kind == "f" and dtype.itemsize == 2 or dtype.name == "bfloat16":
+        return np.dtype(np.float32)
+    return None
+
+
+class Handle:
+    """The pending result of one submitted collective."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._done = threading.Event()
+        self._result = None
+        self._error: Optional[BaseException] = None
+
+    def _set(self, result=None, error=None):
+        self._result, self._error = result, error
+        self._done.set()
+
+    def done(self) -> bool:
+        """True once the result (or error) is available; never blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None):
+        """Block until done and return the result (numpy array, or tuple for alltoall).
+
+        Raises the collective's error (e.g. :class:`TensorMismatchError`, :class:`PeerLostError`),
+        or :class:`CollectiveTimeoutError` if ``timeout`` seconds pass first."""
+        if not self._done.wait(timeout):
+            raise errors.CollectiveTimeoutError(f"'{self.name}' did not complete within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class Request:
+    """One tensor submitted to one collective (see :mod:`sdp.engine.coordinator` for ``meta``)."""
+
+    __slots__ = ("name", "kind", "array", "op", "root", "prescale", "postscale", "splits", "handle")
+
+    def __init__(self, name, kind, array, op=ReduceOp.SUM, root=None, prescale=1.0, postscale=1.0,
+                 splits=None):
+        if kind not in KINDS:
+            raise ValueError(f"unknown collective kind {kind!r}")
+        self.name, self.kind, self.array = name, kind, np.ascontiguousarray(array)
+        self.op, self.root, self.splits = op, root, splits
+        self.prescale, self.postscale = float(prescale), float(postscale)
+        self.handle = Handle(name)
+
+    def meta(self) -> dict:
+        reduces = self.kind in ("allreduce", "reducescatter")
+        return {"n": self.name, "k": self.kind, "d": self.array.dtype.str if self.array.dtype.kind != "V"
+                else self.array.dtype.name, "s": list(self.array.shape),
+                "o": int(self.op) if reduces else None, "r": self.root,
+                "pre": self.prescale, "post": self.postscale,
+                "sp": None if self.splits is None else [int(x) for x in self.splits]}
+
+
+class Runtime:
+    """The engine of one process: sockets, coordinator (rank 0) and the background thread."""
+
+    def __init__(self, topology, config: Optional[Config] = None):
+        self.topology = topology
+        self.config = config or Config.from_env()
+        self.rank, self.size = topology.rank, topology.size
+        self.mesh = Mesh(topology, timeout_s=self.config.timeout_s,
+                         start_timeout_s=self.config.start_timeout_s)
+        self.fusion_threshold = self.config.fusion_threshold
+        self._fusion = fusion.FusionBuffer(min(self.fusion_threshold, 64 << 20))
+        self._queue = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self.mesh.poller.register(self._wake_r, 1)  # zmq.POLLIN
+        self._pending: Dict[str, Request] = {}
+        self._cache: Dict[str, int] = {}  # signature -> id (same on all ranks)
+        self._coord = Coordinator(self.size, self.config.stall_check_s, self.config.stall_shutdown_s) \
+            if self.rank == 0 else None
+        self._seq = 0
+        self._failed: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self._last_request_at = 0.0
+        self.timeline = None  # set by sdp.engine.timeline when enabled
+        self._thread = threading.Thread(target=self._run, name=f"sdp-engine-{self.rank}", daemon=True)
+        self._thread.start()
+
+    # -- caller side -------------------------------------------------------------------------
+    def submit(self, req: Request) -> Handle:
+        """Queue ``req`` for the background thread; returns its handle at once.
+
+        Raises the engine's fatal error (e.g. :class:`PeerLostError`) if it has already failed."""
+        if self._failed is not None:
+            raise self._failed
+        if self._stop.is_set():
+            raise errors.NotInitializedError(f"'{req.name}' ({req.kind}) after shutdown()")
+        self._queue.append(req)
+        os.write(self._wake_w, b"x")
+        return req.handle
+
+    def shutdown(self) -> None:
+        """Stop the thread, fail whatever is still pending, and close the sockets (says BYE)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=self.config.timeout_s)
+        self._fail_all(errors.NotInitializedError("waiting on a collective: sdp was shut down"))
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # -- background thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._cycle()
+        except BaseException as e:  # noqa: BLE001 - any engine failure must reach every caller
+            if not isinstance(e, errors.SdpError):
+                log.exception("rank %d: engine failed", self.rank)
+                e = errors.SdpError(f"rank {self.rank}: engine failed: {e!r}")
+            self._failed = e
+            self._fail_all(e)
+            self.mesh.close(wait_s=0)  # peers see us disconnect and fail fast too
+            return
+        self.mesh.close(wait_s=10.0)
+
+    def _cycle(self) -> None:
+        cycle_s = self.config.cycle_time_ms / 1000.0
+        wait_ms = 1000.0
+        if self._queue:
+            wait_ms = max(0.0, (self._last_request_at + cycle_s - time.monotonic()) * 1000)
+        self.mesh.pump(wait_ms)
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        if self.mesh.lost:
+            r = min(self.mesh.lost)
+            lost_err = errors.PeerLostError(r, self.mesh.lost[r])
+            if self._pending or self._queue:
+                raise lost_err
+        if self._queue and time.monotonic() >= self._last_request_at + cycle_s:
+            self._send_requests()
+        self._handle_control()
+        if self._coord is not None:
+            self._check_stalls()
+
+    def _send_requests(self) -> None:
+        new, ids = [], []
+        while self._queue:
+            req = self._queue.popleft()
+            if req.name in self._pending:
+                req.handle._set(error=ValueError(
+                    f"a collective named '{req.name}' is already in flight on rank {self.rank}; "
+                    "names must be unique among outstanding collectives"))
+                continue
+            self._pending[req.name] = req
+            meta = req.meta()
+            cid = self._cache.get(signature(meta))
+            if cid is None:
+                new.append(meta)
+            else:
+                ids.append(cid)
+            if self.timeline:
+                self.timeline.begin(req.name, "NEGOTIATE")
+        self._last_request_at = time.monotonic()
+        msg = {"t": "req", "new": new, "ids": ids}
+        if self._coord is not None:
+            self._coordinate(0, msg)
+        else:
+            self.mesh.send_ctrl(0, json.dumps(msg).encode())
+
+    def _handle_control(self) -> None:
+        for src in range(self.size):
+            box = self.mesh.inbox.get((src, CTRL))
+            while box:
+                _, _, frames = box.popleft()
+                try:
+                    msg = json.loads(frames[0].bytes)
+                    kind = msg["t"]
+                except (ValueError, KeyError, IndexError, TypeError):
+                    log.warning("rank %d: dropping malformed control message from rank %d", self.rank, src)
+                    continue
+                if kind == "req" and self._coord is not None:
+                    self._coordinate(src, msg)
+                elif kind == "resp" and src == 0:
+                    self._execute(msg["items"])
+                elif kind == "abort" and src == 0:
+                    raise errors.StallError(msg["err"])
+                else:
+                    log.warning("rank %d: dropping unexpected control message %r from rank %d",
+                                self.rank, kind, src)
+
+    def _broadcast_ctrl(self, msg: dict) -> None:
+        body = json.dumps(msg).encode()
+        for r in range(1, self.size):
+            self.mesh.send_ctrl(r, body)
+
+    def _coordinate(self, src: int, msg: dict) -> None:
+        items = self._coord.add(src, msg)
+        items += self._coord.ready()
+        if items:
+            self._broadcast_ctrl({"t": "resp", "items": items})
+            self._execute(items)
+
+    def _check_stalls(self) -> None:
+        warnings, fatal = self._coord.stalls()
+        for w in warnings:
+            log.warning(w)
+        if fatal:
+            self._broadcast_ctrl({"t": "abort", "err": fatal})
+            raise errors.StallError(fatal)
+
+    # -- execution ------------------------------------------------------------------------------
+    def _execute(self, items: List[dict]) -> None:
+        reduce_items = []
+        for item in items:
+            if "err" in item:
+                req = self._pending.pop(item["n"], None)
+                if req is not None:
+                    req.handle._set(error=errors.TensorMismatchError(item["err"]))
+                continue
+            req = self._pending.get(item["n"])
+            if req is None:
+                raise errors.ProtocolError(f"rank {self.rank}: coordinator scheduled '{item['n']}', "
+                                           "which this rank did not submit")
+            if "meta" in item:
+                self._cache[signature(req.meta())] = item["id"]
+            if self.timeline:
+                self.timeline.end(req.name, "NEGOTIATE")
+            if req.kind == "allreduce":
+                reduce_items.append(item)
+            else:
+                self._run_single(req, item)
+        if reduce_items:
+            key = lambda it: (self._pending[it["n"]].array.dtype.str, self._pending[it["n"]].op,
+                              self._pending[it["n"]].prescale, self._pending[it["n"]].postscale)
+            nbytes = {it["n"]: self._pending[it["n"]].array.nbytes for it in reduce_items}
+            for bucket in fusion.plan_buckets(reduce_items, nbytes, key, self.fusion_threshold):
+                self._allreduce_bucket([self._pending[it["n"]] for it in bucket])
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _reduce(self, buf: np.ndarray, req: Request) -> None:
+        """Prescale, allreduce in place, then postscale/average ``buf`` (1-D)."""
+        seq = self._next_seq()
+        if req.prescale != 1.0:
+            np.multiply(buf, req.prescale, out=buf, casting="unsafe")
+        acc = accumulation_dtype(buf.dtype)
+        collectives.allreduce(self.mesh, buf, UFUNCS[req.op], seq, self.config.segment_bytes, acc)
+        self._finish_scale(buf, req)
+
+    def _finish_scale(self, buf: np.ndarray, req: Request) -> None:
+        post = req.postscale
+        if req.op == ReduceOp.AVERAGE:
+            if buf.dtype.kind in "iub":
+                np.floor_divide(buf, self.size, out=buf)
+            else:
+                post /= self.size
+        if post != 1.0:
+            np.multiply(buf, post, out=buf, casting="unsafe")
+
+    def _allreduce_bucket(self, reqs: List[Request]) -> None:
+        tl = self.timeline
+        if len(reqs) == 1:
+            req = reqs[0]
+            out = req.array.copy().reshape(-1)
+            if tl:
+                tl.begin(req.name, "ALLREDUCE")
+            self._reduce(out, req)
+            self._complete(req, out.reshape(req.array.shape))
+            if tl:
+                tl.end(req.name, "ALLREDUCE")
+            return
+        total = sum(r.array.size for r in reqs)
+        buf = self._fusion.view(reqs[0].array.dtype, total)
+        if tl:
+            for r in reqs:
+                tl.begin(r.name, "FUSED_ALLREDUCE")
+        offsets = fusion.pack(buf, [r.array for r in reqs])
+        self._reduce(buf, reqs[0])
+        outs = fusion.unpack(buf, offsets, [r.array.shape for r in reqs])
+        for r, out in zip(reqs, outs):
+            self._complete(r, out)
+            if tl:
+                tl.end(r.name, "FUSED_ALLREDUCE")
+
+    def _complete(self, req: Request, result) -> None:
+        del self._pending[req.name]
+        req.handle._set(result=result)
+
+    def _run_single(self, req: Request, item: dict) -> None:
+        tl = self.timeline
+        if tl:
+            tl.begin(req.name, req.kind.upper())
+        seq, seg = self._next_seq(), self.config.segment_bytes
+        a = req.array
+        if req.kind == "broadcast":
+            out = a.copy().reshape(-1)
+            collectives.broadcast(self.mesh, out, req.root, seq, seg)
+            result = out.reshape(a.shape)
+        elif req.kind == "allgather":
+            row = int(np.prod(a.shape[1:], dtype=np.int64))
+            dim0 = item["dim0"]
+            edges = np.concatenate([[0], np.cumsum(dim0)]) * row
+            out = np.empty((sum(dim0),) + a.shape[1:], dtype=a.dtype)
+            flat = out.reshape(-1)
+            flat[edges[self.rank]:edges[self.rank + 1]] = a.reshape(-1)
+            collectives.allgatherv(self.mesh, flat, [int(e) for e in edges], seq, seg)
+            result = out
+        elif req.kind == "alltoall":
+            row = int(np.prod(a.shape[1:], dtype=np.int64))
+            splits = item["splits"]  # splits[i][j]: rows rank i sends to rank j
+            send_edges = [int(e) * row for e in np.concatenate([[0], np.cumsum(splits[self.rank])])]
+            recv_rows = [splits[j][self.rank] for j in range(self.size)]
+            recv_edges = [int(e) * row for e in np.concatenate([[0], np.cumsum(recv_rows)])]
+            out = np.empty((sum(recv_rows),) + a.shape[1:], dtype=a.dtype)
+            collectives.alltoallv(self.mesh, a.reshape(-1), send_edges, out.reshape(-1), recv_edges, seq, seg)
+            result = (out, np.asarray(recv_rows, dtype=np.int32))
+        elif req.kind == "reducescatter":
+            row = int(np.prod(a.shape[1:], dtype=np.int64))
+            rows = collectives._bounds(a.shape[0] if a.ndim else 0, self.size)
+            edges = [e * row for e in rows]
+            buf = a.copy().reshape(-1)
+            if req.prescale != 1.0:
+                np.multiply(buf, req.prescale, out=buf, casting="unsafe")
+            collectives.reducescatter(self.mesh, buf, UFUNCS[req.op], seq, seg, edges,
+                                      accumulation_dtype(buf.dtype))
+            mine = buf[edges[self.rank]:edges[self.rank + 1]]
+            self._finish_scale(mine, req)
+            result = mine.reshape((rows[self.rank + 1] - rows[self.rank],) + a.shape[1:]).copy()
+        else:  # pragma: no cover - Request validates kinds
+            raise errors.ProtocolError(f"unknown kind {req.kind}")
+        self._complete(req, result)
+        if tl:
+            tl.end(req.name, req.kind.upper())
+
+    def _fail_all(self, err: BaseException) -> None:
+        while self._queue:
+            self._queue.popleft().handle._set(error=err)
+        for req in list(self._pending.values()):
+            req.handle._set(error=err)
+        self._pending.clear()

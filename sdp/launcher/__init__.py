@@ -1,0 +1,1 @@
+"""``sdprun``: start N worker processes with the sdp environment (like horovodrun / kungfu-run)."""

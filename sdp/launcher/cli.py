@@ -1,0 +1,189 @@
+"""``sdprun``: start N local worker processes with the sdp environment (like horovodrun/kungfu-run).
+
+Usage::
+
+    sdprun -np 4 [-H localhost:4 | --hostfile FILE] [--] python train.py ...
+
+Every worker gets ``SDP_RANK``, ``SDP_SIZE``, ``SDP_LOCAL_RANK``, ``SDP_LOCAL_SIZE``,
+``SDP_CROSS_RANK``, ``SDP_CROSS_SIZE``, ``SDP_HOSTNAME``, ``SDP_RENDEZVOUS_ADDR`` (served by
+``sdprun`` itself), ``SDP_JOB_ID`` (random hex, unique per launch), ``SDP_START_TIMEOUT`` and
+``PYTHONUNBUFFERED=1``; plus ``SDP_IFACE`` with ``-nic`` and ``SDP_COMPAT`` with ``--compat``.
+Output lines are prefixed ``[rank]<stdout>:`` / ``[rank]<stderr>:``.  If a worker fails, the others
+are stopped and ``sdprun`` exits with that worker's status; SIGINT/SIGTERM to ``sdprun`` are
+forwarded to all workers.
+
+Only local hosts are supported (no ssh yet).  For testing multi-host topologies on one machine, set
+``SDP_LAUNCHER_ALLOW_FAKE_HOSTS=1``: any host name is accepted, every process runs locally and
+``SDP_HOSTNAME`` tells each worker its pretend host.
+"""
+import argparse
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+from typing import List, Optional
+
+from sdp.launcher import hosts as hostlib
+from sdp.launcher.procs import DEFAULT_GRACE_S, WorkerGroup
+
+log = logging.getLogger("sdp.launcher")
+
+ALLOW_FAKE_HOSTS_ENV = "SDP_LAUNCHER_ALLOW_FAKE_HOSTS"
+COMPAT_CHOICES = ("horovod", "smdistributed", "kungfu")
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 127
+EXIT_CANNOT_RUN = 126
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``sdprun`` argument parser (horovodrun and kungfu-run spellings accepted)."""
+    p = argparse.ArgumentParser(
+        prog="sdprun", allow_abbrev=False,
+        usage="sdprun [-h] -np N [-H HOSTS | --hostfile FILE] [options] [--] COMMAND ...",
+        description="Start N sdp worker processes on this machine (remote hosts are not supported "
+                    "yet).  horovodrun and kungfu-run command lines are accepted.")
+    p.add_argument("-np", "--num-proc", dest="np", type=int, metavar="N",
+                   help="number of processes (default: the total slots of -H/--hostfile)")
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS[,...]",
+                       help="hosts and their slots, e.g. localhost:4 (default: N slots on this machine)")
+    hosts.add_argument("--hostfile", metavar="FILE",
+                       help="file with one 'host slots=N' or 'host:N' per line")
+    p.add_argument("-nic", "--network-interface", dest="nic", metavar="IFACE",
+                   help="network interface for worker traffic; passed to workers as SDP_IFACE")
+    p.add_argument("--start-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="how long ranks may take to reach rendezvous (default 60); "
+                        "passed to workers as SDP_START_TIMEOUT")
+    p.add_argument("--compat", choices=COMPAT_CHOICES,
+                   help="let unmodified horovod/smdistributed/kungfu scripts import sdp; "
+                        "passed to workers as SDP_COMPAT")
+    p.add_argument("--verbose", action="store_true", help="log launcher details (rank table, pids)")
+    p.add_argument("--no-prefix", action="store_true",
+                   help="do not prefix output lines with [rank]<stdout>: / [rank]<stderr>:")
+    # Accepted so pasted horovodrun / kungfu-run command lines work; they change nothing here.
+    p.add_argument("--gloo", "--mpi", action="store_true", dest="ignored_controller",
+                   help="ignored (horovodrun controller choice; sdp uses its own transport)")
+    p.add_argument("-strategy", dest="ignored_strategy", metavar="NAME",
+                   help="ignored (kungfu-run allreduce strategy)")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
+                   help="the program to run and its arguments")
+    return p
+
+
+def _setup_logging(verbose: bool) -> None:
+    logger = logging.getLogger("sdp")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("sdprun %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def resolve_hosts(args, allow_fake: bool) -> List[hostlib.HostSlots]:
+    """Host list from ``-H``/``--hostfile`` (default: ``args.np`` slots on this machine).
+
+    Raises ``ValueError`` for a bad host list or a remote host (unless ``allow_fake``), ``OSError``
+    for an unreadable hostfile."""
+    if args.hosts:
+        hosts = hostlib.parse_hosts(args.hosts)
+    elif args.hostfile:
+        hosts = hostlib.parse_hostfile(args.hostfile)
+    else:
+        if args.np is None:
+            raise ValueError("give the number of processes with -np N")
+        return [hostlib.HostSlots(socket.gethostname(), max(args.np, 1))]
+    if not allow_fake:
+        names = hostlib.local_names()
+        remote = [h.host for h in hosts if not hostlib.is_local(h.host, names)]
+        if remote:
+            raise ValueError(
+                f"remote hosts are not supported yet (ssh launching is not implemented): "
+                f"{', '.join(remote)}; sdprun runs only on this machine (localhost:N). "
+                f"To simulate several hosts locally, set {ALLOW_FAKE_HOSTS_ENV}=1.")
+    return hosts
+
+
+def worker_envs(ranks: List[hostlib.RankInfo], rendezvous_addr: str, job_id: str, args,
+                base_env=None) -> List[dict]:
+    """The full environment of each worker: ``base_env`` (default ``os.environ``) plus the
+    ``SDP_*`` variables of its rank."""
+    base = dict(os.environ if base_env is None else base_env)
+    base.update({
+        "SDP_RENDEZVOUS_ADDR": rendezvous_addr,
+        "SDP_JOB_ID": job_id,
+        "SDP_START_TIMEOUT": f"{args.start_timeout:g}",
+        "PYTHONUNBUFFERED": "1",
+    })
+    if args.nic:
+        base["SDP_IFACE"] = args.nic
+    if args.compat:
+        base["SDP_COMPAT"] = args.compat
+    envs = []
+    for info in ranks:
+        env = dict(base)
+        env.update(info.env())
+        envs.append(env)
+    return envs
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run ``sdprun`` with ``argv`` (default ``sys.argv[1:]``); return the exit status
+    (0, the first failing worker's status, 128+signal, 2 for usage errors, 126/127 when the
+    command cannot be started)."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given (usage: sdprun -np N [--] COMMAND ...)")
+    if args.start_timeout <= 0:
+        parser.error("--start-timeout must be positive")
+    _setup_logging(args.verbose)
+    if args.ignored_controller or args.ignored_strategy:
+        log.debug("ignoring --gloo/--mpi/-strategy: sdp always uses its own ZeroMQ transport")
+
+    allow_fake = os.environ.get(ALLOW_FAKE_HOSTS_ENV, "") not in ("", "0")
+    try:
+        hosts = resolve_hosts(args, allow_fake)
+        np = args.np if args.np is not None else hostlib.total_slots(hosts)
+        ranks = hostlib.assign_ranks(hosts, np)
+    except (ValueError, OSError) as e:
+        log.error("%s", e)
+        return EXIT_USAGE
+
+    from sdp.transport.rendezvous import RendezvousServer  # pyzmq only needed for a real launch
+
+    job_id = secrets.token_hex(8)
+    server = RendezvousServer(size=np, host="127.0.0.1", port=0, timeout_s=args.start_timeout).start()
+    group = WorkerGroup(command, worker_envs(ranks, server.address, job_id, args),
+                        prefix=not args.no_prefix, grace_s=DEFAULT_GRACE_S)
+    log.debug("job %s: %d ranks, rendezvous at %s", job_id, np, server.address)
+    for info in ranks:
+        log.debug("rank %d: host %s local %d/%d cross %d/%d", info.rank, info.hostname,
+                  info.local_rank, info.local_size, info.cross_rank, info.cross_size)
+
+    def on_signal(signum, _frame):
+        group.request_stop(signum)
+
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, on_signal) for s in handled} if in_main else {}
+    try:
+        try:
+            group.start()
+        except OSError as e:
+            log.error("cannot start %r: %s", command[0], e)
+            return EXIT_NOT_FOUND if isinstance(e, FileNotFoundError) else EXIT_CANNOT_RUN
+        return group.wait()
+    finally:
+        group.stop(signal.SIGKILL, grace_s=0)  # no-op unless something above went wrong
+        server.stop()
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""ZeroMQ transport: rendezvous (address exchange) and the peer mesh."""

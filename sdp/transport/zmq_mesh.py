@@ -1,0 +1,227 @@
+"""The peer mesh: one ROUTER socket per rank for receiving, one DEALER per peer for sending.
+
+Messages are multipart ``[header, payload...]``; ``header`` is ``MAGIC kind(u8) aux(u32) seq(u64)``.
+Payloads of large messages are sent zero-copy (``copy=False``) and tracked, so a caller can
+wait until ZeroMQ no longer reads a buffer before reusing it.  Messages from one peer arrive in
+order; the mesh demultiplexes them into per-(peer, kind) inboxes.
+
+Peer loss is seen through socket monitors on the DEALERs (``EVENT_DISCONNECTED``) and, on TCP,
+ZeroMQ heartbeats.  Every blocking wait has a deadline.  Foreign or malformed messages are
+logged and dropped.
+"""
+import collections
+import logging
+import os
+import socket
+import struct
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from sdp.common.errors import CollectiveTimeoutError, PeerLostError, ProtocolError
+from sdp.transport import rendezvous
+
+log = logging.getLogger("sdp.transport")
+
+MAGIC = b"SDP1"
+HEADER = struct.Struct("<4sBIQ")
+# message kinds
+HELLO, CTRL, DATA, BYE = 1, 2, 3, 4
+COPY_BELOW = 64 * 1024  # bytes: smaller payloads are copied (cheaper than tracking)
+
+
+def _local_ip_towards(address: Optional[str]) -> str:
+    """The IP of the interface that routes to the rendezvous host (no packets are sent)."""
+    if not address:
+        return "127.0.0.1"
+    host = address[len("tcp://"):].rsplit(":", 1)[0]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+class Mesh:
+    """Sockets to every peer of a job of ``topology.size`` ranks.
+
+    ``timeout_s`` (seconds) bounds every receive.  Raises :class:`PeerLostError` when a peer that
+    a wait depends on disconnects, :class:`CollectiveTimeoutError` when a deadline passes.
+    """
+
+    def __init__(self, topology, timeout_s: float = 300.0, start_timeout_s: float = 60.0):
+        self.rank = topology.rank
+        self.size = topology.size
+        self.timeout_s = timeout_s
+        self.ctx = zmq.Context(io_threads=1)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.RCVHWM, 0)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.RCVBUF, 4 << 20)
+        job = os.environ.get("SDP_JOB_ID") or os.urandom(6).hex()
+        self._ipc_dir = tempfile.mkdtemp(prefix=f"sdp-{job}-{self.rank}-")
+        ipc = f"ipc://{self._ipc_dir}/r.sock"
+        self.router.bind(ipc)
+        ip = os.environ.get("SDP_IFACE_ADDR") or _local_ip_towards(topology.rendezvous_addr)
+        tcp_port = self.router.bind_to_random_port("tcp://*") if topology.size > 1 else 0
+        self.endpoints = {"ipc": ipc, "tcp": f"tcp://{ip}:{tcp_port}"}
+        self.peers: List[dict] = []
+        self.dealers: Dict[int, zmq.Socket] = {}
+        self.monitors: Dict[zmq.Socket, int] = {}
+        self._ident_to_rank: Dict[bytes, int] = {}
+        self.inbox = collections.defaultdict(collections.deque)  # (src, kind) -> deque of (aux, seq, frames)
+        self.lost: Dict[int, str] = {}
+        self.departed = set()  # ranks that said BYE
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        if self.size > 1:
+            self._connect(topology, start_timeout_s)
+
+    # -- setup ---------------------------------------------------------------------------
+    def _connect(self, topology, start_timeout_s: float) -> None:
+        info = {"rank": self.rank, "size": self.size, "host": topology.hostname,
+                "endpoints": self.endpoints}
+        self.peers = rendezvous.serve_and_register(
+            topology.rendezvous_addr, info, start_timeout_s,
+            serve=topology.serve_rendezvous and self.rank == 0)
+        for peer in self.peers:
+            r = int(peer["rank"])
+            self._ident_to_rank[struct.pack("<I", r)] = r
+            if r == self.rank:
+                continue
+            same_host = peer["host"] == topology.hostname
+            addr = peer["endpoints"]["ipc" if same_host else "tcp"]
+            d = self.ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.ROUTING_ID, struct.pack("<I", self.rank))
+            d.setsockopt(zmq.SNDHWM, 0)
+            d.setsockopt(zmq.LINGER, 2000)
+            d.setsockopt(zmq.SNDBUF, 4 << 20)
+            d.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+            d.setsockopt(zmq.HEARTBEAT_TIMEOUT, 8000)
+            mon = d.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+            d.connect(addr)
+            self.dealers[r] = d
+            self.monitors[mon] = r
+            self.poller.register(mon, zmq.POLLIN)
+        for r in self.dealers:
+            self.send(r, HELLO)
+        deadline = time.monotonic() + start_timeout_s
+        for r in self.dealers:
+            self.recv(r, HELLO, deadline=deadline)
+
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, dst: int, kind: int, seq: int = 0, aux: int = 0, payload=None):
+        """Queue a message to ``dst``; returns a ``zmq.MessageTracker`` for large zero-copy
+        payloads (wait on it before modifying the buffer), else ``None``.  Never blocks."""
+        if dst in self.lost:
+            raise PeerLostError(dst, self.lost[dst])
+        header = HEADER.pack(MAGIC, kind, aux, seq)
+        sock = self.dealers[dst]
+        if payload is None:
+            sock.send(header)
+            return None
+        nbytes = memoryview(payload).nbytes
+        if nbytes < COPY_BELOW:
+            sock.send_multipart([header, payload], copy=True)
+            return None
+        sock.send(header, zmq.SNDMORE)
+        return sock.send(payload, copy=False, track=True)
+
+    def send_ctrl(self, dst: int, body: bytes) -> None:
+        self.send(dst, CTRL, payload=body)
+
+    # -- receiving -------------------------------------------------------------------------
+    def _drain_monitors(self, ready) -> None:
+        for mon, r in self.monitors.items():
+            if mon not in ready:
+                continue
+            while mon.poll(0):
+                ev = recv_monitor_message(mon)
+                if ev["event"] == zmq.EVENT_DISCONNECTED and r not in self.lost:
+                    reason = "it shut down" if r in self.departed else "connection closed (process died?)"
+                    self.lost[r] = reason
+                    if r not in self.departed:
+                        log.error("rank %d: lost rank %d: %s", self.rank, r, reason)
+
+    def _drain_router(self) -> None:
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            src = self._ident_to_rank.get(frames[0].bytes)
+            head = frames[1].bytes if len(frames) > 1 else b""
+            if src is None or len(head) != HEADER.size or head[:4] != MAGIC:
+                log.warning("rank %d: dropping foreign/malformed message (%d frames, header %r)",
+                            self.rank, len(frames), head[:16])
+                continue
+            _, kind, aux, seq = HEADER.unpack(head)
+            if kind == BYE:
+                self.departed.add(src)
+            self.inbox[(src, kind)].append((aux, seq, frames[2:]))
+
+    def pump(self, timeout_ms: Optional[float]) -> None:
+        """Wait up to ``timeout_ms`` (None: forever) for socket activity and sort it into inboxes."""
+        ready = dict(self.poller.poll(timeout_ms))
+        if len(ready) > (self.router in ready):
+            self._drain_monitors(ready)
+        self._drain_router()
+
+    def recv(self, src: int, kind: int, seq: Optional[int] = None, aux: Optional[int] = None,
+             deadline: Optional[float] = None):
+        """Return the payload frames of the next ``kind`` message from ``src``.
+
+        Raises :class:`ProtocolError` if its ``seq``/``aux`` are not the expected ones,
+        :class:`PeerLostError` if ``src`` disconnects, :class:`CollectiveTimeoutError` after
+        ``deadline`` (monotonic seconds; default now + ``timeout_s``)."""
+        box = self.inbox[(src, kind)]
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
+        while not box:
+            if src in self.lost:
+                raise PeerLostError(src, self.lost[src])
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: no message from rank {src} within {self.timeout_s:g} s")
+            self.pump(min(left, 1.0) * 1000)
+        m_aux, m_seq, frames = box.popleft()
+        if (seq is not None and m_seq != seq) or (aux is not None and m_aux != aux):
+            raise ProtocolError(f"rank {self.rank}: expected message seq={seq} aux={aux} from rank "
+                                f"{src}, got seq={m_seq} aux={m_aux}")
+        return frames
+
+    def sendrecv_done(self, trackers) -> None:
+        """Wait until ZeroMQ has released every tracked buffer (bounded by ``timeout_s``)."""
+        for t in trackers:
+            if t is not None and not t.done:
+                t.wait(self.timeout_s)
+
+    # -- teardown --------------------------------------------------------------------------
+    def close(self, wait_s: float = 10.0) -> None:
+        """Say BYE to every live peer, wait up to ``wait_s`` seconds for theirs, close sockets."""
+        live = [r for r in self.dealers if r not in self.lost]
+        for r in live:
+            try:
+                self.send(r, BYE)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(
+                not self.inbox[(r, BYE)] and r not in self.lost for r in live):
+            self.pump(100)
+        for mon in self.monitors:
+            mon.close(linger=0)
+        for d in self.dealers.values():
+            d.close(linger=1000)
+        self.router.close(linger=0)
+        self.ctx.term()
+        try:
+            os.unlink(os.path.join(self._ipc_dir, "r.sock"))
+            os.rmdir(self._ipc_dir)
+        except OSError:
+            pass

@@ -1,0 +1,108 @@
+"""Start N real worker processes that meet over real sockets, and collect what each returns.
+
+``run_workers(n, "module:function", args)`` starts ``n`` Python processes with the ``SDP_*``
+environment ``sdprun`` would give them (a rendezvous server runs in the test process); each calls
+``sdp.init()`` then ``module.function(*args)`` from ``tests/`` and sends back its JSON-able return
+value.  Returns one :class:`WorkerResult` per rank.
+"""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import List, Optional
+
+from sdp.transport.rendezvous import RendezvousServer
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+MARK = "@@RESULT@@"
+
+BOOT = f"""
+import json, sys, traceback
+sys.path.insert(0, {TESTS!r})
+mod, fn = sys.argv[1].split(":")
+args = json.loads(sys.argv[2])
+import importlib
+m = importlib.import_module(mod)
+try:
+    if sys.argv[3] == "1":
+        import sdp; sdp.init()
+    out = getattr(m, fn)(*args)
+    print({MARK!r} + json.dumps({{"ok": True, "value": out}}), flush=True)
+except BaseException as e:
+    traceback.print_exc()
+    print({MARK!r} + json.dumps({{"ok": False, "type": type(e).__name__, "msg": str(e)}}), flush=True)
+    sys.exit(1)
+"""
+
+
+@dataclasses.dataclass
+class WorkerResult:
+    rank: int
+    returncode: Optional[int]
+    ok: bool
+    value: object
+    error_type: Optional[str]
+    error: Optional[str]
+    stdout: str
+    stderr: str
+    elapsed: float
+
+
+def worker_env(rank: int, size: int, address: str, extra=None, local_size=None) -> dict:
+    env = dict(os.environ)
+    local_size = local_size or size
+    env.update({"SDP_RANK": str(rank), "SDP_SIZE": str(size), "SDP_LOCAL_RANK": str(rank % local_size),
+                "SDP_LOCAL_SIZE": str(local_size), "SDP_CROSS_RANK": str(rank // local_size),
+                "SDP_CROSS_SIZE": str(size // local_size), "SDP_RENDEZVOUS_ADDR": address,
+                "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+                "OMP_NUM_THREADS": "1"})
+    env.update(extra or {})
+    return env
+
+
+def run_workers(n: int, target: str, args=(), env=None, timeout: float = 120, init: bool = True,
+                per_rank_env=None) -> List[WorkerResult]:
+    """Run ``target`` on ``n`` ranks; kill all and fail the test after ``timeout`` seconds."""
+    srv = RendezvousServer(n, timeout_s=30).start()
+    procs, t0 = [], time.monotonic()
+    try:
+        for r in range(n):
+            e = worker_env(r, n, srv.address, env)
+            if per_rank_env:
+                e.update(per_rank_env(r))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", BOOT, target, json.dumps(list(args)), "1" if init else "0"],
+                env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        results, deadline = [], t0 + timeout
+        for r, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                out, err = p.communicate()
+                raise AssertionError(f"rank {r} did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+            results.append(_parse(r, p.returncode, out, err, time.monotonic() - t0))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        srv.stop()
+
+
+def _parse(rank, code, out, err, elapsed) -> WorkerResult:
+    line = next((ln for ln in reversed(out.splitlines()) if ln.startswith(MARK)), None)
+    if line is None:
+        return WorkerResult(rank, code, False, None, "NoResult", "worker printed no result", out, err, elapsed)
+    d = json.loads(line[len(MARK):])
+    return WorkerResult(rank, code, d["ok"], d.get("value"), d.get("type"), d.get("msg"), out, err, elapsed)
+
+
+def check_ok(results: List[WorkerResult]) -> list:
+    """Assert every rank succeeded; return their values in rank order."""
+    for r in results:
+        assert r.ok, f"rank {r.rank} failed: {r.error_type}: {r.error}\n{r.stderr[-3000:]}"
+    return [r.value for r in results]

@@ -1,0 +1,303 @@
+"""Tests of ``sdprun`` (sdp.launcher): host parsing, rank assignment, and real local launches."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from sdp.launcher import cli, hosts
+from sdp.launcher.hosts import HostSlots
+from sdp.launcher.procs import exit_code
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- host lists and rank assignment
+
+def test_parse_hosts():
+    assert hosts.parse_hosts("a:2,b:3") == [HostSlots("a", 2), HostSlots("b", 3)]
+    assert hosts.parse_hosts(" localhost:4 ") == [HostSlots("localhost", 4)]
+    assert hosts.parse_hosts("a,b:2") == [HostSlots("a", 1), HostSlots("b", 2)]
+
+
+@pytest.mark.parametrize("spec", ["", ",", "a:x", "a:0", "a:-1", "a:1,a:2", ":2", "a:1:2"])
+def test_parse_hosts_errors(spec):
+    with pytest.raises(ValueError):
+        hosts.parse_hosts(spec)
+
+
+def test_parse_hostfile_text():
+    text = textwrap.dedent("""\
+        # comment
+        node1 slots=4
+        node2:2   # trailing comment
+
+        node3 slots=1 max_slots=8
+        node4
+        """)
+    assert hosts.parse_hostfile_text(text) == [
+        HostSlots("node1", 4), HostSlots("node2", 2), HostSlots("node3", 1), HostSlots("node4", 1)]
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "a slots=x\n", "a junk\n", "a:2\na:1\n"])
+def test_parse_hostfile_errors(text):
+    with pytest.raises(ValueError):
+        hosts.parse_hostfile_text(text)
+
+
+def test_parse_hostfile_reads_file(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("localhost slots=2\n")
+    assert hosts.parse_hostfile(str(path)) == [HostSlots("localhost", 2)]
+
+
+def _topo(infos):
+    return ([i.rank for i in infos], [i.local_rank for i in infos], [i.local_size for i in infos],
+            [i.cross_rank for i in infos], [i.cross_size for i in infos], [i.hostname for i in infos])
+
+
+def test_assign_two_by_two():
+    infos = hosts.assign_ranks(hosts.parse_hosts("a:2,b:2"), 4)
+    assert _topo(infos) == ([0, 1, 2, 3], [0, 1, 0, 1], [2, 2, 2, 2], [0, 0, 1, 1], [2, 2, 2, 2],
+                            ["a", "a", "b", "b"])
+    assert all(i.size == 4 for i in infos)
+
+
+def test_assign_uneven_hosts():
+    infos = hosts.assign_ranks([HostSlots("a", 1), HostSlots("b", 3), HostSlots("c", 2)], 6)
+    # local rank 0 is on a, b, c; local rank 1 on b, c; local rank 2 on b only
+    assert _topo(infos)[1:] == ([0, 0, 1, 2, 0, 1], [1, 3, 3, 3, 2, 2], [0, 1, 0, 0, 2, 1],
+                                [3, 3, 2, 1, 3, 2], ["a", "b", "b", "b", "c", "c"])
+
+
+def test_assign_fewer_ranks_than_slots():
+    infos = hosts.assign_ranks(hosts.parse_hosts("a:2,b:2,c:2"), 3)
+    assert _topo(infos)[1:] == ([0, 1, 0], [2, 2, 1], [0, 0, 1], [2, 1, 2], ["a", "a", "b"])
+
+
+def test_assign_errors():
+    with pytest.raises(ValueError, match="exceeds"):
+        hosts.assign_ranks(hosts.parse_hosts("a:2,b:1"), 4)
+    with pytest.raises(ValueError):
+        hosts.assign_ranks(hosts.parse_hosts("a:2"), 0)
+
+
+def test_rank_env():
+    env = hosts.assign_ranks([HostSlots("a", 2)], 2)[1].env()
+    assert env == {"SDP_RANK": "1", "SDP_SIZE": "2", "SDP_LOCAL_RANK": "1", "SDP_LOCAL_SIZE": "2",
+                   "SDP_CROSS_RANK": "0", "SDP_CROSS_SIZE": "1", "SDP_HOSTNAME": "a"}
+
+
+def test_is_local():
+    assert hosts.is_local("localhost") and hosts.is_local("127.0.0.1")
+    import socket
+    assert hosts.is_local(socket.gethostname())
+    assert not hosts.is_local("some-remote-node.example.com")
+
+
+def test_exit_code():
+    assert exit_code(0) == 0 and exit_code(3) == 3 and exit_code(-signal.SIGKILL) == 128 + 9
+
+
+def test_parser_accepts_horovodrun_and_kungfu_flags():
+    p = cli.build_parser()
+    a = p.parse_args(["-np", "2", "-H", "localhost:2", "--verbose", "-nic", "eth0", "--start-timeout",
+                      "5", "--compat", "horovod", "python", "train.py", "-np", "7"])
+    assert (a.np, a.hosts, a.nic, a.start_timeout, a.compat) == (2, "localhost:2", "eth0", 5.0, "horovod")
+    assert a.command == ["python", "train.py", "-np", "7"]
+    a = p.parse_args(["--num-proc", "2", "--network-interface", "lo", "--", "python", "-c", "1"])
+    assert a.np == 2 and a.nic == "lo" and a.command == ["--", "python", "-c", "1"]
+
+
+# ---------------------------------------------------------------- real launches
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop(cli.ALLOW_FAKE_HOSTS_ENV, None)
+    env.update(extra)
+    return env
+
+
+def _sdprun(*args, timeout=20, env=None):
+    return subprocess.run([sys.executable, "-m", "sdp.launcher.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env or _env(), cwd=REPO)
+
+
+def _gone(pid, wait_s=2.0):
+    """True once ``pid`` is dead (a zombie waiting for init to reap it counts as dead)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    return True
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _read_pids(directory, n, wait_s=10.0):
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        files = [f for f in os.listdir(directory) if f.endswith(".pid")]
+        if len(files) == n:
+            return [int(open(os.path.join(directory, f)).read()) for f in files]
+        time.sleep(0.05)
+    raise AssertionError(f"only {os.listdir(directory)} written in {wait_s} s")
+
+
+ENV_KEYS = ["SDP_RANK", "SDP_SIZE", "SDP_LOCAL_RANK", "SDP_LOCAL_SIZE", "SDP_CROSS_RANK",
+            "SDP_CROSS_SIZE", "SDP_HOSTNAME", "SDP_RENDEZVOUS_ADDR", "SDP_JOB_ID", "SDP_START_TIMEOUT",
+            "PYTHONUNBUFFERED"]
+PRINT_ENV = f"import os; print(' '.join(os.environ.get(k, '-') for k in {ENV_KEYS!r}))"
+
+
+def _env_lines(stdout):
+    rows = {}
+    for line in stdout.splitlines():
+        prefix, _, rest = line.partition(":")
+        rank = int(prefix[1:prefix.index("]")])
+        assert prefix == f"[{rank}]<stdout>"
+        rows[rank] = dict(zip(ENV_KEYS, rest.split(" ")))
+    return rows
+
+
+def test_run_three_local_ranks():
+    import socket
+    res = _sdprun("-np", "3", "python", "-c", PRINT_ENV)
+    assert res.returncode == 0, res.stderr
+    rows = _env_lines(res.stdout)
+    assert sorted(rows) == [0, 1, 2]
+    for r, row in rows.items():
+        assert row["SDP_RANK"] == str(r) and row["SDP_SIZE"] == "3"
+        assert row["SDP_LOCAL_RANK"] == str(r) and row["SDP_LOCAL_SIZE"] == "3"
+        assert row["SDP_CROSS_RANK"] == "0" and row["SDP_CROSS_SIZE"] == "1"
+        assert row["SDP_HOSTNAME"] == socket.gethostname()
+        assert row["SDP_RENDEZVOUS_ADDR"].startswith("tcp://127.0.0.1:")
+        assert row["SDP_START_TIMEOUT"] == "60" and row["PYTHONUNBUFFERED"] == "1"
+        int(row["SDP_JOB_ID"], 16)
+    assert len({row["SDP_RENDEZVOUS_ADDR"] for row in rows.values()}) == 1
+    assert len({row["SDP_JOB_ID"] for row in rows.values()}) == 1
+    again = _env_lines(_sdprun("-np", "1", "--", "python", "-c", PRINT_ENV).stdout)
+    assert again[0]["SDP_JOB_ID"] != rows[0]["SDP_JOB_ID"]
+
+
+def test_fake_hosts_topology_and_flags():
+    res = _sdprun("-H", "a:2,b:2", "-nic", "lo", "--compat", "kungfu", "--start-timeout", "7",
+                  "python", "-c", "import os; print(os.environ['SDP_HOSTNAME'], os.environ['SDP_LOCAL_RANK'],"
+                  " os.environ['SDP_CROSS_RANK'], os.environ['SDP_CROSS_SIZE'], os.environ['SDP_IFACE'],"
+                  " os.environ['SDP_COMPAT'], os.environ['SDP_START_TIMEOUT'])",
+                  env=_env(SDP_LAUNCHER_ALLOW_FAKE_HOSTS="1"))
+    assert res.returncode == 0, res.stderr
+    lines = sorted(res.stdout.splitlines())
+    assert lines == ["[0]<stdout>:a 0 0 2 lo kungfu 7", "[1]<stdout>:a 1 0 2 lo kungfu 7",
+                     "[2]<stdout>:b 0 1 2 lo kungfu 7", "[3]<stdout>:b 1 1 2 lo kungfu 7"]
+
+
+def test_remote_hosts_rejected():
+    res = _sdprun("-np", "2", "-H", "node-a:1,node-b:1", "true")
+    assert res.returncode == 2
+    assert "remote hosts are not supported" in res.stderr and "node-a" in res.stderr
+
+
+def test_too_many_processes_and_usage_errors(tmp_path):
+    res = _sdprun("-np", "3", "-H", "localhost:2", "true")
+    assert res.returncode == 2 and "exceeds" in res.stderr
+    assert _sdprun("-np", "2").returncode == 2
+    assert _sdprun().returncode == 2
+    assert _sdprun("-np", "1", "sdp-no-such-command-xyz").returncode == 127
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    res = _sdprun("--hostfile", str(hostfile), "python", "-c", "print('hi')")
+    assert res.returncode == 0 and sorted(res.stdout.splitlines()) == ["[0]<stdout>:hi", "[1]<stdout>:hi"]
+
+
+def test_stderr_prefixed():
+    res = _sdprun("-np", "2", "python", "-c", "import sys; print('oops', file=sys.stderr)")
+    assert res.returncode == 0
+    assert "[0]<stderr>:oops" in res.stderr.splitlines() and "[1]<stderr>:oops" in res.stderr.splitlines()
+    assert res.stdout == ""
+
+
+def test_workers_can_rendezvous():
+    code = ("import os; from sdp.transport.rendezvous import register; "
+            "r = int(os.environ['SDP_RANK']); "
+            "t = register(os.environ['SDP_RENDEZVOUS_ADDR'], {'rank': r, 'size': int(os.environ['SDP_SIZE']),"
+            " 'host': os.environ['SDP_HOSTNAME']}, 10); print(len(t), [p['rank'] for p in t])")
+    res = _sdprun("-np", "3", "python", "-c", code)
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == [f"[{r}]<stdout>:3 [0, 1, 2]" for r in range(3)]
+
+
+FAILING_WORKER = """
+import os, sys, time
+tmp = os.path.join({d!r}, os.environ['SDP_RANK'] + '.tmp')
+open(tmp, 'w').write(str(os.getpid()))
+os.replace(tmp, tmp[:-4] + '.pid')
+if os.environ['SDP_RANK'] == '1':
+    while len([f for f in os.listdir({d!r}) if f.endswith('.pid')]) < {n}:
+        time.sleep(0.02)
+    {fail}
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("fail,expected", [("raise RuntimeError('worker one failed')", 1),
+                                           ("sys.exit(3)", 3),
+                                           ("os.kill(os.getpid(), 9)", 128 + 9)])
+def test_failing_worker_stops_everyone(tmp_path, fail, expected):
+    start = time.monotonic()
+    res = _sdprun("-np", "3", "python", "-c", FAILING_WORKER.format(d=str(tmp_path), fail=fail, n=3))
+    elapsed = time.monotonic() - start
+    assert res.returncode == expected, res.stderr
+    assert elapsed < 10
+    if expected == 1:
+        err = res.stderr.splitlines()
+        assert "[1]<stderr>:Traceback (most recent call last):" in err
+        assert "[1]<stderr>:RuntimeError: worker one failed" in err
+    assert "worker 1" in res.stderr
+    for pid in _read_pids(tmp_path, 3):
+        assert _gone(pid), f"worker pid {pid} still alive"
+
+
+def test_worker_ignoring_sigterm_is_killed(tmp_path):
+    worker = FAILING_WORKER.format(d=str(tmp_path), fail="sys.exit(5)", n=2).replace(
+        "import os, sys, time", "import os, sys, time, signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)")
+    start = time.monotonic()
+    res = _sdprun("-np", "2", "python", "-c", worker)
+    assert res.returncode == 5
+    assert time.monotonic() - start < 10  # 3 s grace, then SIGKILL
+    for pid in _read_pids(tmp_path, 2):
+        assert _gone(pid)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_sdprun_kills_workers(tmp_path, sig):
+    code = ("import os, subprocess, sys, time\n"
+            f"d = {str(tmp_path)!r}\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "def put(name, pid):\n"
+            "    open(os.path.join(d, name + '.tmp'), 'w').write(str(pid))\n"
+            "    os.replace(os.path.join(d, name + '.tmp'), os.path.join(d, name + '.pid'))\n"
+            "put('child' + os.environ['SDP_RANK'], child.pid)\n"
+            "put(os.environ['SDP_RANK'], os.getpid())\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", "python", "-c", code],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO)
+    try:
+        pids = _read_pids(tmp_path, 4)
+        proc.send_signal(sig)
+        proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig
+    for pid in pids:  # workers and the grandchildren they started
+        assert _gone(pid), f"pid {pid} still alive"

@@ -1,0 +1,22 @@
+"""TensorFlow workers for tests/test_tensorflow_mp.py (run inside real rank processes)."""
+import numpy as np
+
+
+def tape_in_tf_function(steps):
+    import tensorflow as tf
+
+    import sdp.tensorflow as hvd
+    r, n = hvd.rank(), hvd.size()
+    w = tf.Variable(tf.ones([3, 2]) * (r + 1.0))  # differs per rank until broadcast
+    x = tf.constant(np.arange(6, dtype=np.float32).reshape(2, 3) + r)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.matmul(x, w) ** 2)
+        tape = hvd.DistributedGradientTape(tape)
+        return tape.gradient(loss, [w])[0]
+
+    hvd.broadcast_variables([w], root_rank=0)
+    grads = [step().numpy() for _ in range(steps)]
+    return {"w": w.numpy().tolist(), "grad": grads[-1].tolist()}
