@@ -3,7 +3,7 @@ import pytest
 
 from harness import check_ok, run_workers
 
-SIZES = [[0], [1], [7], [1000], [3, 5, 7], [100_003], [600_001]]  # empty, odd, not divisible, > ring threshold
+SIZES = [[], [0], [1], [7], [1000], [3, 5, 7], [100_003], [600_001]]  # scalar, empty, odd, not divisible, > ring threshold
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

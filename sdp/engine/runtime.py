@@ -72,7 +72,10 @@ class Request:
                  splits=None):
         if kind not in KINDS:
             raise ValueError(f"unknown collective kind {kind!r}")
-        self.name, self.kind, self.array = name, kind, np.ascontiguousarray(array)
+        array = np.asarray(array)
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)  # (ascontiguousarray would turn 0-d into 1-d)
+        self.name, self.kind, self.array = name, kind, array
         self.op, self.root, self.splits = op, root, splits
         self.prescale, self.postscale = float(prescale), float(postscale)
         self.handle = Handle(name)
