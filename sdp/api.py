@@ -152,15 +152,32 @@ def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: floa
     return allreduce_async(tensor, name, op, prescale_factor, postscale_factor).wait()
 
 
+def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = None, op=None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[Handle]:
+    """Submit allreduces of several arrays in one batch (scheduled and fused together);
+    ``names`` defaults to ``<auto>.0``, ``<auto>.1``, ...  Returns one handle per array."""
+    if names is None:
+        base = auto_name("grouped_allreduce")
+        names = [f"{base}.{i}" for i in range(len(tensors))]
+    op = resolve_op(op)
+    reqs = [Request(n, "allreduce", np.asarray(t), op=op, prescale=prescale_factor, postscale=postscale_factor)
+            for t, n in zip(tensors, names)]
+    return runtime("grouped_allreduce()").submit_many(reqs) if reqs else []
+
+
 def grouped_allreduce(tensors: Sequence, name: Optional[str] = None, op=None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[np.ndarray]:
     """Allreduce a list of arrays as one unit (they are fused together where dtypes allow).
 
     Mirrors ``horovod.tensorflow.grouped_allreduce``."""
-    base = name or auto_name("grouped_allreduce")
-    handles = [allreduce_async(t, f"{base}.{i}", op, prescale_factor, postscale_factor)
-               for i, t in enumerate(tensors)]
-    return [h.wait() for h in handles]
+    names = None if name is None else [f"{name}.{i}" for i in range(len(tensors))]
+    return [h.wait() for h in grouped_allreduce_async(tensors, names, op, prescale_factor, postscale_factor)]
+
+
+def grouped_broadcast_async(tensors: Sequence, root_rank: int, names: Sequence[str]) -> List[Handle]:
+    """Submit broadcasts of several arrays from ``root_rank`` in one batch; one handle each."""
+    reqs = [Request(n, "broadcast", np.asarray(t), root=int(root_rank)) for t, n in zip(tensors, names)]
+    return runtime("broadcast()").submit_many(reqs) if reqs else []
 
 
 def allgather_async(tensor, name: Optional[str] = None) -> Handle:

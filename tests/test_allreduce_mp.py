@@ -34,3 +34,14 @@ def test_broadcast_from_every_root(n):
 def test_ranks_get_identical_bits():
     values = check_ok(run_workers(3, "workers_collectives:checksum_of_allreduce", [1_000_003]))
     assert len(set(values)) == 1
+
+
+@pytest.mark.parametrize("slab", ["0", "65536"])
+def test_allreduce_ring_and_multi_slab_paths(slab):
+    """SDP_SHM_SLAB_BYTES=0 forces the ZeroMQ ring; a small slab forces many shared-memory slabs."""
+    cases = [[[300_007], "float32", "SUM", 1], [[200_003], "float64", "AVERAGE", 2],
+             [[100_001], "float16", "SUM", 3], [[100_000], "int32", "MAX", 4]]
+    values = check_ok(run_workers(3, "workers_collectives:allreduce_cases", [cases],
+                                  env={"SDP_SHM_SLAB_BYTES": slab}))
+    for rank, oks in enumerate(values):
+        assert all(oks), (rank, slab, oks)

@@ -3,12 +3,14 @@
 | variable                  | default      | meaning                                                   |
 |---------------------------|--------------|-----------------------------------------------------------|
 | SDP_FUSION_THRESHOLD      | 26214400 (B) | fusion buffer size in bytes (25 MB, SMDDP's bucket_cap_mb) |
-| SDP_CYCLE_TIME            | 1 (ms)       | longest the engine waits to batch newly submitted tensors  |
+| SDP_CYCLE_TIME            | 0 (ms)       | least time between two negotiation rounds of a rank; tensors |
+|                           |              | submitted together (a gradient list) always go together    |
 | SDP_TIMEOUT               | 300 (s)      | deadline of any single receive inside a collective         |
 | SDP_START_TIMEOUT         | 60 (s)       | deadline for all ranks to meet at rendezvous               |
 | SDP_STALL_CHECK_TIME      | 60 (s)       | warn when a tensor waits this long for other ranks         |
 | SDP_STALL_SHUTDOWN_TIME   | 0 (s, off)   | raise StallError after this long                           |
 | SDP_SEGMENT_BYTES         | 1048576 (B)  | size of one pipelined frame on the wire                    |
+| SDP_SHM_SLAB_BYTES        | 16777216 (B) | same-host shared-memory slab (0: no shared memory)         |
 | SDP_TIMELINE              | unset        | path of a Chrome-trace JSON timeline                       |
 | SDP_LOG_LEVEL             | WARNING      | level of the ``sdp`` logger                                |
 
@@ -36,12 +38,13 @@ def _get(env, names, default, cast):
 @dataclasses.dataclass
 class Config:
     fusion_threshold: int = DEFAULT_FUSION_THRESHOLD  # bytes; 0 disables fusion
-    cycle_time_ms: float = 1.0
+    cycle_time_ms: float = 0.0
     timeout_s: float = 300.0
     start_timeout_s: float = 60.0
     stall_check_s: float = 60.0
     stall_shutdown_s: float = 0.0
     segment_bytes: int = 1 << 20
+    shm_slab_bytes: int = 16 << 20
     timeline: Optional[str] = None
 
     @classmethod
@@ -50,13 +53,14 @@ class Config:
         return cls(
             fusion_threshold=_get(env, ["SDP_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"],
                                   DEFAULT_FUSION_THRESHOLD, int),
-            cycle_time_ms=_get(env, ["SDP_CYCLE_TIME", "HOROVOD_CYCLE_TIME"], 1.0, float),
+            cycle_time_ms=_get(env, ["SDP_CYCLE_TIME", "HOROVOD_CYCLE_TIME"], 0.0, float),
             timeout_s=_get(env, ["SDP_TIMEOUT"], 300.0, float),
             start_timeout_s=_get(env, ["SDP_START_TIMEOUT", "HOROVOD_START_TIMEOUT"], 60.0, float),
             stall_check_s=_get(env, ["SDP_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS"], 60.0, float),
             stall_shutdown_s=_get(env, ["SDP_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"],
                                   0.0, float),
             segment_bytes=_get(env, ["SDP_SEGMENT_BYTES"], 1 << 20, int),
+            shm_slab_bytes=_get(env, ["SDP_SHM_SLAB_BYTES"], 16 << 20, int),
             timeline=_get(env, ["SDP_TIMELINE", "HOROVOD_TIMELINE"], None, str),
         )
 

@@ -6,6 +6,9 @@ agreed collective number), so that messages can be checked against what is expec
 * ``allreduce``: recursive doubling for small buffers (latency: log2(n) hops), pipelined ring
   (reduce-scatter + allgather, ``segment_bytes`` frames) for large ones (bandwidth: each rank
   sends 2(n-1)/n of the buffer).  Every rank ends with bit-identical results.
+* ``allreduce`` when every rank is on one host: through shared memory (:func:`_shm_allreduce`),
+  ZeroMQ carrying only the barriers; each rank reduces its 1/n of every slab straight out of the
+  peers' segments.
 * ``broadcast``: binomial tree from ``root``.
 * ``allgatherv``: ring over variable-size blocks.
 * ``alltoallv``: pairwise exchange.
@@ -13,7 +16,7 @@ agreed collective number), so that messages can be checked against what is expec
 """
 import numpy as np
 
-from sdp.transport.zmq_mesh import DATA
+from sdp.transport.zmq_mesh import DATA, SYNC
 
 SMALL_BYTES = 64 * 1024  # at or below this, allreduce uses recursive doubling
 
@@ -68,19 +71,72 @@ def _bounds(n_elems, parts, unit=1):
     return edges
 
 
-def allreduce(mesh, buf, ufunc, seq, segment_bytes, acc=None):
-    """Reduce ``buf`` (1-D, contiguous, writable) in place across all ranks with ``ufunc``.
+def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None):
+    """Reduce ``inp`` across all ranks with ``ufunc`` into ``out`` (both 1-D, contiguous, same
+    size/dtype; ``out`` may be ``inp``).  ``inp`` is not modified unless it is ``out``.
 
     ``acc`` is an optional accumulation dtype (float32 for float16/bfloat16 payloads)."""
     n = mesh.size
-    if n == 1 or buf.size == 0:
+    if n == 1 or inp.size == 0 or inp.nbytes <= SMALL_BYTES or inp.size < n or mesh.shm is None:
+        if out is not inp:
+            np.copyto(out, inp)
+    if n == 1 or inp.size == 0:
         return
-    if buf.nbytes <= SMALL_BYTES or buf.size < n:
-        _recursive_doubling(mesh, buf, ufunc, seq, acc)
+    if inp.nbytes <= SMALL_BYTES or inp.size < n:
+        _recursive_doubling(mesh, out, ufunc, seq, acc)
+    elif mesh.shm is not None:
+        _shm_allreduce(mesh, inp, out, ufunc, seq, acc)
     else:
-        edges = _bounds(buf.size, n)
-        _ring_reduce_scatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc)
-        _ring_allgather(mesh, buf, seq, segment_bytes, edges)
+        edges = _bounds(out.size, n)
+        _ring_reduce_scatter(mesh, out, ufunc, seq, segment_bytes, edges, acc)
+        _ring_allgather(mesh, out, seq, segment_bytes, edges)
+
+
+def _sync(mesh, seq, step):
+    """Barrier among all ranks for phase ``step`` of collective ``seq`` (ZeroMQ messages)."""
+    peers = [q for q in range(mesh.size) if q != mesh.rank]
+    for q in peers:
+        mesh.send(q, SYNC, seq, step)
+    for q in peers:
+        mesh.recv(q, SYNC, seq=seq, aux=step)
+
+
+def _shm_allreduce(mesh, inp, out, ufunc, seq, acc):
+    """Same-host allreduce through shared memory, one slab (<= half a segment) at a time.
+
+    Per slab: (1) copy the chunks peers will reduce into my segment; barrier; (2) reduce my chunk
+    from my input and the peers' segments into my segment; barrier; (3) copy every rank's
+    reduced chunk into ``out``.  Slabs alternate between the two halves of each segment, so the
+    next slab's barrier (1) also proves every rank has finished reading the half we reuse."""
+    seg, n, r = mesh.shm, mesh.size, mesh.rank
+    slab = max(n, seg.slab_bytes // inp.dtype.itemsize)
+    for k, start in enumerate(range(0, inp.size, slab)):
+        m = min(slab, inp.size - start)
+        edges = _bounds(m, n)
+        src = inp[start:start + m]
+        halves = [seg.half(q, k % 2, inp.dtype, m) for q in range(n)]
+        mine = halves[r]
+        for q in range(n):
+            if q != r:
+                np.copyto(mine[edges[q]:edges[q + 1]], src[edges[q]:edges[q + 1]])
+        _sync(mesh, seq, 2 * k)
+        lo, hi = edges[r], edges[r + 1]
+        if acc is None:
+            first = True
+            for q in range(n):
+                if q != r:
+                    ufunc(src[lo:hi] if first else mine[lo:hi], halves[q][lo:hi], out=mine[lo:hi])
+                    first = False
+        else:
+            tmp = src[lo:hi].astype(acc)
+            for q in range(n):
+                if q != r:
+                    ufunc(tmp, halves[q][lo:hi].astype(acc), out=tmp)
+            mine[lo:hi] = tmp
+        _sync(mesh, seq, 2 * k + 1)
+        dst = out[start:start + m]
+        for q in range(n):
+            np.copyto(dst[edges[q]:edges[q + 1]], halves[q][edges[q]:edges[q + 1]])
 
 
 def _combine(ufunc, mine, theirs, acc):

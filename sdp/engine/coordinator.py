@@ -24,6 +24,8 @@ import logging
 import time
 from typing import Dict, List, Optional, Tuple
 
+from sdp.common.reduce_ops import ReduceOp
+
 log = logging.getLogger("sdp.coordinator")
 
 # fields that must agree on every rank (allgather: all but the first dimension of the shape)
@@ -35,10 +37,20 @@ def signature(meta: dict) -> str:
     return json.dumps(meta, sort_keys=True, separators=(",", ":"))
 
 
+def _show(value) -> str:
+    if isinstance(value, str):
+        try:  # dtype strings such as '<f4' read better as 'float32'
+            import numpy as np
+            return np.dtype(value).name if value[:1] in "<>|=" else value
+        except TypeError:
+            return value
+    return json.dumps(value)
+
+
 def _describe(values: Dict[int, object]) -> str:
     groups: Dict[str, List[int]] = {}
     for rank in sorted(values):
-        groups.setdefault(json.dumps(values[rank]).replace(",", ", "), []).append(rank)
+        groups.setdefault(_show(values[rank]), []).append(rank)
     parts = []
     for val, ranks in groups.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
@@ -52,6 +64,8 @@ def check(metas: Dict[int, dict], size: int) -> Optional[str]:
     name, kind = first["n"], first["k"]
     for key, label in CHECKED:
         vals = {r: m.get(key) for r, m in metas.items()}
+        if key == "o":
+            vals = {r: ReduceOp(v).name if v is not None else None for r, v in vals.items()}
         if len(set(map(json.dumps, vals.values()))) > 1:
             what = kind if key != "k" else "collective"
             return f"{what} of '{name}': {label} mismatch, {_describe(vals)}"

@@ -97,10 +97,12 @@ class Runtime:
         self.config = config or Config.from_env()
         self.rank, self.size = topology.rank, topology.size
         self.mesh = Mesh(topology, timeout_s=self.config.timeout_s,
-                         start_timeout_s=self.config.start_timeout_s)
+                         start_timeout_s=self.config.start_timeout_s,
+                         shm_slab_bytes=self.config.shm_slab_bytes)
         self.fusion_threshold = self.config.fusion_threshold
         self._fusion = fusion.FusionBuffer(min(self.fusion_threshold, 64 << 20))
         self._queue = collections.deque()
+        self._queue_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self.mesh.poller.register(self._wake_r, 1)  # zmq.POLLIN
@@ -121,13 +123,19 @@ class Runtime:
         """Queue ``req`` for the background thread; returns its handle at once.
 
         Raises the engine's fatal error (e.g. :class:`PeerLostError`) if it has already failed."""
+        return self.submit_many([req])[0]
+
+    def submit_many(self, reqs: List[Request]) -> List[Handle]:
+        """Queue several requests at once: they reach the coordinator in one message, so they
+        are scheduled (and fused) together."""
         if self._failed is not None:
             raise self._failed
         if self._stop.is_set():
-            raise errors.NotInitializedError(f"'{req.name}' ({req.kind}) after shutdown()")
-        self._queue.append(req)
+            raise errors.NotInitializedError(f"'{reqs[0].name}' ({reqs[0].kind}) after shutdown()")
+        with self._queue_lock:
+            self._queue.extend(reqs)
         os.write(self._wake_w, b"x")
-        return req.handle
+        return [r.handle for r in reqs]
 
     def shutdown(self) -> None:
         """Stop the thread, fail whatever is still pending, and close the sockets (says BYE)."""
@@ -179,8 +187,9 @@ class Runtime:
 
     def _send_requests(self) -> None:
         new, ids = [], []
-        while self._queue:
-            req = self._queue.popleft()
+        with self._queue_lock:
+            batch, self._queue = self._queue, collections.deque()
+        for req in batch:
             if req.name in self._pending:
                 req.handle._set(error=ValueError(
                     f"a collective named '{req.name}' is already in flight on rank {self.rank}; "
@@ -275,14 +284,18 @@ class Runtime:
         self._seq += 1
         return self._seq
 
-    def _reduce(self, buf: np.ndarray, req: Request) -> None:
-        """Prescale, allreduce in place, then postscale/average ``buf`` (1-D)."""
+    def _reduce(self, inp: np.ndarray, out: np.ndarray, req: Request) -> None:
+        """Prescale, allreduce ``inp`` into ``out`` (1-D; may be the same array), then
+        postscale/average ``out``.  ``inp`` is left unchanged unless it is ``out``."""
         seq = self._next_seq()
         if req.prescale != 1.0:
-            np.multiply(buf, req.prescale, out=buf, casting="unsafe")
-        acc = accumulation_dtype(buf.dtype)
-        collectives.allreduce(self.mesh, buf, UFUNCS[req.op], seq, self.config.segment_bytes, acc)
-        self._finish_scale(buf, req)
+            if inp is not out:
+                np.copyto(out, inp)
+                inp = out
+            np.multiply(out, req.prescale, out=out, casting="unsafe")
+        acc = accumulation_dtype(out.dtype)
+        collectives.allreduce(self.mesh, inp, out, UFUNCS[req.op], seq, self.config.segment_bytes, acc)
+        self._finish_scale(out, req)
 
     def _finish_scale(self, buf: np.ndarray, req: Request) -> None:
         post = req.postscale
@@ -298,10 +311,10 @@ class Runtime:
         tl = self.timeline
         if len(reqs) == 1:
             req = reqs[0]
-            out = req.array.copy().reshape(-1)
+            out = np.empty(req.array.size, req.array.dtype)
             if tl:
                 tl.begin(req.name, "ALLREDUCE")
-            self._reduce(out, req)
+            self._reduce(req.array.reshape(-1), out, req)
             self._complete(req, out.reshape(req.array.shape))
             if tl:
                 tl.end(req.name, "ALLREDUCE")
@@ -312,7 +325,7 @@ class Runtime:
             for r in reqs:
                 tl.begin(r.name, "FUSED_ALLREDUCE")
         offsets = fusion.pack(buf, [r.array for r in reqs])
-        self._reduce(buf, reqs[0])
+        self._reduce(buf, buf, reqs[0])
         outs = fusion.unpack(buf, offsets, [r.array.shape for r in reqs])
         for r, out in zip(reqs, outs):
             self._complete(r, out)
@@ -370,8 +383,10 @@ class Runtime:
             tl.end(req.name, req.kind.upper())
 
     def _fail_all(self, err: BaseException) -> None:
-        while self._queue:
-            self._queue.popleft().handle._set(error=err)
+        with self._queue_lock:
+            batch, self._queue = self._queue, collections.deque()
+        for req in batch:
+            req.handle._set(error=err)
         for req in list(self._pending.values()):
             req.handle._set(error=err)
         self._pending.clear()

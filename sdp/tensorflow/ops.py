@@ -54,8 +54,8 @@ def grouped_allreduce_tensors(tensors, names, op, prescale_factor=1.0, postscale
         return []
 
     def fn(arrays):
-        hs = [api.allreduce_async(a, n, op, prescale_factor, postscale_factor) for a, n in zip(arrays, names)]
-        return [h.wait() for h in hs]
+        return [h.wait() for h in api.grouped_allreduce_async(arrays, names, op, prescale_factor,
+                                                              postscale_factor)]
 
     return _run_numpy(fn, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], names[0])
 
@@ -72,8 +72,7 @@ def grouped_broadcast_tensors(tensors, names, root_rank):
         return []
 
     def fn(arrays):
-        hs = [api.broadcast_async(a, root_rank, n) for a, n in zip(arrays, names)]
-        return [h.wait() for h in hs]
+        return [h.wait() for h in api.grouped_broadcast_async(arrays, root_rank, names)]
 
     return _run_numpy(fn, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], names[0])
 

@@ -22,14 +22,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from sdp.common.errors import CollectiveTimeoutError, PeerLostError, ProtocolError
-from sdp.transport import rendezvous
+from sdp.transport import rendezvous, shm
 
 log = logging.getLogger("sdp.transport")
 
 MAGIC = b"SDP1"
 HEADER = struct.Struct("<4sBIQ")
 # message kinds
-HELLO, CTRL, DATA, BYE = 1, 2, 3, 4
+HELLO, CTRL, DATA, BYE, SYNC = 1, 2, 3, 4, 5
 COPY_BELOW = 64 * 1024  # bytes: smaller payloads are copied (cheaper than tracking)
 
 
@@ -53,7 +53,8 @@ class Mesh:
     a wait depends on disconnects, :class:`CollectiveTimeoutError` when a deadline passes.
     """
 
-    def __init__(self, topology, timeout_s: float = 300.0, start_timeout_s: float = 60.0):
+    def __init__(self, topology, timeout_s: float = 300.0, start_timeout_s: float = 60.0,
+                 shm_slab_bytes: int = 16 << 20):
         self.rank = topology.rank
         self.size = topology.size
         self.timeout_s = timeout_s
@@ -78,13 +79,26 @@ class Mesh:
         self.departed = set()  # ranks that said BYE
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
+        self.shm = None  # SharedSegments when every rank is on this host
+        self._job = job
         if self.size > 1:
-            self._connect(topology, start_timeout_s)
+            own = None
+            if shm_slab_bytes > 0 and shm.available():
+                try:
+                    own = self.shm = shm.SharedSegments(job, self.rank, shm_slab_bytes)
+                except OSError as e:
+                    log.warning("rank %d: no shared memory (%s); same-host traffic goes over ZeroMQ",
+                                self.rank, e)
+            try:
+                self._connect(topology, start_timeout_s)
+            finally:
+                if own is not None:
+                    own.unlink()  # every peer has mapped it (or never will)
 
     # -- setup ---------------------------------------------------------------------------
     def _connect(self, topology, start_timeout_s: float) -> None:
         info = {"rank": self.rank, "size": self.size, "host": topology.hostname,
-                "endpoints": self.endpoints}
+                "endpoints": self.endpoints, "shm": self.shm.path if self.shm else None}
         self.peers = rendezvous.serve_and_register(
             topology.rendezvous_addr, info, start_timeout_s,
             serve=topology.serve_rendezvous and self.rank == 0)
@@ -107,7 +121,14 @@ class Mesh:
             self.dealers[r] = d
             self.monitors[mon] = r
             self.poller.register(mon, zmq.POLLIN)
-        for r in self.dealers:
+        if self.shm is not None:
+            if all(p["host"] == topology.hostname and p.get("shm") for p in self.peers):
+                for p in self.peers:
+                    if int(p["rank"]) != self.rank:
+                        self.shm.attach(int(p["rank"]), p["shm"])
+            else:
+                self.shm = None  # some rank elsewhere (or without shm): ZeroMQ ring only
+        for r in self.dealers:  # HELLO from a peer also means it has mapped our segment
             self.send(r, HELLO)
         deadline = time.monotonic() + start_timeout_s
         for r in self.dealers:

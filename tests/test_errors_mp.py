@@ -1,0 +1,65 @@
+"""Bad input and failures are errors on every rank within a bounded time, never hangs."""
+import pytest
+
+from harness import check_ok, run_workers
+
+
+@pytest.mark.parametrize("kind,expect", [
+    ("shape", "allreduce of 'grad_3': shape mismatch, rank 0 has [2, 3], rank 1 has [3, 3]"),
+    ("dtype", "allreduce of 'grad_3': dtype mismatch, rank 0 has float32, rank 1 has float64"),
+    ("op", "allreduce of 'grad_3': reduce op mismatch, rank 0 has SUM, rank 1 has MAX"),
+    ("collective", "collective of 'grad_3': op mismatch, rank 0 has allreduce, rank 1 has broadcast"),
+    ("root", "broadcast of 'grad_3': root rank mismatch, rank 0 has 0, rank 1 has 1"),
+    ("bad_root", "broadcast of 'grad_3': root rank 5 is not a valid rank (world size 2)"),
+    ("prescale", "allreduce of 'grad_3': prescale factor mismatch, rank 0 has 1.0, rank 1 has 2.0"),
+    ("allgather", "allgather of 'grad_3': shape (all but the first dimension) mismatch, rank 0 has [3], "
+                  "rank 1 has [4]"),
+])
+def test_mismatch_raises_on_every_rank(kind, expect):
+    values = check_ok(run_workers(2, "workers_errors:mismatch", [kind], timeout=60))
+    for rank, (etype, msg, seconds, still_works) in enumerate(values):
+        assert etype == "TensorMismatchError", (rank, etype, msg)
+        assert msg == expect, (rank, msg)
+        assert seconds < 5, (rank, seconds)
+        assert still_works, rank
+
+
+def test_killed_worker_makes_others_raise_peer_lost():
+    results = run_workers(3, "workers_errors:die_or_wait", [1], timeout=60)
+    assert results[1].returncode == -9
+    for r in (0, 2):
+        assert results[r].ok, results[r].stderr[-2000:]
+        etype, msg, lost, seconds = results[r].value
+        assert etype == "PeerLostError" and lost == 1, (r, etype, msg)
+        assert "rank 1" in msg
+        assert seconds < 10, seconds
+
+
+def test_stall_warning_names_missing_rank_and_shutdown_time_aborts():
+    results = run_workers(2, "workers_errors:stall", [None], timeout=60,
+                          env={"SDP_STALL_CHECK_TIME": "1", "SDP_STALL_SHUTDOWN_TIME": "3", "STALL_SLEEP": "5"})
+    values = check_ok(results)
+    assert "stall" in results[0].stderr and "'lonely'" in results[0].stderr
+    assert "missing ranks [1]" in results[0].stderr
+    for etype, msg, seconds in values:
+        assert etype == "StallError", (etype, msg)
+        assert "lonely" in msg and "SDP_STALL_SHUTDOWN_TIME" in msg
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_random_submission_order(n):
+    assert all(check_ok(run_workers(n, "workers_errors:random_order", [40, 7])))
+
+
+def test_foreign_messages_are_dropped_and_logged():
+    results = run_workers(2, "workers_errors:foreign_message", [None])
+    assert check_ok(results) == [2.0, 2.0]
+    assert "foreign/malformed" in results[0].stderr
+
+
+def test_calls_before_init_and_init_twice():
+    values = check_ok(run_workers(1, "workers_errors:before_init_and_twice", [None], init=False))[0]
+    assert values[0][0] == "NotInitializedError" and "sdp.init()" in values[0][1]
+    assert values[1][0] == "NotInitializedError"
+    assert values[2][0] == "AlreadyInitializedError"
+    assert "init() called more than once" in values[2][1]

@@ -1,0 +1,96 @@
+"""Workers that misbehave on purpose, for tests/test_errors_mp.py."""
+import os
+import random
+import signal
+import time
+
+import numpy as np
+
+import sdp
+from sdp.common import errors
+
+
+def _expect(fn):
+    """Run fn; return (error type name, message, seconds) — or ('none', '', s) if it succeeded."""
+    t = time.monotonic()
+    try:
+        fn()
+    except errors.SdpError as e:
+        return [type(e).__name__, str(e), time.monotonic() - t]
+    return ["none", "", time.monotonic() - t]
+
+
+def mismatch(kind):
+    r = sdp.rank()
+    cases = {
+        "shape": lambda: sdp.allreduce(np.zeros([2, 3] if r == 0 else [3, 3], np.float32), name="grad_3"),
+        "dtype": lambda: sdp.allreduce(np.zeros(4, np.float32 if r == 0 else np.float64), name="grad_3"),
+        "op": lambda: sdp.allreduce(np.zeros(4), name="grad_3", op=sdp.Sum if r == 0 else sdp.Max),
+        "collective": lambda: (sdp.allreduce if r == 0 else (lambda a, name: sdp.broadcast(a, 0, name)))(
+            np.zeros(4), name="grad_3"),
+        "root": lambda: sdp.broadcast(np.zeros(4), root_rank=r, name="grad_3"),
+        "bad_root": lambda: sdp.broadcast(np.zeros(4), root_rank=5, name="grad_3"),
+        "prescale": lambda: sdp.allreduce(np.zeros(4), name="grad_3", prescale_factor=1.0 + r),
+        "allgather": lambda: sdp.allgather(np.zeros([2, 3 + r]), name="grad_3"),
+    }
+    res = _expect(cases[kind])
+    # the engine keeps working after a mismatch
+    ok = float(sdp.allreduce(np.ones(3), name="after", op=sdp.Sum)[0]) == sdp.size()
+    return res + [ok]
+
+
+def die_or_wait(victim):
+    """Rank ``victim`` kills itself mid-training; the others keep allreducing."""
+    a = np.ones(1000, np.float32)
+    for step in range(3):
+        sdp.allreduce(a, name=f"s{step}")
+    if sdp.rank() == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        for step in range(3, 100000):
+            sdp.allreduce(a, name=f"s{step}")
+    except errors.PeerLostError as e:
+        return [type(e).__name__, str(e), e.rank, time.monotonic() - t0]
+    return ["none", "", -1, time.monotonic() - t0]
+
+
+def stall(_):
+    if sdp.rank() == 0:
+        return _expect(lambda: sdp.allreduce(np.ones(2), name="lonely"))
+    time.sleep(float(os.environ.get("STALL_SLEEP", "4")))
+    return _expect(lambda: sdp.allreduce(np.ones(2), name="late"))
+
+
+def random_order(n_tensors, seed):
+    rng = random.Random(seed * 100 + sdp.rank())
+    order = list(range(n_tensors))
+    rng.shuffle(order)
+    handles = {}
+    for i in order:
+        handles[i] = sdp.allreduce_async(np.full(i + 1, float(sdp.rank() + i), np.float32), name=f"t{i}",
+                                         op=sdp.Sum)
+        if rng.random() < 0.3:
+            time.sleep(0.001)
+    n = sdp.size()
+    return all(np.allclose(handles[i].wait(), sum(q + i for q in range(n))) for i in range(n_tensors))
+
+
+def foreign_message(_):
+    import zmq
+    rt = sdp.api.runtime()
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.connect(rt.mesh.endpoints["tcp"])
+    s.send_multipart([b"GARBAGE", b"\x00" * 10])
+    s.send(b"x")
+    time.sleep(0.2)
+    s.close(linger=0)
+    return float(sdp.allreduce(np.ones(2), name="after_garbage", op=sdp.Sum)[0])
+
+
+def before_init_and_twice(_):
+    res = [_expect(lambda: sdp.allreduce(np.ones(2)))]
+    res.append(_expect(lambda: sdp.rank()))
+    sdp.init()
+    res.append(_expect(sdp.init))
+    return res
