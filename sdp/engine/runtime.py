@@ -159,7 +159,8 @@ class Runtime:
                 e = errors.SdpError(f"rank {self.rank}: engine failed: {e!r}")
             self._failed = e
             self._fail_all(e)
-            self.mesh.close(wait_s=0)  # peers see us disconnect and fail fast too
+            # peers learn why, then see us disconnect, and fail fast too
+            self.mesh.abort(getattr(e, "rank", None) if isinstance(e, errors.PeerLostError) else None, str(e))
             return
         self.mesh.close(wait_s=10.0)
 
@@ -174,11 +175,8 @@ class Runtime:
                 pass
         except BlockingIOError:
             pass
-        if self.mesh.lost:
-            r = min(self.mesh.lost)
-            lost_err = errors.PeerLostError(r, self.mesh.lost[r])
-            if self._pending or self._queue:
-                raise lost_err
+        if self.mesh.lost and (self._pending or self._queue):
+            raise self.mesh.peer_error()
         if self._queue and time.monotonic() >= self._last_request_at + cycle_s:
             self._send_requests()
         self._handle_control()

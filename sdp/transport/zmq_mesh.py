@@ -10,6 +10,7 @@ ZeroMQ heartbeats.  Every blocking wait has a deadline.  Foreign or malformed me
 logged and dropped.
 """
 import collections
+import json
 import logging
 import os
 import socket
@@ -29,7 +30,7 @@ log = logging.getLogger("sdp.transport")
 MAGIC = b"SDP1"
 HEADER = struct.Struct("<4sBIQ")
 # message kinds
-HELLO, CTRL, DATA, BYE, SYNC = 1, 2, 3, 4, 5
+HELLO, CTRL, DATA, BYE, SYNC, ABORT = 1, 2, 3, 4, 5, 6
 COPY_BELOW = 64 * 1024  # bytes: smaller payloads are copied (cheaper than tracking)
 
 
@@ -77,6 +78,7 @@ class Mesh:
         self.inbox = collections.defaultdict(collections.deque)  # (src, kind) -> deque of (aux, seq, frames)
         self.lost: Dict[int, str] = {}
         self.departed = set()  # ranks that said BYE
+        self.aborted: Dict[int, dict] = {}  # rank -> {"lost": rank or None, "err": str} it failed with
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.shm = None  # SharedSegments when every rank is on this host
@@ -183,6 +185,12 @@ class Mesh:
             _, kind, aux, seq = HEADER.unpack(head)
             if kind == BYE:
                 self.departed.add(src)
+            elif kind == ABORT:
+                try:
+                    self.aborted[src] = json.loads(frames[2].bytes)
+                except (ValueError, IndexError):
+                    self.aborted[src] = {"lost": None, "err": "unreadable abort message"}
+                continue
             self.inbox[(src, kind)].append((aux, seq, frames[2:]))
 
     def pump(self, timeout_ms: Optional[float]) -> None:
@@ -204,7 +212,7 @@ class Mesh:
             deadline = time.monotonic() + self.timeout_s
         while not box:
             if src in self.lost:
-                raise PeerLostError(src, self.lost[src])
+                raise self.peer_error()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CollectiveTimeoutError(
@@ -215,6 +223,30 @@ class Mesh:
             raise ProtocolError(f"rank {self.rank}: expected message seq={seq} aux={aux} from rank "
                                 f"{src}, got seq={m_seq} aux={m_aux}")
         return frames
+
+    def peer_error(self) -> PeerLostError:
+        """The error to raise now that some peer is lost: names the rank that failed first,
+        following ABORT notes from peers that failed because of it."""
+        self._drain_router()
+        direct = [r for r in sorted(self.lost) if r not in self.aborted]
+        if direct:
+            return PeerLostError(direct[0], self.lost[direct[0]])
+        src = min(self.aborted) if self.aborted else min(self.lost)
+        note = self.aborted.get(src, {})
+        if note.get("lost") is not None:
+            return PeerLostError(int(note["lost"]), f"{note.get('err')} (reported by rank {src})")
+        return PeerLostError(src, note.get("err") or self.lost.get(src, "lost"))
+
+    def abort(self, lost: Optional[int], err: str) -> None:
+        """Tell every live peer why this rank is failing, then close without waiting."""
+        body = json.dumps({"lost": lost, "err": err}).encode()
+        for r in self.dealers:
+            if r not in self.lost:
+                try:
+                    self.send(r, ABORT, payload=body)
+                except Exception:  # noqa: BLE001 - best effort on the way down
+                    pass
+        self.close(wait_s=0)
 
     def sendrecv_done(self, trackers) -> None:
         """Wait until ZeroMQ has released every tracked buffer (bounded by ``timeout_s``)."""
