@@ -70,12 +70,26 @@ def shutdown() -> None:
     with _lock:
         rt, _runtime = _runtime, None
     if rt is not None:
-        if rt.timeline:
-            rt.timeline.close()
         rt.shutdown()
+        from sdp.engine import timeline
+        timeline.stop(rt)
 
 
 atexit.register(shutdown)
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a Chrome-trace timeline of every tensor's phases to ``file_path`` (rank 0).
+
+    Mirrors ``horovod.tensorflow.start_timeline``; ``mark_cycles`` is accepted and ignored."""
+    from sdp.engine import timeline
+    timeline.start(runtime("start_timeline()"), file_path)
+
+
+def stop_timeline() -> None:
+    """Finish and close the timeline file.  Mirrors ``horovod.tensorflow.stop_timeline``."""
+    from sdp.engine import timeline
+    timeline.stop(runtime("stop_timeline()"))
 
 
 def is_initialized() -> bool:

@@ -64,3 +64,17 @@ def broadcast_cases(cases):
 def checksum_of_allreduce(n_elems):
     out = sdp.allreduce(np.arange(n_elems, dtype=np.float32) * (sdp.rank() + 1), op=sdp.Sum)
     return out.tobytes().hex()[:64] + str(float(out.sum()))
+
+
+def timeline_run(path):
+    import json
+    sdp.start_timeline(path)
+    hs = sdp.grouped_allreduce_async([np.ones(10, np.float32) * i for i in range(5)], [f"g{i}" for i in range(5)])
+    [h.wait() for h in hs]
+    sdp.broadcast(np.ones(3), 0, name="bc")
+    sdp.stop_timeline()
+    if sdp.rank() != 0:
+        return None
+    with open(path) as f:
+        events = json.load(f)
+    return sorted({(e["name"], e["ph"]) for e in events if e["ph"] in "BE"})

@@ -17,7 +17,7 @@ import numpy as np
 from sdp.common import errors
 from sdp.common.config import Config
 from sdp.common.reduce_ops import UFUNCS, ReduceOp
-from sdp.engine import collectives, fusion
+from sdp.engine import collectives, fusion, timeline
 from sdp.engine.coordinator import Coordinator, signature
 from sdp.transport.zmq_mesh import CTRL, Mesh
 
@@ -307,37 +307,33 @@ class Runtime:
 
     def _allreduce_bucket(self, reqs: List[Request]) -> None:
         tl = self.timeline
+        names = [r.name for r in reqs]
         if len(reqs) == 1:
             req = reqs[0]
             out = np.empty(req.array.size, req.array.dtype)
-            if tl:
-                tl.begin(req.name, "ALLREDUCE")
-            self._reduce(req.array.reshape(-1), out, req)
+            with timeline.span(tl, names, "ALLREDUCE"):
+                self._reduce(req.array.reshape(-1), out, req)
             self._complete(req, out.reshape(req.array.shape))
-            if tl:
-                tl.end(req.name, "ALLREDUCE")
             return
-        total = sum(r.array.size for r in reqs)
-        buf = self._fusion.view(reqs[0].array.dtype, total)
-        if tl:
-            for r in reqs:
-                tl.begin(r.name, "FUSED_ALLREDUCE")
-        offsets = fusion.pack(buf, [r.array for r in reqs])
-        self._reduce(buf, buf, reqs[0])
-        outs = fusion.unpack(buf, offsets, [r.array.shape for r in reqs])
+        buf = self._fusion.view(reqs[0].array.dtype, sum(r.array.size for r in reqs))
+        with timeline.span(tl, names, "FUSE"):
+            offsets = fusion.pack(buf, [r.array for r in reqs])
+        with timeline.span(tl, names, "ALLREDUCE"):
+            self._reduce(buf, buf, reqs[0])
+        with timeline.span(tl, names, "UNPACK"):
+            outs = fusion.unpack(buf, offsets, [r.array.shape for r in reqs])
         for r, out in zip(reqs, outs):
             self._complete(r, out)
-            if tl:
-                tl.end(r.name, "FUSED_ALLREDUCE")
 
     def _complete(self, req: Request, result) -> None:
         del self._pending[req.name]
         req.handle._set(result=result)
 
     def _run_single(self, req: Request, item: dict) -> None:
-        tl = self.timeline
-        if tl:
-            tl.begin(req.name, req.kind.upper())
+        with timeline.span(self.timeline, [req.name], req.kind.upper()):
+            self._complete(req, self._single_result(req, item))
+
+    def _single_result(self, req: Request, item: dict):
         seq, seg = self._next_seq(), self.config.segment_bytes
         a = req.array
         if req.kind == "broadcast":
@@ -376,9 +372,7 @@ class Runtime:
             result = mine.reshape((rows[self.rank + 1] - rows[self.rank],) + a.shape[1:]).copy()
         else:  # pragma: no cover - Request validates kinds
             raise errors.ProtocolError(f"unknown kind {req.kind}")
-        self._complete(req, result)
-        if tl:
-            tl.end(req.name, req.kind.upper())
+        return result
 
     def _fail_all(self, err: BaseException) -> None:
         with self._queue_lock:
