@@ -78,3 +78,79 @@ def timeline_run(path):
     with open(path) as f:
         events = json.load(f)
     return sorted({(e["name"], e["ph"]) for e in events if e["ph"] in "BE"})
+
+
+def _np_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(DTYPES[name])
+
+
+def _arr(rank, shape, dtype, seed):
+    dt = _np_dtype(dtype)
+    if dtype == "bfloat16":
+        return np.random.default_rng(seed * 1000 + rank).integers(-8, 8, shape).astype(dt)
+    return data_for(rank, shape, dtype, seed)
+
+
+def _close(out, ref, dtype):
+    """Floats within the dtype's precision of the float64 reference; integers exactly."""
+    if dtype in ("float16", "bfloat16", "float32", "float64"):
+        rtol = {"float16": 1e-2, "bfloat16": 1e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
+        return np.allclose(out.astype(np.float64), ref, rtol=rtol, atol=rtol)
+    return np.array_equal(out, ref.astype(out.dtype))
+
+
+def every_collective(cases):
+    """cases: [kind, dtype, op, shape, seed]; returns list of bools (matches numpy reference)."""
+    n, r = sdp.size(), sdp.rank()
+    oks = []
+    for kind, dtype, op, shape, seed in cases:
+        mine = _arr(r, shape, dtype, seed)
+        allx = [_arr(q, shape, dtype, seed) for q in range(n)]
+        name = f"{kind}.{seed}"
+        if kind == "allreduce":
+            out = sdp.allreduce(mine, name=name, op=getattr(sdp.ReduceOp, op))
+            ref = reference(op, [a.astype(np.float64) if dtype == "bfloat16" else a for a in allx])
+            ok = _close(out, ref, dtype)
+        elif kind == "allgather":
+            mine = _arr(r, [r + 1] + shape[1:], dtype, seed)  # first dimension differs per rank
+            out = sdp.allgather(mine, name=name)
+            ok = np.array_equal(out, np.concatenate([_arr(q, [q + 1] + shape[1:], dtype, seed) for q in range(n)]))
+        elif kind == "broadcast":
+            root = seed % n
+            ok = np.array_equal(sdp.broadcast(mine, root, name=name), allx[root])
+        elif kind == "alltoall":
+            rows = shape[0]
+            splits = [(rows * (j + r + 1)) // (n * (n + 1)) for j in range(n)]
+            splits[-1] = rows - sum(splits[:-1])
+            got, recv_splits = sdp.alltoall(mine, splits=splits, name=name)
+            expect = []
+            for q in range(n):
+                sq = [(rows * (j + q + 1)) // (n * (n + 1)) for j in range(n)]
+                sq[-1] = rows - sum(sq[:-1])
+                off = sum(sq[:r])
+                expect.append(allx[q][off:off + sq[r]])
+            ok = np.array_equal(got, np.concatenate(expect)) and list(recv_splits) == [len(e) for e in expect]
+        elif kind == "reducescatter":
+            out = sdp.reducescatter(mine, name=name, op=getattr(sdp.ReduceOp, op))
+            full = reference(op, allx)
+            base, extra = divmod(shape[0], n)
+            lo = r * base + min(r, extra)
+            hi = lo + base + (r < extra)
+            ref = full[lo:hi]
+            ok = _close(out, ref, dtype)
+        else:
+            raise ValueError(kind)
+        oks.append(bool(ok))
+    return oks
+
+
+def objects_and_barrier():
+    r = sdp.rank()
+    sdp.barrier()
+    got = sdp.broadcast_object({"from": r, "list": [r] * 3}, root_rank=1)
+    every = sdp.allgather_object(("rank", r))
+    grouped = sdp.grouped_allreduce([np.full(3, r, np.float32), np.full(2, r, np.int64)], op=sdp.Sum)
+    return [got, every, [g.tolist() for g in grouped]]

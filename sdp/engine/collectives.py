@@ -38,8 +38,11 @@ class _Wire:
         """Send ``arr`` (1-D view) to ``dst`` as consecutive segments (at least one)."""
         n = arr.size
         starts = range(0, n, self.seg) if n else [0]
+        raw = arr.view(np.uint8)  # byte view: also exports dtypes without a buffer format (bfloat16)
+        step = self.seg * arr.dtype.itemsize
         for s in starts:
-            self.trackers.append(self.mesh.send(dst, DATA, self.seq, 0, arr[s:s + self.seg]))
+            b = s * arr.dtype.itemsize
+            self.trackers.append(self.mesh.send(dst, DATA, self.seq, 0, raw[b:b + step]))
 
     def recv_each(self, src, n):
         """Yield ``(start, segment_array)`` for the ``n`` elements expected from ``src``."""

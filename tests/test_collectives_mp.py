@@ -1,0 +1,47 @@
+"""Every collective x dtype x op against a numpy reference on random data, over real processes."""
+import random
+
+import pytest
+
+from harness import check_ok, run_workers
+
+FLOATS = ["float16", "bfloat16", "float32", "float64"]
+INTS = ["int8", "int16", "int32", "int64", "uint8"]
+
+
+def make_cases(seed=1234):
+    rng = random.Random(seed)
+    cases, s = [], 0
+    for dtype in FLOATS + INTS + ["bool"]:
+        ops = ["SUM", "MIN", "MAX"] + ([] if dtype == "bool" else ["AVERAGE", "PRODUCT"])
+        for op in ops:
+            s += 1
+            shape = rng.choice([[rng.randint(0, 5)], [rng.randint(1, 40), rng.randint(1, 4)], [rng.randint(20000, 40000)]])
+            if op == "PRODUCT" or dtype in ("int8", "uint8", "float16", "bfloat16"):
+                shape = shape[:1] if shape[0] < 100 else [rng.randint(1, 50)]
+            cases.append(["allreduce", dtype, op, shape, s])
+        for kind in ["allgather", "broadcast", "alltoall"]:
+            s += 1
+            cases.append([kind, dtype, None, [rng.randint(6, 60), rng.randint(1, 3)], s])
+        if dtype != "bool":
+            s += 1
+            cases.append(["reducescatter", dtype, "SUM" if dtype not in ("int8", "uint8") else "MAX",
+                          [rng.randint(1, 30), 2], s])
+    return cases
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_collective_dtype_and_op(n):
+    cases = make_cases()
+    values = check_ok(run_workers(n, "workers_collectives:every_collective", [cases], timeout=180))
+    for rank, oks in enumerate(values):
+        bad = [c for c, ok in zip(cases, oks) if not ok]
+        assert not bad, f"rank {rank} wrong for {bad}"
+
+
+def test_objects_barrier_grouped():
+    values = check_ok(run_workers(3, "workers_collectives:objects_and_barrier", []))
+    for got, every, grouped in values:
+        assert got == {"from": 1, "list": [1, 1, 1]}
+        assert every == [["rank", 0], ["rank", 1], ["rank", 2]]
+        assert grouped == [[3.0] * 3, [3] * 2]
