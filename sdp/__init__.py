@@ -6,7 +6,7 @@ framework-free numpy API (:mod:`sdp.api`).
 from sdp.api import (allgather, allgather_async, allgather_object, allreduce, allreduce_async,  # noqa: F401
                      alltoall, barrier, broadcast, broadcast_async, broadcast_object, cross_rank,
                      cross_size, grouped_allgather, grouped_allreduce, grouped_allreduce_async,
-                     grouped_broadcast_async, init, is_initialized,
+                     grouped_broadcast_async, init, is_initialized, join,
                      local_rank, local_size, rank, reducescatter, shutdown, size, start_timeline,
                      stop_timeline)
 from sdp.common import errors  # noqa: F401

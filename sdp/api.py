@@ -250,6 +250,15 @@ def reducescatter(tensor, name: Optional[str] = None, op=None, prescale_factor: 
                    postscale=postscale_factor).wait()
 
 
+def join() -> int:
+    """Declare that this rank has no more data: until every rank has joined, its part of the
+    other ranks' allreduces (SUM/AVERAGE) is zeros.  Blocks until all ranks joined; returns the
+    rank that joined last.  Other collectives involving a joined rank raise
+    :class:`TensorMismatchError` on every rank.  Mirrors ``horovod.tensorflow.join``."""
+    from sdp.engine.coordinator import JOIN
+    return _submit("join", np.zeros(0, np.uint8), JOIN).wait()
+
+
 def barrier() -> None:
     """Block until every rank reaches the barrier.  Mirrors ``horovod.tensorflow.barrier``."""
     allreduce(np.zeros(1, np.int32), name=auto_name("barrier"), op=ReduceOp.SUM)

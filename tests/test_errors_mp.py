@@ -63,3 +63,11 @@ def test_calls_before_init_and_init_twice():
     assert values[1][0] == "NotInitializedError"
     assert values[2][0] == "AlreadyInitializedError"
     assert "init() called more than once" in values[2][1]
+
+
+def test_join_fills_zeros_for_ranks_out_of_data():
+    values = check_ok(run_workers(3, "workers_errors:uneven_then_join", [[4, 2, 3]]))
+    assert values[0][0] == [3.0, 3.0, 2.0, 1.0]  # ranks 1 then 2 joined and contributed zeros
+    assert values[1][0] == [3.0, 3.0] and values[2][0] == [3.0, 3.0, 2.0]
+    assert all(v[1] == 0 for v in values)  # rank 0 joined last
+    assert all(v[2] == 3.0 for v in values)  # normal service afterwards

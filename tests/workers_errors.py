@@ -94,3 +94,13 @@ def before_init_and_twice(_):
     sdp.init()
     res.append(_expect(sdp.init))
     return res
+
+
+def uneven_then_join(steps_by_rank):
+    """Rank r runs steps_by_rank[r] SUM allreduces of ones, then join(); returns results + last."""
+    outs = []
+    for step in range(steps_by_rank[sdp.rank()]):
+        outs.append(float(sdp.allreduce(np.ones(4, np.float32), name=f"step{step}", op=sdp.Sum)[0]))
+    last = sdp.join()
+    after = float(sdp.allreduce(np.ones(2), name="after_join", op=sdp.Sum)[0])
+    return [outs, last, after]

@@ -33,6 +33,9 @@ CHECKED = (("k", "op"), ("d", "dtype"), ("o", "reduce op"), ("r", "root rank"),
            ("pre", "prescale factor"), ("post", "postscale factor"))
 
 
+JOIN = "__join__"  # the reserved name of join() requests
+
+
 def signature(meta: dict) -> str:
     return json.dumps(meta, sort_keys=True, separators=(",", ":"))
 
@@ -108,6 +111,7 @@ class Coordinator:
         self.cache_ids: Dict[str, int] = {}  # signature -> id
         self.cache_meta: List[dict] = []  # id -> meta
         self._warned: Dict[str, float] = {}
+        self.joined: List[int] = []  # ranks that called join(), in order
 
     def add(self, rank: int, request: dict) -> List[dict]:
         """Record ``request`` (``{"new": [meta...], "ids": [int...]}``) from ``rank``.
@@ -123,6 +127,10 @@ class Coordinator:
         now = time.monotonic()
         for meta in metas:
             name = meta["n"]
+            if meta.get("k") == "join":
+                if rank not in self.joined:
+                    self.joined.append(rank)
+                continue
             entry = self.table.setdefault(name, {})
             if rank in entry:
                 errors.append({"n": name, "err": f"rank {rank} submitted '{name}' twice before it completed",
@@ -135,25 +143,36 @@ class Coordinator:
         return errors
 
     def ready(self) -> List[dict]:
-        """Pop the names every rank has submitted, in first-submission order, as response items.
+        """Pop the names every rank has submitted (or joined past), in first-submission order,
+        as response items.
 
-        An item is ``{"n", "meta", "id", "new": bool, "dim0": [...], "splits": [[...]]}`` or,
-        when the ranks disagree, ``{"n", "err", "ranks"}``."""
+        An item is ``{"n", "id", "meta"?, "dim0"?, "splits"?, "jm"?}`` — ``meta`` only the first
+        time a signature is agreed, ``jm`` (the meta) when joined ranks must contribute zeros —
+        or, when the ranks disagree, ``{"n", "err", "ranks"}``.  Once every rank has joined, the
+        last item is ``{"n": JOIN, "last": rank that joined last}``."""
         items, keep = [], []
+        joined = set(self.joined)
         for name in self.order:
             entry = self.table[name]
-            if len(entry) < self.size:
+            if len(set(entry) | joined) < self.size:
                 keep.append(name)
                 continue
             del self.table[name]
             self.first_seen.pop(name, None)
             self._warned.pop(name, None)
+            absent = sorted(set(range(self.size)) - set(entry))
             err = check(entry, self.size)
+            first = entry[min(entry)]
+            if not err and absent and not (first["k"] == "allreduce" and first["o"] in (0, 1)):
+                err = (f"{first['k']} of '{name}': ranks {absent} have already called join(); after join "
+                       "only allreduce with op SUM or AVERAGE can run")
             if err:
                 items.append({"n": name, "err": err, "ranks": list(range(self.size))})
                 continue
-            meta = dict(entry[0])
+            meta = dict(first)
             item = {"n": name}
+            if absent:
+                item["jm"] = meta
             if meta["k"] in ("allgather", "alltoall"):
                 item["dim0"] = [entry[r]["s"][0] for r in range(self.size)]
                 if meta["k"] == "alltoall":
@@ -167,6 +186,9 @@ class Coordinator:
             item["id"] = cid
             items.append(item)
         self.order = keep
+        if len(joined) == self.size:
+            items.append({"n": JOIN, "last": self.joined[-1]})
+            self.joined = []
         return items
 
     def stalls(self, now: Optional[float] = None) -> Tuple[List[str], Optional[str]]:

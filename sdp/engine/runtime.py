@@ -18,12 +18,12 @@ from sdp.common import errors
 from sdp.common.config import Config
 from sdp.common.reduce_ops import UFUNCS, ReduceOp
 from sdp.engine import collectives, fusion, timeline
-from sdp.engine.coordinator import Coordinator, signature
+from sdp.engine.coordinator import JOIN, Coordinator, signature
 from sdp.transport.zmq_mesh import CTRL, Mesh
 
 log = logging.getLogger("sdp.engine")
 
-KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
+KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "join")
 
 
 def accumulation_dtype(dtype: np.dtype) -> Optional[np.dtype]:
@@ -32,6 +32,14 @@ def accumulation_dtype(dtype: np.dtype) -> Optional[np.dtype]:
     if dtype.kind == "f" and dtype.itemsize == 2 or dtype.name == "bfloat16":
         return np.dtype(np.float32)
     return None
+
+
+def wire_dtype(code: str) -> np.dtype:
+    """The numpy dtype for a meta ``d`` field: a dtype string ('<f4') or a name ('bfloat16')."""
+    if code[:1] in "<>|=":
+        return np.dtype(code)
+    import ml_dtypes  # registers bfloat16 & co. with numpy (installed with TensorFlow)
+    return np.dtype(getattr(ml_dtypes, code))
 
 
 class Handle:
@@ -259,7 +267,12 @@ class Runtime:
                 if req is not None:
                     req.handle._set(error=errors.TensorMismatchError(item["err"]))
                 continue
+            if item["n"] == JOIN:
+                self._complete(self._pending[JOIN], int(item["last"]))
+                continue
             req = self._pending.get(item["n"])
+            if req is None and "jm" in item and JOIN in self._pending:
+                req = self._zeros_for_join(item["jm"])
             if req is None:
                 raise errors.ProtocolError(f"rank {self.rank}: coordinator scheduled '{item['n']}', "
                                            "which this rank did not submit")
@@ -277,6 +290,14 @@ class Runtime:
             nbytes = {it["n"]: self._pending[it["n"]].array.nbytes for it in reduce_items}
             for bucket in fusion.plan_buckets(reduce_items, nbytes, key, self.fusion_threshold):
                 self._allreduce_bucket([self._pending[it["n"]] for it in bucket])
+
+    def _zeros_for_join(self, meta: dict) -> Request:
+        """A rank that has joined contributes zeros to the allreduces the others still run."""
+        dtype = wire_dtype(meta["d"])
+        req = Request(meta["n"], "allreduce", np.zeros(meta["s"], dtype), op=ReduceOp(meta["o"]),
+                      prescale=meta["pre"], postscale=meta["post"])
+        self._pending[req.name] = req
+        return req
 
     def _next_seq(self) -> int:
         self._seq += 1

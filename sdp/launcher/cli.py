@@ -7,7 +7,9 @@ Usage::
 Every worker gets ``SDP_RANK``, ``SDP_SIZE``, ``SDP_LOCAL_RANK``, ``SDP_LOCAL_SIZE``,
 ``SDP_CROSS_RANK``, ``SDP_CROSS_SIZE``, ``SDP_HOSTNAME``, ``SDP_RENDEZVOUS_ADDR`` (served by
 ``sdprun`` itself), ``SDP_JOB_ID`` (random hex, unique per launch), ``SDP_START_TIMEOUT`` and
-``PYTHONUNBUFFERED=1``; plus ``SDP_IFACE`` with ``-nic`` and ``SDP_COMPAT`` with ``--compat``.
+``PYTHONUNBUFFERED=1``; plus ``SDP_IFACE`` with ``-nic``.  ``--compat horovod,smdistributed,kungfu``
+(any comma list, or ``all``) exports ``SDP_COMPAT`` and puts sdp's import-shim directory first on
+``PYTHONPATH``, so that ``import horovod.tensorflow`` etc. give sdp in the workers (see sdp.compat).
 Output lines are prefixed ``[rank]<stdout>:`` / ``[rank]<stderr>:``.  If a worker fails, the others
 are stopped and ``sdprun`` exits with that worker's status; SIGINT/SIGTERM to ``sdprun`` are
 forwarded to all workers.
@@ -38,6 +40,18 @@ EXIT_NOT_FOUND = 127
 EXIT_CANNOT_RUN = 126
 
 
+def _compat_list(value: str) -> str:
+    """``--compat`` value: a comma list of COMPAT_CHOICES (or ``all``), normalized."""
+    from sdp.compat import parse_families
+    try:
+        families = parse_families(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+    if not families:
+        raise argparse.ArgumentTypeError(f"give one or more of {', '.join(COMPAT_CHOICES)}")
+    return ",".join(families)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``sdprun`` argument parser (horovodrun and kungfu-run spellings accepted)."""
     p = argparse.ArgumentParser(
@@ -57,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="how long ranks may take to reach rendezvous (default 60); "
                         "passed to workers as SDP_START_TIMEOUT")
-    p.add_argument("--compat", choices=COMPAT_CHOICES,
-                   help="let unmodified horovod/smdistributed/kungfu scripts import sdp; "
-                        "passed to workers as SDP_COMPAT")
+    p.add_argument("--compat", type=_compat_list, metavar="{horovod,smdistributed,kungfu}[,...]",
+                   help="let unmodified horovod/smdistributed/kungfu scripts import sdp (comma list "
+                        "or 'all'); a real installation is kept unless SDP_COMPAT_FORCE=1")
     p.add_argument("--verbose", action="store_true", help="log launcher details (rank table, pids)")
     p.add_argument("--no-prefix", action="store_true",
                    help="do not prefix output lines with [rank]<stdout>: / [rank]<stderr>:")
@@ -68,6 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ignored (horovodrun controller choice; sdp uses its own transport)")
     p.add_argument("-strategy", dest="ignored_strategy", metavar="NAME",
                    help="ignored (kungfu-run allreduce strategy)")
+    p.add_argument("-q", dest="ignored_quiet", action="store_true",
+                   help="ignored (kungfu-run quiet mode)")
+    p.add_argument("-logdir", dest="ignored_logdir", metavar="DIR",
+                   help="ignored (kungfu-run log directory; output goes to the terminal)")
+    # kungfu-run's elastic mode; see sdp.launcher.elastic
+    p.add_argument("-w", "--watch", action="store_true",
+                   help="elastic mode: serve a config server and grow/shrink the job when the "
+                        "workers resize (KungFu resize / propose_new_size)")
+    p.add_argument("--config-server", "-config-server", dest="config_server", metavar="URL",
+                   help="config server the workers read the desired cluster size from "
+                        "(default with -w: the built-in one, http://127.0.0.1:PORT/config); implies -w")
+    p.add_argument("--builtin-config-port", "-builtin-config-port", dest="builtin_config_port",
+                   type=int, metavar="PORT",
+                   help="port of the built-in config server on 127.0.0.1 (default: a free port); implies -w")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the program to run and its arguments")
     return p
@@ -121,7 +149,9 @@ def worker_envs(ranks: List[hostlib.RankInfo], rendezvous_addr: str, job_id: str
     if args.nic:
         base["SDP_IFACE"] = args.nic
     if args.compat:
+        from sdp.compat import SHIM_DIR
         base["SDP_COMPAT"] = args.compat
+        base["PYTHONPATH"] = os.pathsep.join(p for p in (SHIM_DIR, base.get("PYTHONPATH")) if p)
     envs = []
     for info in ranks:
         env = dict(base)
@@ -145,10 +175,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.ignored_controller or args.ignored_strategy:
         log.debug("ignoring --gloo/--mpi/-strategy: sdp always uses its own ZeroMQ transport")
 
+    watch = bool(args.watch or args.config_server or args.builtin_config_port is not None)
+    if args.builtin_config_port is not None and not 0 <= args.builtin_config_port <= 65535:
+        parser.error("--builtin-config-port must be in [0, 65535]")
+
     allow_fake = os.environ.get(ALLOW_FAKE_HOSTS_ENV, "") not in ("", "0")
     try:
         hosts = resolve_hosts(args, allow_fake)
         np = args.np if args.np is not None else hostlib.total_slots(hosts)
+        if watch and not (args.hosts or args.hostfile):
+            from sdp.launcher.elastic import DEFAULT_ELASTIC_SLOTS
+            hosts = [hostlib.HostSlots(socket.gethostname(), max(np, DEFAULT_ELASTIC_SLOTS))]
         ranks = hostlib.assign_ranks(hosts, np)
     except (ValueError, OSError) as e:
         log.error("%s", e)
@@ -158,8 +195,28 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     job_id = secrets.token_hex(8)
     server = RendezvousServer(size=np, host="127.0.0.1", port=0, timeout_s=args.start_timeout).start()
-    group = WorkerGroup(command, worker_envs(ranks, server.address, job_id, args),
-                        prefix=not args.no_prefix, grace_s=DEFAULT_GRACE_S)
+    envs = worker_envs(ranks, server.address, job_id, args)
+    elastic = None
+    if watch:
+        from sdp.launcher.elastic import ElasticController
+
+        def make_envs(infos, rendezvous_addr, epoch):
+            return [dict(e, **elastic.worker_env(epoch))
+                    for e in worker_envs(infos, rendezvous_addr, job_id, args)]
+
+        try:
+            elastic = ElasticController(hosts, None, make_envs, np, args.start_timeout,
+                                        port=args.builtin_config_port or 0, config_server=args.config_server)
+        except OSError as e:
+            log.error("cannot serve the config server on port %s: %s", args.builtin_config_port, e)
+            server.stop()
+            return EXIT_USAGE
+        envs = [dict(e, **elastic.worker_env(0)) for e in envs]
+    group = WorkerGroup(command, envs, prefix=not args.no_prefix, grace_s=DEFAULT_GRACE_S)
+    if elastic is not None:
+        elastic.group = group
+        elastic.start()
+        log.info("elastic mode: config server %s (resize via %s/resize)", elastic.config_url, elastic.url)
     log.debug("job %s: %d ranks, rendezvous at %s", job_id, np, server.address)
     for info in ranks:
         log.debug("rank %d: host %s local %d/%d cross %d/%d", info.rank, info.hostname,
@@ -180,6 +237,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return group.wait()
     finally:
         group.stop(signal.SIGKILL, grace_s=0)  # no-op unless something above went wrong
+        if elastic is not None:
+            elastic.stop()
         server.stop()
         for s, h in previous.items():
             signal.signal(s, h)

@@ -132,6 +132,7 @@ class WorkerGroup:
         self._wakeup = threading.Event()
         self._stop_signal: Optional[int] = None
         self._stopping = False
+        self._add_lock = threading.Lock()
 
     def start(self) -> "WorkerGroup":
         """Start all workers.  Raises ``OSError`` (e.g. ``FileNotFoundError`` for an unknown
@@ -157,6 +158,19 @@ class WorkerGroup:
             t.start()
             pumps.append(t)
         return Worker(rank, proc, pumps)
+
+    def add(self, rank: int, env: Mapping[str, str]) -> Worker:
+        """Start one more worker (labelled ``rank``) while the group runs: elastic growth
+        (``sdprun -w``).  Raises ``RuntimeError`` once the group is stopping, ``OSError`` if the
+        command cannot be started."""
+        with self._add_lock:
+            if self._stopping or self._stop_signal is not None:
+                raise RuntimeError("the job is stopping; no new workers are started")
+            w = self._start_one(rank, env)
+            self.envs.append(dict(env))
+            self.workers.append(w)
+        log.debug("started worker %d: pid %d", rank, w.pid)
+        return w
 
     def request_stop(self, signum: int) -> None:
         """Ask :meth:`wait` to stop all workers, forwarding ``signum`` to them.  Safe to call
@@ -215,7 +229,8 @@ class WorkerGroup:
         (default: the group's grace period) for them to end, then SIGKILL what is left, reap the
         workers and flush their remaining output.  Idempotent."""
         grace_s = self.grace_s if grace_s is None else grace_s
-        self._stopping = True
+        with self._add_lock:  # no worker is added after this point
+            self._stopping = True
         live = self._live(self.workers)
         for w in live:
             _signal_group(w.pid, sig)

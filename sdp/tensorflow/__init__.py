@@ -1,60 +1,124 @@
-"""The TensorFlow 2 face of sdp.
+"""The TensorFlow face of sdp.
 
 Mirrors ``smdistributed.dataparallel.tensorflow`` and ``horovod.tensorflow``: change
 ``import horovod.tensorflow as hvd`` (or ``import smdistributed.dataparallel.tensorflow as sdp``)
 to ``import sdp.tensorflow as hvd`` and the script runs on sdp.
+
+Where the two differ positionally, SMDDP wins and Horovod's spelling is accepted as keywords:
+``allreduce(tensor, param_index, num_params, compression, op)`` (a bool second argument is read as
+Horovod's ``average``), ``DistributedOptimizer(optimizer, name, use_locking, device_dense,
+device_sparse, compression, sparse_as_dense, op, bucket_cap_mb)`` (``backward_passes_per_step``
+and Horovod's later arguments are keyword-only).
+
+Not available: ``join()`` (raises ``NotImplementedError``), process sets other than the global one,
+Adasum, ``tf.estimator`` (removed from TensorFlow 2.16; ``BroadcastGlobalVariablesHook`` works with
+``tf.compat.v1.train.MonitoredTrainingSession``), XLA (collectives are ``tf.py_function`` ops;
+building one under ``jit_compile=True`` raises :class:`XlaNotSupportedError`).
 """
 from sdp import api as _api
 from sdp.api import (cross_rank, cross_size, is_initialized, local_rank, local_size,  # noqa: F401
                      rank, shutdown, size)
-from sdp.common.errors import AlreadyInitializedError, NotInitializedError, PeerLostError  # noqa: F401
-from sdp.common.reduce_ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum,  # noqa: F401
-                                   resolve_op as _resolve_op)
-from sdp.tensorflow import ops as _ops
+from sdp.common.errors import (AlreadyInitializedError, NotInitializedError, PeerLostError,  # noqa: F401
+                               SdpError, TensorMismatchError)
+from sdp.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
+from sdp.tensorflow.collectives import (allgather, allreduce, alltoall, barrier, broadcast,  # noqa: F401
+                                        grouped_allgather, grouped_allreduce, grouped_reducescatter, join,
+                                        local_rank_op, local_size_op, oob_allreduce, overlap,
+                                        process_set_included_op, rank_op, reducescatter, size_op)
 from sdp.tensorflow.compression import Compression  # noqa: F401
-from sdp.tensorflow.functions import broadcast_variables  # noqa: F401
-from sdp.tensorflow.gradient_tape import DistributedGradientTape, check_devices as _check_devices  # noqa: F401
+from sdp.tensorflow.functions import (allgather_object, broadcast_, broadcast_global_variables,  # noqa: F401
+                                      broadcast_object, broadcast_object_fn, broadcast_variables)
+from sdp.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401
+from sdp.tensorflow.gradients import global_process_set  # noqa: F401
+from sdp.tensorflow.hooks import BroadcastGlobalVariablesHook  # noqa: F401
+from sdp.tensorflow.ops import XlaNotSupportedError  # noqa: F401
+from sdp.tensorflow.optimizer import DistributedOptimizer  # noqa: F401
+from sdp.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 
 
 def init(*args, **kwargs):
-    """Initialize sdp.  Mirrors ``smdistributed.dataparallel.tensorflow.init``: raises
-    ``AlreadyInitializedError`` ("init() called more than once...") on a second call.
-    Horovod's optional arguments (``comm``, ``process_sets``) are accepted and ignored."""
+    """Initialize sdp: read the topology, meet the other ranks, start the engine.
+
+    Mirrors ``smdistributed.dataparallel.tensorflow.init`` (a second call raises
+    ``AlreadyInitializedError``: "init() called more than once. smdistributed.dataparallel is
+    already initialized.") and ``horovod.tensorflow.init`` (its optional ``comm`` and
+    ``process_sets`` arguments are accepted; anything but the default raises
+    ``NotImplementedError``)."""
+    comm = kwargs.pop("comm", args[0] if args else None)
+    process_sets = kwargs.pop("process_sets", args[1] if len(args) > 1 else None)
+    if comm not in (None, []) or process_sets not in (None, [], "dynamic") or kwargs or len(args) > 2:
+        raise NotImplementedError("sdp.tensorflow.init() supports no MPI communicator, process sets or other "
+                                  f"arguments (got args={args!r}, kwargs={kwargs!r})")
     _api.init()
 
 
-def allreduce(tensor, param_index=0, num_params=1, compression=Compression.none, op=None, *,
-              average=None, device_dense="", device_sparse="", prescale_factor=1.0, postscale_factor=1.0,
-              name=None, process_set=None, ignore_name_scope=False):
-    """Allreduce ``tensor`` (``tf.Tensor``, any shape/dtype) over all ranks; same shape/dtype out.
-
-    Mirrors ``smdistributed.dataparallel.tensorflow.allreduce(tensor, param_index, num_params,
-    compression, op)`` positionally and accepts ``horovod.tensorflow.allreduce``'s keywords
-    (``average``, ``prescale_factor``, ``postscale_factor``, ``name``).  ``op`` defaults to
-    AVERAGE.  Raises ``TensorMismatchError`` on every rank if ranks disagree on shape/dtype/op."""
-    _check_devices(device_dense, device_sparse)
-    op = _resolve_op(op, average)
-    compressed, ctx = compression.compress(tensor)
-    name = _ops._base_name("allreduce", tensor, name)
-    out = _ops.allreduce_tensor(compressed, name, op, prescale_factor, postscale_factor)
-    return compression.decompress(out, ctx)
+def is_homogeneous() -> bool:
+    """True if every host runs the same number of ranks (``size == local_size * cross_size``).
+    Mirrors ``horovod.tensorflow.is_homogeneous``."""
+    return size() == local_size() * cross_size()
 
 
-def oob_allreduce(tensor, compression=Compression.none, op=ReduceOp.AVERAGE):
-    """Out-of-band allreduce for non-gradient tensors (e.g. a loss to report).  Mirrors
-    ``smdistributed.dataparallel.tensorflow.oob_allreduce``; in sdp it is the same engine path."""
-    return allreduce(tensor, compression=compression, op=op)
+# Horovod's build queries: sdp has its own engine (ZeroMQ + numpy), none of these backends.
+def mpi_built() -> bool:
+    """False: sdp does not use MPI.  Mirrors ``horovod.tensorflow.mpi_built``."""
+    return False
 
 
-def broadcast(tensor, root_rank, name=None, process_set=None, ignore_name_scope=False):
-    """Return ``root_rank``'s ``tensor`` on every rank.  Mirrors
-    ``smdistributed.dataparallel.tensorflow.broadcast`` / ``horovod.tensorflow.broadcast``.
-    A ``root_rank`` outside [0, size) raises ``TensorMismatchError`` on every rank."""
-    name = _ops._base_name("broadcast", tensor, name)
-    return _ops.grouped_broadcast_tensors([tensor], [name], int(root_rank))[0]
+def mpi_enabled() -> bool:
+    """False: sdp does not use MPI.  Mirrors ``horovod.tensorflow.mpi_enabled``."""
+    return False
 
 
-def allgather(tensor, name=None, process_set=None, ignore_name_scope=False):
-    """Concatenate every rank's ``tensor`` along the first dimension (which may differ per rank).
-    Mirrors ``horovod.tensorflow.allgather``."""
-    return _ops.allgather_tensor(tensor, _ops._base_name("allgather", tensor, name))
+def mpi_threads_supported() -> bool:
+    """False: sdp does not use MPI.  Mirrors ``horovod.tensorflow.mpi_threads_supported``."""
+    return False
+
+
+def gloo_built() -> bool:
+    """False: sdp does not use Gloo.  Mirrors ``horovod.tensorflow.gloo_built``."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False: sdp does not use Gloo.  Mirrors ``horovod.tensorflow.gloo_enabled``."""
+    return False
+
+
+def nccl_built() -> int:
+    """0: sdp does not use NCCL.  Mirrors ``horovod.tensorflow.nccl_built`` (which returns the
+    NCCL version, 0 without NCCL)."""
+    return 0
+
+
+def ddl_built() -> bool:
+    """False.  Mirrors ``horovod.tensorflow.ddl_built``."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False.  Mirrors ``horovod.tensorflow.ccl_built``."""
+    return False
+
+
+def cuda_built() -> bool:
+    """False: sdp's TensorFlow face reduces on the CPU.  Mirrors ``horovod.tensorflow.cuda_built``."""
+    return False
+
+
+def rocm_built() -> bool:
+    """False.  Mirrors ``horovod.tensorflow.rocm_built``."""
+    return False
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "local_size", "rank", "local_rank", "cross_rank", "cross_size",
+    "is_homogeneous", "rank_op", "size_op", "local_rank_op", "local_size_op", "process_set_included_op",
+    "allreduce", "grouped_allreduce", "oob_allreduce", "overlap", "allgather", "grouped_allgather", "broadcast",
+    "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier",
+    "broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
+    "allgather_object", "DistributedOptimizer", "DistributedGradientTape", "PartialDistributedGradientTape",
+    "BroadcastGlobalVariablesHook", "SyncBatchNormalization", "Compression", "ReduceOp", "Average", "Sum",
+    "Adasum", "Min", "Max", "Product", "global_process_set", "XlaNotSupportedError", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
+    "rocm_built",
+]

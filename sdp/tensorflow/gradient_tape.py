@@ -1,84 +1,95 @@
-"""``DistributedGradientTape``: a ``tf.GradientTape`` whose ``gradient()`` allreduces the result.
+"""``DistributedGradientTape``: a ``tf.GradientTape`` whose ``gradient()`` reduces the result over
+all ranks, and ``PartialDistributedGradientTape``, which keeps some layers' gradients local.
 
 Mirrors ``smdistributed.dataparallel.tensorflow.DistributedGradientTape`` and
-``horovod.tensorflow.DistributedGradientTape``.
+``horovod.tensorflow.{DistributedGradientTape, PartialDistributedGradientTape}``.
 """
-import itertools
-
 import tensorflow as tf
 
-from sdp.common.reduce_ops import ReduceOp, resolve_op
-from sdp.tensorflow import ops
+from sdp.common.reduce_ops import ReduceOp
 from sdp.tensorflow.compression import Compression
-
-_tape_ids = itertools.count()
-
-
-def check_devices(device_dense, device_sparse) -> None:
-    """SMDDP documents ``device_dense``/``device_sparse`` as not supported: raise if given."""
-    for label, value in (("device_dense", device_dense), ("device_sparse", device_sparse)):
-        if value:
-            raise NotImplementedError(f"{label}={value!r} is not supported: sdp places reductions itself")
-
-
-def allreduce_gradients(grads, compression, sparse_as_dense, op, prefix, prescale_factor=1.0,
-                        postscale_factor=1.0):
-    """Allreduce a list of gradients (``None`` entries stay ``None``) in one fused op.
-
-    ``IndexedSlices`` are made dense (correct for every op; sparse allgather is a later
-    optimisation).  Returns the reduced gradients, same structure, shapes and dtypes."""
-    idx, wire, ctxs = [], [], []
-    for i, g in enumerate(grads):
-        if g is None:
-            continue
-        if isinstance(g, tf.IndexedSlices):
-            g = tf.convert_to_tensor(g)
-        c, ctx = compression.compress(g)
-        idx.append(i)
-        wire.append(c)
-        ctxs.append(ctx)
-    if not wire:
-        return list(grads)
-    names = [f"{prefix}.grad_{i}" for i in idx]
-    reduced = ops.grouped_allreduce_tensors(wire, names, op, prescale_factor, postscale_factor)
-    out = list(grads)
-    for i, r, ctx in zip(idx, reduced, ctxs):
-        out[i] = compression.decompress(r, ctx)
-    return out
+from sdp.tensorflow.gradients import (GradientReducer, check_devices, check_process_set,  # noqa: F401
+                                      global_process_set, resolve_groups)
 
 
 class DistributedGradientTape(tf.GradientTape):
-    """Wraps ``gradtape``: ``gradient()`` returns gradients averaged (``op``) over all ranks.
+    """Wraps ``gradtape``; ``gradient()`` returns the gradients reduced (``op``) over all ranks.
 
-    Arguments follow SMDDP: ``gradtape`` (a ``tf.GradientTape``), ``device_dense``/``device_sparse``
-    (not supported; raise ``NotImplementedError`` if given), ``compression``
-    (``Compression.none`` or ``Compression.fp16``), ``sparse_as_dense`` (densify
-    ``IndexedSlices``), ``op`` (``ReduceOp``, default AVERAGE).  Horovod's extra keywords
-    (``gradient_predivide_factor``, ``num_groups``, ``groups``, ``process_set``,
-    ``scale_local_gradients``) are accepted; predivide becomes prescale/postscale factors.
+    Arguments (SMDDP's, then Horovod's):
+      gradtape: the ``tf.GradientTape`` that recorded the computation (``TypeError`` otherwise).
+      device_dense, device_sparse: not supported; a non-empty value raises ``NotImplementedError``
+        (as SMDDP documents).
+      compression: ``Compression.none`` (default) or ``Compression.fp16`` (floats travel as
+        float16 and come back in their own dtype).
+      sparse_as_dense: make ``tf.IndexedSlices`` gradients dense before the allreduce; by default
+        they are allgathered (values and indices) and stay ``IndexedSlices``.
+      op: ``ReduceOp``/``hvd.Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``.
+      gradient_predivide_factor: with AVERAGE, scale by ``1/f`` before and ``f/size`` after the sum.
+      num_groups, groups: accepted and validated as Horovod does; no effect on the results (the
+        engine fuses all gradients of a call by itself).
+      process_set: only the global process set (``NotImplementedError`` otherwise).
+      scale_local_gradients: divide gradients of sources registered with
+        :meth:`register_local_source` by ``size()`` (Horovod's default, True).
+
+    ``gradient(target, sources, output_gradients=None, ...)`` returns the same structure, shapes
+    and dtypes as ``tf.GradientTape.gradient``.  Every rank must call it with the same sources.
     """
 
     def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
                  sparse_as_dense=False, op=ReduceOp.AVERAGE, gradient_predivide_factor=1.0,
-                 num_groups=0, groups=None, process_set=None, scale_local_gradients=True):
+                 num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True):
+        if not isinstance(gradtape, tf.GradientTape):
+            raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
         check_devices(device_dense, device_sparse)
-        # adopt the wrapped tape's recording state (the same trick Horovod uses)
+        check_process_set(process_set)
+        resolve_groups(num_groups, groups)
+        # Adopt the wrapped tape's recording state (the tape keeps recording into the same place).
         self.__dict__ = dict(gradtape.__dict__)
         self._sdp_tape = gradtape
-        self._sdp_compression = compression
-        self._sdp_sparse_as_dense = sparse_as_dense
-        self._sdp_op = resolve_op(op)
-        self._sdp_prefix = f"DistributedGradientTape.{next(_tape_ids)}"
-        self._sdp_pre, self._sdp_post = 1.0, 1.0
-        if gradient_predivide_factor != 1.0:
-            if self._sdp_op != ReduceOp.AVERAGE:
-                raise ValueError("gradient_predivide_factor requires op=Average")
-            self._sdp_pre = 1.0 / gradient_predivide_factor
-            self._sdp_post = gradient_predivide_factor
+        self._sdp_reducer = GradientReducer("DistributedGradientTape", compression, sparse_as_dense, op,
+                                            gradient_predivide_factor, scale_local_gradients)
+        self.process_set = global_process_set
+        self.scale_local_gradients = scale_local_gradients
 
-    def gradient(self, target, sources, output_gradients=None, **kwargs):
+    def register_local_source(self, source):
+        """Keep the gradient of ``source`` (a variable) local: it is not reduced over ranks (and is
+        divided by ``size()`` if ``scale_local_gradients``).  Mirrors Horovod's method."""
+        self._sdp_reducer.register_local(source)
+
+    def gradient(self, target, sources, output_gradients=None, unconnected_gradients=None,
+                 use_generic_names=False):
+        kwargs = {} if unconnected_gradients is None else {"unconnected_gradients": unconnected_gradients}
         grads = self._sdp_tape.gradient(target, sources, output_gradients, **kwargs)
-        flat = tf.nest.flatten(grads)
-        reduced = allreduce_gradients(flat, self._sdp_compression, self._sdp_sparse_as_dense, self._sdp_op,
-                                      self._sdp_prefix, self._sdp_pre, self._sdp_post)
+        flat_grads = tf.nest.flatten(grads, expand_composites=False)
+        flat_sources = tf.nest.flatten(sources)
+        variables = flat_sources if len(flat_sources) == len(flat_grads) else None
+        reduced = self._sdp_reducer.reduce(flat_grads, variables)
         return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                                   sparse_as_dense=False, op=ReduceOp.AVERAGE, gradient_predivide_factor=1.0,
+                                   num_groups=0, groups=None, process_set=global_process_set,
+                                   local_layers=None, scale_local_gradients=True):
+    """A :class:`DistributedGradientTape` that keeps the gradients of ``local_layers`` (a Keras
+    layer or a list of them) local to each rank.  Mirrors
+    ``horovod.tensorflow.PartialDistributedGradientTape``.  Raises ``ValueError`` if an element of
+    ``local_layers`` is not a Keras layer."""
+    if local_layers is None:
+        local_layers = []
+    elif _is_layer(local_layers):
+        local_layers = [local_layers]
+    local_layers = list(local_layers)
+    if not all(_is_layer(layer) for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set,
+                                   scale_local_gradients)
+    for layer in local_layers:
+        for var in layer.trainable_weights:
+            tape.register_local_source(var)
+    return tape
+
+
+def _is_layer(obj) -> bool:
+    return isinstance(obj, tf.keras.layers.Layer)

@@ -1,8 +1,14 @@
-"""TensorFlow ops over the engine: each collective is one ``tf.py_function`` that hands numpy
-views of the inputs to :mod:`sdp.api`, so they work eagerly and inside ``tf.function``.
+"""TensorFlow ops over the engine: each call below is one ``tf.py_function`` that hands numpy
+views of its inputs to :mod:`sdp.api`, so it works eagerly, inside ``tf.function`` and in
+``tf.compat.v1`` graphs.
 
 A list of tensors goes through one ``py_function`` call, so the engine sees them together and
-fuses them into buckets.
+fuses them into buckets, and a graph holds one blocking op per reduction instead of one per tensor
+(independent blocking ops could otherwise run in different orders on different ranks).
+
+Names identify a collective across ranks (see :func:`unique_name`).  ``py_function`` cannot be
+compiled by XLA: every op here raises :class:`XlaNotSupportedError` when it is built inside a
+``jit_compile=True`` function.
 """
 import itertools
 import threading
@@ -11,25 +17,79 @@ import numpy as np
 import tensorflow as tf
 
 from sdp import api
+from sdp.common.errors import SdpError
+from sdp.common.reduce_ops import ReduceOp
 
 _name_lock = threading.Lock()
 _name_counts = {}
 
 
+class XlaNotSupportedError(SdpError, NotImplementedError):
+    """An sdp collective was placed in a function compiled with XLA (``jit_compile=True``).
+
+    sdp's collectives run as ``tf.py_function`` ops, which XLA cannot compile.  Compile the model
+    or function with ``jit_compile=False``."""
+
+
+def _in_xla_context() -> bool:
+    if tf.executing_eagerly():
+        return False
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - TF internals moved
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def check_not_xla(what: str) -> None:
+    """Raise :class:`XlaNotSupportedError` if the op being built would be compiled by XLA."""
+    if _in_xla_context():
+        raise XlaNotSupportedError(
+            f"sdp {what} cannot run inside an XLA-compiled function (jit_compile=True): sdp's "
+            "collectives are tf.py_function ops, which XLA cannot compile. Use jit_compile=False "
+            "(for Keras: model.compile(..., jit_compile=False); for tf.function: "
+            "tf.function(fn, jit_compile=False)).")
+
+
+def _sanitize(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def unique_name(base: str) -> str:
+    """A name for a collective that is the same on every rank.
+
+    In a graph (``tf.function`` or ``tf.compat.v1``) it is made unique within that graph by the
+    graph's own name counter, so it is deterministic as long as every rank builds the same graph.
+    Eagerly it is ``base`` itself: eager collectives run one after another, and a fixed name lets
+    the engine's response cache hit on every step."""
+    if tf.executing_eagerly():
+        return base
+    return tf.compat.v1.get_default_graph().unique_name("sdp." + _sanitize(base), mark_as_used=True)
+
+
 def _base_name(kind: str, tensor=None, name=None) -> str:
-    """A name that matches across ranks: the given one; in graphs, from the op name (stable per
-    trace); eagerly, from a per-process counter."""
+    """Name of a user-level collective: ``name`` if given; in graphs, from the input's op name,
+    made unique in the graph; eagerly, from a per-process counter (every rank makes the same
+    unnamed calls in the same order)."""
     if name:
         return name
-    if tensor is not None and not tf.executing_eagerly() and hasattr(tensor, "op"):
-        return f"{kind}.{tensor.op.name}"
+    if not tf.executing_eagerly():
+        op = getattr(tensor, "op", None)
+        return unique_name(f"{kind}.{op.name}" if op is not None else kind)
     with _name_lock:
         c = _name_counts.setdefault(kind, itertools.count())
         return f"{kind}.noname.{next(c)}"
 
 
 def _as_tensor(t):
-    return t if isinstance(t, (tf.Tensor, tf.Variable)) else tf.convert_to_tensor(t)
+    if isinstance(t, tf.Tensor):
+        return t
+    if isinstance(t, tf.Variable) or hasattr(t, "read_value"):
+        return tf.convert_to_tensor(t)
+    value = getattr(t, "value", None)  # Keras 3 variables
+    if value is not None and not isinstance(t, np.ndarray):
+        return tf.convert_to_tensor(value() if callable(value) else value)
+    return tf.convert_to_tensor(t)
 
 
 def _run_numpy(fn, tensors, out_dtypes, out_shapes, name):
@@ -37,27 +97,122 @@ def _run_numpy(fn, tensors, out_dtypes, out_shapes, name):
     def body(*ts):
         return fn([t.numpy() for t in ts])
 
-    outs = tf.py_function(func=body, inp=list(tensors), Tout=list(out_dtypes), name=name.replace(":", "_")
-                          .replace("/", "_")[:100] if name else None)
+    outs = tf.py_function(func=body, inp=list(tensors), Tout=list(out_dtypes),
+                          name=_sanitize(name)[:100] if name else None)
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
+    outs = list(outs)
     for o, s in zip(outs, out_shapes):
         o.set_shape(s)
-    return list(outs)
+    return outs
+
+
+def _gathered_shape(t) -> tf.TensorShape:
+    return tf.TensorShape([None]).concatenate(t.shape[1:]) if t.shape.rank else tf.TensorShape(None)
+
+
+class Batch:
+    """Several collectives run by one ``py_function``: allreduces (fused together by the engine),
+    allgathers and broadcasts.  ``add_*`` returns the index of the result in :meth:`run`'s list."""
+
+    def __init__(self, what: str = "collective"):
+        self.what = what
+        self._reduce = []  # (index, tensor, name)
+        self._reduce_args = None
+        self._gather = []
+        self._bcast = []
+        self._tensors = []
+        self._shapes = []
+
+    def _add(self, tensor, shape):
+        self._tensors.append(tensor)
+        self._shapes.append(shape)
+        return len(self._tensors) - 1
+
+    def add_allreduce(self, tensor, name, op, prescale_factor=1.0, postscale_factor=1.0) -> int:
+        args = (ReduceOp(int(op)), float(prescale_factor), float(postscale_factor))
+        if self._reduce_args is not None and args != self._reduce_args:
+            raise ValueError("all allreduces of one batch must share op and scale factors")
+        self._reduce_args = args
+        t = _as_tensor(tensor)
+        i = self._add(t, t.shape)
+        self._reduce.append((i, name))
+        return i
+
+    def add_allgather(self, tensor, name) -> int:
+        t = _as_tensor(tensor)
+        i = self._add(t, _gathered_shape(t))
+        self._gather.append((i, name))
+        return i
+
+    def add_broadcast(self, tensor, name, root_rank) -> int:
+        t = _as_tensor(tensor)
+        i = self._add(t, t.shape)
+        self._bcast.append((i, name, int(root_rank)))
+        return i
+
+    def run(self):
+        """Build (graph) or run (eager) the op; returns the result tensors in ``add_*`` order."""
+        api.runtime(f"{self.what}()")
+        check_not_xla(self.what)
+        if not self._tensors:
+            return []
+        reduce, gather, bcast = list(self._reduce), list(self._gather), list(self._bcast)
+        rargs = self._reduce_args
+
+        def fn(arrays):
+            handles = {}
+            if reduce:
+                op, pre, post = rargs
+                hs = api.grouped_allreduce_async([arrays[i] for i, _ in reduce], [n for _, n in reduce],
+                                                 op, pre, post)
+                handles.update({i: h for (i, _), h in zip(reduce, hs)})
+            for i, n in gather:
+                handles[i] = api.allgather_async(arrays[i], n)
+            by_root = {}
+            for i, n, root in bcast:
+                by_root.setdefault(root, []).append((i, n))
+            for root, items in by_root.items():
+                hs = api.grouped_broadcast_async([arrays[i] for i, _ in items], root, [n for _, n in items])
+                handles.update({i: h for (i, _), h in zip(items, hs)})
+            return [np.asarray(handles[i].wait(), dtype=arrays[i].dtype) for i in range(len(arrays))]
+
+        first = (reduce or gather or bcast)[0][1]
+        return _run_numpy(fn, self._tensors, [t.dtype for t in self._tensors], self._shapes, first)
+
+
+def _grouped_allreduce_raw(tensors, names, op, prescale_factor=1.0, postscale_factor=1.0):
+    b = Batch("allreduce")
+    for t, n in zip(tensors, names):
+        b.add_allreduce(t, n, op, prescale_factor, postscale_factor)
+    return b.run()
 
 
 def grouped_allreduce_tensors(tensors, names, op, prescale_factor=1.0, postscale_factor=1.0):
-    """Allreduce a list of tensors in one op (fused by the engine); same shapes/dtypes out."""
-    api.runtime("allreduce()")
+    """Allreduce a list of tensors in one op (fused by the engine); same shapes/dtypes out.
+
+    Differentiable for SUM and AVERAGE: the gradient is the same allreduce of the incoming
+    gradients (named ``<name>.grad``); other ops have no gradient."""
     tensors = [_as_tensor(t) for t in tensors]
     if not tensors:
         return []
+    op = ReduceOp(int(op))
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE) or not all(t.dtype.is_floating for t in tensors):
+        return _grouped_allreduce_raw(tensors, names, op, prescale_factor, postscale_factor)
 
-    def fn(arrays):
-        return [h.wait() for h in api.grouped_allreduce_async(arrays, names, op, prescale_factor,
-                                                              postscale_factor)]
+    @tf.custom_gradient
+    def reduce(*xs):
+        ys = _grouped_allreduce_raw(list(xs), names, op, prescale_factor, postscale_factor)
 
-    return _run_numpy(fn, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], names[0])
+        def grad(*dys):
+            dys = [tf.zeros_like(x) if d is None else d for d, x in zip(dys, xs)]
+            return _grouped_allreduce_raw(dys, [n + ".grad" for n in names], op, prescale_factor,
+                                          postscale_factor)
+
+        return ys, grad
+
+    out = reduce(*tensors)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def allreduce_tensor(tensor, name, op, prescale_factor=1.0, postscale_factor=1.0):
@@ -66,23 +221,61 @@ def allreduce_tensor(tensor, name, op, prescale_factor=1.0, postscale_factor=1.0
 
 def grouped_broadcast_tensors(tensors, names, root_rank):
     """Broadcast a list of tensors from ``root_rank`` in one op."""
-    api.runtime("broadcast()")
-    tensors = [_as_tensor(t) for t in tensors]
-    if not tensors:
-        return []
+    b = Batch("broadcast")
+    for t, n in zip(tensors, names):
+        b.add_broadcast(t, n, root_rank)
+    return b.run()
 
-    def fn(arrays):
-        return [h.wait() for h in api.grouped_broadcast_async(arrays, root_rank, names)]
 
-    return _run_numpy(fn, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], names[0])
+def grouped_allgather_tensors(tensors, names):
+    """Concatenate every rank's tensors along dimension 0, for each tensor of the list, in one op."""
+    b = Batch("allgather")
+    for t, n in zip(tensors, names):
+        b.add_allgather(t, n)
+    return b.run()
 
 
 def allgather_tensor(tensor, name):
     """Concatenate every rank's tensor along dimension 0."""
-    api.runtime("allgather()")
+    return grouped_allgather_tensors([tensor], [name])[0]
+
+
+def alltoall_tensor(tensor, splits, name):
+    """Send ``splits[j]`` rows of ``tensor`` to rank j; returns ``(received, received_splits)``
+    (``received_splits`` is int32 of shape ``[size]``).  ``splits=None``: an equal split."""
+    api.runtime("alltoall()")
+    check_not_xla("alltoall")
     tensor = _as_tensor(tensor)
-    shape = tf.TensorShape([None]).concatenate(tensor.shape[1:]) if tensor.shape.rank else tensor.shape
-    return _run_numpy(lambda a: [api.allgather(a[0], name)], [tensor], [tensor.dtype], [shape], name)[0]
+    n = api.size()
+    if splits is None:
+        splits_t = tf.zeros([0], tf.int32)
+    else:
+        splits_t = tf.reshape(tf.cast(_as_tensor(splits), tf.int32), [-1])
+
+    def fn(arrays):
+        a, s = arrays
+        out, rsplits = api.alltoall(a, None if s.size == 0 else [int(x) for x in s], name)
+        return [np.asarray(out, dtype=a.dtype), np.asarray(rsplits, dtype=np.int32)]
+
+    out, rsplits = _run_numpy(fn, [tensor, splits_t], [tensor.dtype, tf.int32],
+                              [_gathered_shape(tensor), tf.TensorShape([n])], name)
+    return out, rsplits
+
+
+def reducescatter_tensor(tensor, name, op, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce ``tensor`` over ranks and return this rank's rows of dimension 0 (lower ranks get
+    the extra rows when it does not divide evenly)."""
+    api.runtime("reducescatter()")
+    check_not_xla("reducescatter")
+    tensor = _as_tensor(tensor)
+    if tensor.shape.rank == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+
+    def fn(arrays):
+        return [np.asarray(api.reducescatter(arrays[0], name, op, prescale_factor, postscale_factor),
+                           dtype=arrays[0].dtype)]
+
+    return _run_numpy(fn, [tensor], [tensor.dtype], [_gathered_shape(tensor)], name)[0]
 
 
 def np_dtype(dtype) -> np.dtype:

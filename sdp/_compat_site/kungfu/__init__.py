@@ -1,0 +1,16 @@
+"""sdp import shim: on PYTHONPATH only in the workers of ``sdprun --compat``; see sdp.compat.
+
+Imported as a top-level package, it hands over to ``sdp.compat._activate_shim``, which makes this
+the sdp-backed package (if ``SDP_COMPAT`` enables it), or loads a real installation in its place
+(with a warning unless ``SDP_COMPAT_FORCE`` says to use sdp), or fails like a missing module."""
+__sdp_compat__ = "shim"
+
+if "." not in __name__:
+    try:
+        import sdp.compat as _compat
+    except ImportError:  # sdp itself not on sys.path: use the copy this shim belongs to
+        import os as _os
+        import sys as _sys
+        _sys.path.append(_os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))))
+        import sdp.compat as _compat
+    _compat._activate_shim(__name__)

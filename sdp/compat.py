@@ -1,0 +1,664 @@
+"""Drop-in import compatibility: ``horovod``, ``smdistributed`` and ``kungfu`` module names on sdp.
+
+After :func:`install` (or in the workers of ``sdprun --compat horovod,smdistributed,kungfu``)::
+
+    import horovod.tensorflow as hvd                       # is sdp.tensorflow
+    import horovod.tensorflow.keras as hvd                 # is sdp.tensorflow.keras
+    import horovod.keras as hvd                            # is sdp.tensorflow.keras (legacy name)
+    import smdistributed.dataparallel.tensorflow as sdp    # is sdp.tensorflow
+    import kungfu.python                                   # is sdp_kungfu_bridge.python
+    from kungfu.tensorflow.optimizers import ...           # from sdp_kungfu_bridge.tensorflow.optimizers
+
+Mechanism
+    A :class:`importlib.abc.MetaPathFinder` at the front of ``sys.meta_path`` maps names to sdp
+    modules.  An alias is the *same module object* (``sys.modules["horovod.tensorflow"] is
+    sys.modules["sdp.tensorflow"]``), so identity and ``isinstance`` hold; every submodule
+    follows its prefix (``horovod.tensorflow.X`` -> ``sdp.tensorflow.X``).  Targets are imported
+    lazily, when the alias is imported: a missing target (e.g. a bridge module not written yet)
+    gives a ``ModuleNotFoundError`` naming both the alias and the missing sdp module.  The
+    top-level packages (``horovod``, ``smdistributed``, ``smdistributed.dataparallel``,
+    ``kungfu``) are small synthetic packages; ``horovod.run`` is :func:`run`.
+
+    ``sdprun --compat X`` exports ``SDP_COMPAT=X`` and puts :data:`SHIM_DIR` (``sdp/_compat_site``)
+    first on the workers' ``PYTHONPATH``.  That directory holds tiny real packages ``horovod/``,
+    ``smdistributed/`` and ``kungfu/`` whose ``__init__`` calls :func:`_activate_shim`, which
+    installs the finder for that family (only if ``SDP_COMPAT`` names it).  No ``sitecustomize``
+    or ``.pth`` file is involved, and nothing happens until the script imports one of these names.
+
+Never shadowing a real installation silently
+    Before mapping a family, the real package is looked up with sdp's finder and ``SHIM_DIR`` left
+    out (``sys.modules``, then every other ``sys.meta_path`` finder, without importing it).  If a
+    real ``horovod`` / ``smdistributed.dataparallel`` / ``kungfu`` exists, sdp does *not* replace
+    it and warns (:class:`CompatShadowWarning`) with its location and how to choose:
+    ``SDP_COMPAT_FORCE=1`` (or a comma list of families) or ``install(force=True)`` uses sdp
+    anyway.  Under ``sdprun --compat`` the shim package then loads the real package in its place.
+
+Keras 3 optimizers
+    Horovod/SageMaker scripts call ``hvd.broadcast_variables(opt.variables(), root_rank=0)``; in
+    Keras 3 ``Optimizer.variables`` is a property returning a list.  While the ``horovod`` or
+    ``smdistributed`` mapping is active, the first import of an alias of ``sdp.tensorflow``
+    patches that property to return a list subclass that is also callable (calling it returns the
+    list itself), so both spellings work.  Plain ``import sdp.tensorflow`` never patches Keras.
+"""
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import threading
+import types
+import warnings
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
+
+log = logging.getLogger("sdp.compat")
+
+FAMILIES = ("horovod", "smdistributed", "kungfu")
+COMPAT_ENV = "SDP_COMPAT"
+FORCE_ENV = "SDP_COMPAT_FORCE"
+SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_compat_site")
+
+_TRUE = ("1", "true", "yes", "on", "all")
+
+
+class CompatShadowWarning(UserWarning):
+    """A real horovod/smdistributed/kungfu installation was found (and is, or is not, replaced)."""
+
+
+class _Family(NamedTuple):
+    packages: Tuple[str, ...]   # synthetic packages, outermost first; the last one is the guard
+    aliases: Tuple[Tuple[str, str], ...]  # (alias prefix, sdp module)
+    dists: Tuple[str, ...]      # distribution names of the real thing (for messages)
+
+
+_FAMILY_DEFS: Dict[str, _Family] = {
+    "horovod": _Family(
+        packages=("horovod",),
+        aliases=(("horovod.tensorflow", "sdp.tensorflow"), ("horovod.keras", "sdp.tensorflow.keras")),
+        dists=("horovod",)),
+    "smdistributed": _Family(
+        packages=("smdistributed", "smdistributed.dataparallel"),
+        aliases=(("smdistributed.dataparallel.tensorflow", "sdp.tensorflow"),),
+        dists=("smdistributed-dataparallel", "smdistributed_dataparallel")),
+    "kungfu": _Family(
+        packages=("kungfu",),
+        aliases=(("kungfu.python", "sdp_kungfu_bridge.python"),
+                 ("kungfu.tensorflow", "sdp_kungfu_bridge.tensorflow")),
+        dists=("kungfu",)),
+}
+
+_PACKAGE_DOCS = {
+    "horovod": "horovod on sdp (sdp.compat): horovod.tensorflow and horovod.tensorflow.keras "
+               "are sdp.tensorflow and sdp.tensorflow.keras; horovod.run starts local workers.",
+    "smdistributed": "smdistributed on sdp (sdp.compat).",
+    "smdistributed.dataparallel": "smdistributed.dataparallel on sdp (sdp.compat): "
+                                  "smdistributed.dataparallel.tensorflow is sdp.tensorflow.",
+    "kungfu": "kungfu on sdp (sdp.compat): kungfu.python and kungfu.tensorflow are "
+              "sdp_kungfu_bridge.python and sdp_kungfu_bridge.tensorflow.",
+}
+
+
+# ---------------------------------------------------------------- parsing family lists
+
+def parse_families(value: Union[str, Iterable[str], None]) -> Tuple[str, ...]:
+    """``"horovod,kungfu"`` / ``["horovod"]`` / ``"all"`` -> a tuple of family names, in
+    :data:`FAMILIES` order.  Raises ``ValueError`` naming an unknown family."""
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = set()
+    for item in items:
+        item = str(item).strip().lower()
+        if not item:
+            continue
+        if item == "all":
+            names.update(FAMILIES)
+        elif item in FAMILIES:
+            names.add(item)
+        else:
+            raise ValueError(f"unknown compatibility family {item!r}; choose from {', '.join(FAMILIES)} "
+                             f"(comma-separated) or 'all'")
+    return tuple(f for f in FAMILIES if f in names)
+
+
+def _forced_from_env() -> Tuple[str, ...]:
+    value = os.environ.get(FORCE_ENV, "").strip().lower()
+    if not value or value in ("0", "false", "no", "off"):
+        return ()
+    if value in _TRUE:
+        return FAMILIES
+    try:
+        return parse_families(value)
+    except ValueError:
+        return FAMILIES
+
+
+def _forced(force: Union[bool, str, Iterable[str], None]) -> Tuple[str, ...]:
+    if force is None:
+        return _forced_from_env()
+    if force is True:
+        return FAMILIES
+    if force is False:
+        return ()
+    return parse_families(force)
+
+
+# ---------------------------------------------------------------- finding a real installation
+
+def _is_ours(module) -> bool:
+    """Whether ``module`` is sdp's (an sdp module, a synthetic package, or a shim package)."""
+    if getattr(module, "__sdp_compat__", None):
+        return True
+    name = getattr(module, "__name__", "") or ""
+    if name == "sdp" or name.startswith(("sdp.", "sdp_kungfu_bridge")):
+        return True
+    origin = getattr(module, "__file__", None)
+    if origin:
+        shim = os.path.normcase(os.path.realpath(SHIM_DIR)) + os.sep
+        return os.path.normcase(os.path.realpath(origin)).startswith(shim)
+    return False
+
+
+def _without_shim(paths: Optional[Iterable[str]]) -> List[str]:
+    shim = os.path.normcase(os.path.realpath(SHIM_DIR))
+    out = []
+    for p in paths or ():
+        try:
+            if os.path.normcase(os.path.realpath(p or os.getcwd())) == shim:
+                continue
+        except (TypeError, ValueError, OSError):
+            pass
+        out.append(p)
+    return out
+
+
+def _find_other(name: str, path: Optional[List[str]]):
+    """The spec of ``name`` from every meta-path finder except sdp's, ignoring :data:`SHIM_DIR`."""
+    search = _without_shim(sys.path if path is None else path)
+    for finder in sys.meta_path:
+        if isinstance(finder, _CompatFinder):
+            continue
+        try:
+            if finder is importlib.machinery.PathFinder:
+                spec = finder.find_spec(name, search)
+            else:
+                find = getattr(finder, "find_spec", None)
+                if find is None:
+                    continue
+                spec = find(name, None if path is None else search)
+        except (ImportError, AttributeError, TypeError, ValueError):
+            continue
+        if spec is not None:
+            return spec
+    return None
+
+
+def _is_namespace(spec) -> bool:
+    return spec.origin in (None, "namespace") and spec.submodule_search_locations is not None \
+        and not getattr(spec, "has_location", False)
+
+
+def find_real(name: str):
+    """The ``ModuleSpec`` of a real (non-sdp) installation of dotted ``name``, or ``None``.
+
+    Looks in ``sys.modules`` first, then asks the import system's finders without importing
+    anything; sdp's own finder and shim directory are left out."""
+    parts = name.split(".")
+    path = None
+    spec = None
+    for i in range(len(parts)):
+        sub = ".".join(parts[:i + 1])
+        mod = sys.modules.get(sub)
+        if mod is not None and not _is_ours(mod):
+            spec = getattr(mod, "__spec__", None)
+            locations = getattr(mod, "__path__", None)
+            if spec is None:
+                spec = importlib.machinery.ModuleSpec(sub, None, origin=getattr(mod, "__file__", None),
+                                                      is_package=locations is not None)
+        else:
+            spec = _find_other(sub, path)
+            if spec is None:
+                return None
+            locations = spec.submodule_search_locations
+        if i < len(parts) - 1:
+            if locations is None:
+                return None
+            path = list(locations)
+    return spec
+
+
+def _describe(spec) -> str:
+    if spec.origin and spec.origin not in ("namespace", "built-in", "frozen"):
+        return spec.origin
+    locations = list(spec.submodule_search_locations or ())
+    return ", ".join(locations) if locations else "(unknown location)"
+
+
+def _dist_note(family: str) -> str:
+    try:
+        from importlib import metadata
+    except ImportError:  # pragma: no cover
+        return ""
+    for dist in _FAMILY_DEFS[family].dists:
+        try:
+            return f" (distribution {dist} {metadata.version(dist)})"
+        except Exception:  # PackageNotFoundError, broken metadata
+            continue
+    return ""
+
+
+def _real_guard(family: str):
+    """The spec of a real installation that sdp must not shadow for ``family``, or ``None``.
+
+    Namespace packages (a bare directory named e.g. ``horovod`` somewhere on ``sys.path``) do
+    not count as an installation."""
+    spec = find_real(_FAMILY_DEFS[family].packages[-1])
+    if spec is None or _is_namespace(spec):
+        return None
+    return spec
+
+
+# ---------------------------------------------------------------- the finder
+
+class _CompatFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Maps compatibility names to sdp modules (see the module docstring)."""
+
+    def __init__(self):
+        self.families: Dict[str, bool] = {}     # active family -> forced
+        self.packages: Dict[str, str] = {}      # synthetic package -> family
+        self.aliases: Dict[str, Tuple[str, str]] = {}  # alias prefix -> (target, family)
+
+    def map(self, fullname: str) -> Optional[Tuple[str, str]]:
+        """``(sdp module, family)`` that ``fullname`` aliases, or ``None``."""
+        best = None
+        for prefix, (target, family) in self.aliases.items():
+            if fullname == prefix or fullname.startswith(prefix + "."):
+                if best is None or len(prefix) > len(best[0]):
+                    best = (prefix, target, family)
+        if best is None:
+            return None
+        prefix, target, family = best
+        return target + fullname[len(prefix):], family
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.packages:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        mapped = self.map(fullname)
+        if mapped is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, loader_state=mapped)
+
+    def create_module(self, spec):
+        if spec.name in self.packages:
+            module = types.ModuleType(spec.name)
+            _populate_package(module, spec.name, self.packages[spec.name])
+            return module
+        target, family = spec.loader_state
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as e:
+            missing = e.name or ""
+            if missing and (target == missing or target.startswith(missing + ".")):
+                raise ModuleNotFoundError(
+                    f"No module named {spec.name!r}: sdp's {family} compatibility maps it to "
+                    f"{target!r}, but {missing!r} does not exist in this sdp installation",
+                    name=spec.name) from e
+            raise
+        # module_from_spec() overwrites __spec__ with the alias spec; exec_module() puts it back.
+        spec.loader_state = (target, family, module.__spec__)
+        return module
+
+    def exec_module(self, module):
+        state = module.__spec__.loader_state if module.__spec__ is not None else None
+        if not state or len(state) != 3:
+            return  # a synthetic package: nothing to run
+        target, family, real_spec = state
+        try:
+            module.__spec__ = real_spec
+        except AttributeError:  # pragma: no cover
+            pass
+        if family in ("horovod", "smdistributed") and _under(target, ("sdp.tensorflow",)):
+            patch_keras_optimizer_variables()
+
+
+def _populate_package(module, name: str, family: str) -> None:
+    """Give a synthetic (or shim) package its attributes."""
+    import sdp
+    module.__doc__ = _PACKAGE_DOCS.get(name, module.__doc__)
+    module.__sdp_compat__ = family
+    module.__version__ = sdp.__version__
+    if getattr(module, "__path__", None) is None:
+        module.__path__ = []
+    if name == "horovod":
+        module.run = run
+
+
+_lock = threading.RLock()
+_finder: Optional[_CompatFinder] = None
+
+
+def _the_finder(create: bool) -> Optional[_CompatFinder]:
+    global _finder
+    if _finder is None and create:
+        _finder = _CompatFinder()
+    if _finder is not None and create and _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+    return _finder
+
+
+def _family_names(family: str) -> List[str]:
+    d = _FAMILY_DEFS[family]
+    return list(d.packages) + [a for a, _ in d.aliases]
+
+
+def _under(name: str, prefixes: Iterable[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def installed() -> Tuple[str, ...]:
+    """The families whose names currently resolve to sdp."""
+    f = _finder
+    if f is None or f not in sys.meta_path:
+        return ()
+    return tuple(x for x in FAMILIES if x in f.families)
+
+
+def install(which: Union[str, Iterable[str]] = FAMILIES,
+            force: Union[bool, str, Iterable[str], None] = None) -> Tuple[str, ...]:
+    """Make ``which`` (family names or a comma list: horovod, smdistributed, kungfu) import as sdp.
+
+    ``force``: ``None`` reads ``SDP_COMPAT_FORCE`` (``1`` / ``all`` or a comma list of families);
+    ``True`` or a list of families replaces a real installation of those families.  Without it,
+    a family with a real installation is left alone and a :class:`CompatShadowWarning` says so.
+    With it, the real installation is replaced (with a warning), and any of its modules already
+    imported are dropped from ``sys.modules`` so that the next import gives sdp.
+
+    Idempotent.  Returns the families now mapped to sdp."""
+    families = parse_families(which)
+    forced = _forced(force)
+    with _lock:
+        finder = _the_finder(create=False)
+        for family in families:
+            if finder is not None and family in finder.families and finder in sys.meta_path:
+                continue
+            real = _real_guard(family)
+            fam_forced = family in forced
+            if real is not None:
+                where = _describe(real) + _dist_note(family)
+                guard = _FAMILY_DEFS[family].packages[-1]
+                if not fam_forced:
+                    warnings.warn(
+                        f"sdp.compat: a real {guard!r} installation was found at {where}; sdp is NOT "
+                        f"replacing it, so 'import {guard}...' uses that installation. To use sdp "
+                        f"instead, set {FORCE_ENV}=1 (or {FORCE_ENV}={family}) or call "
+                        f"sdp.compat.install(force=True); to silence this, drop '{family}' from "
+                        f"--compat / install().", CompatShadowWarning, stacklevel=2)
+                    continue
+                warnings.warn(
+                    f"sdp.compat: a real {guard!r} installation was found at {where}; it is being "
+                    f"replaced by sdp because {FORCE_ENV} / install(force=...) asks for it.",
+                    CompatShadowWarning, stacklevel=2)
+            finder = _the_finder(create=True)
+            definition = _FAMILY_DEFS[family]
+            for pkg in definition.packages:
+                # Keep a real parent package that lacks our part (e.g. smdistributed.modelparallel
+                # alone): submodules are still intercepted by the finder in front of it.
+                existing = find_real(pkg)
+                if fam_forced or existing is None or _is_namespace(existing) and pkg == definition.packages[-1]:
+                    finder.packages[pkg] = family
+            for alias, target in definition.aliases:
+                finder.aliases[alias] = (target, family)
+            finder.families[family] = fam_forced
+            if fam_forced:
+                prefixes = _family_names(family)
+                for name in [n for n in sys.modules if _under(n, prefixes)]:
+                    if not _is_ours(sys.modules[name]):
+                        del sys.modules[name]
+            log.debug("compat: %s -> sdp%s", family, " (forced)" if fam_forced else "")
+    return installed()
+
+
+def uninstall(which: Union[str, Iterable[str]] = FAMILIES) -> None:
+    """Undo :func:`install` for ``which``: the names stop resolving to sdp, and the aliases
+    already in ``sys.modules`` are removed (modules holding references keep them).  The Keras
+    patch stays."""
+    families = parse_families(which)
+    with _lock:
+        finder = _finder
+        if finder is None:
+            return
+        for family in families:
+            if finder.families.pop(family, None) is None:
+                continue
+            for pkg in [p for p, f in finder.packages.items() if f == family]:
+                del finder.packages[pkg]
+            for alias in [a for a, (_, f) in finder.aliases.items() if f == family]:
+                del finder.aliases[alias]
+            prefixes = _family_names(family)
+            for name in [n for n in sys.modules if _under(n, prefixes)]:
+                if _is_ours(sys.modules[name]):
+                    del sys.modules[name]
+        if not finder.families and finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+
+
+# ---------------------------------------------------------------- sdprun --compat shim packages
+
+def _activate_shim(name: str) -> None:
+    """Called by ``sdp/_compat_site/<name>/__init__.py`` while it is imported as ``name``.
+
+    If ``SDP_COMPAT`` enables the family and no real installation exists (or ``SDP_COMPAT_FORCE``
+    says to replace it), the shim becomes the synthetic package and the finder handles the
+    submodules.  Otherwise the real package (if any) is loaded in the shim's place, or the import
+    fails as if the shim were not there."""
+    module = sys.modules[name]
+    try:
+        enabled = parse_families(os.environ.get(COMPAT_ENV, ""))
+    except ValueError as e:
+        warnings.warn(f"sdp.compat: ignoring {COMPAT_ENV}: {e}", CompatShadowWarning, stacklevel=3)
+        enabled = ()
+    if name in enabled:
+        install((name,))
+    finder = _finder
+    if finder is not None and finder.packages.get(name) == name and name in installed():
+        _populate_package(module, name, name)
+        module.__path__ = []  # submodules come from the finder, never from the shim directory
+        return
+    real = find_real(name)
+    if real is None or real.loader is None:
+        why = (f"{COMPAT_ENV}={os.environ.get(COMPAT_ENV, '')!r} does not enable it"
+               if name not in enabled else "sdp did not take it over")
+        raise ModuleNotFoundError(f"No module named {name!r} (sdp's import shim for it is on "
+                                  f"PYTHONPATH, but {why})", name=name)
+    real_module = importlib.util.module_from_spec(real)
+    sys.modules[name] = real_module  # the import system returns sys.modules[name] after __init__
+    try:
+        real.loader.exec_module(real_module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+
+
+# ---------------------------------------------------------------- Keras 3: opt.variables()
+
+class _CallableVariableList(list):
+    """The variables of a Keras 3 optimizer: a list that can also be called (``opt.variables()``,
+    the Keras 2 / Horovod spelling) and then returns itself."""
+
+    def __call__(self):
+        return self
+
+
+def _patch_variables_property(cls) -> bool:
+    prop = cls.__dict__.get("variables")
+    if not isinstance(prop, property) or prop.fget is None:
+        return False
+    if getattr(prop.fget, "__sdp_compat__", False):
+        return True
+    original = prop.fget
+
+    def variables(self, _original=original):
+        value = _original(self)
+        if isinstance(value, list) and not isinstance(value, _CallableVariableList):
+            value = _CallableVariableList(value)
+        return value
+
+    variables.__sdp_compat__ = True
+    variables.__doc__ = original.__doc__
+    setattr(cls, "variables", property(variables, prop.fset, prop.fdel, prop.__doc__))
+    return True
+
+
+def patch_keras_optimizer_variables() -> bool:
+    """Make ``optimizer.variables()`` work on Keras 3 optimizers (``variables`` stays a list).
+
+    Patches the ``variables`` property of Keras' base optimizer class and of every optimizer
+    class defined so far that overrides it (e.g. ``LossScaleOptimizer``); idempotent.  Does
+    nothing (and returns ``False``) without Keras 3."""
+    try:
+        import keras
+    except Exception:
+        return False
+    base = getattr(getattr(keras, "optimizers", None), "Optimizer", None)
+    if base is None:
+        return False
+    root = next((c for c in base.__mro__ if "variables" in c.__dict__), None)
+    if root is None or not _patch_variables_property(root):
+        return False  # Keras 2 style: variables() is already a method
+    todo, seen = [root], set()
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                _patch_variables_property(sub)
+                todo.append(sub)
+    return True
+
+
+# ---------------------------------------------------------------- horovod.run
+
+def _run_worker(fn, args, kwargs, env, queue, rank):
+    import traceback
+    os.environ.update(env)
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as e:  # report everything, including SystemExit
+        queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    try:
+        queue.put((rank, True, result))
+    except Exception as e:  # unpicklable result
+        queue.put((rank, False, f"cannot send the result of rank {rank} back: {e!r}"))
+
+
+def run(fn, args=(), kwargs=None, np: int = 1, hosts: Optional[str] = None, env: Optional[dict] = None,
+        start_timeout: Optional[float] = None, **ignored):
+    """``horovod.run``: call ``fn(*args, **kwargs)`` in ``np`` new local processes, one per rank,
+    and return their results as a list in rank order.
+
+    Processes are started with ``multiprocessing``'s *spawn* method, so ``fn``, ``args``,
+    ``kwargs`` and the results must be picklable: ``fn`` must be importable by name (a top-level
+    function of a module, or of the main script when that script guards its work with
+    ``if __name__ == "__main__":``).  The compatibility families active here are active in the
+    workers too.  ``hosts`` may only name this machine (``localhost:N``); ``env`` adds
+    environment variables; horovod's other keywords (``use_gloo``, ``use_mpi``, ``verbose``,
+    ``network_interface``, ...) are accepted and ignored.  If a rank fails, the others are
+    stopped and ``RuntimeError`` carries the failing rank's traceback."""
+    import multiprocessing
+    import secrets
+    import socket
+    import time
+
+    from sdp.launcher import hosts as hostlib
+    from sdp.transport.rendezvous import RendezvousServer
+
+    kwargs = dict(kwargs or {})
+    host_list = hostlib.parse_hosts(hosts) if hosts else [hostlib.HostSlots(socket.gethostname(), max(np, 1))]
+    names = hostlib.local_names()
+    remote = [h.host for h in host_list if not hostlib.is_local(h.host, names)]
+    if remote:
+        raise ValueError(f"horovod.run on sdp starts local processes only; remote hosts: {', '.join(remote)}")
+    ranks = hostlib.assign_ranks(host_list, np)
+    timeout = float(start_timeout or os.environ.get("SDP_START_TIMEOUT") or 60)
+    server = RendezvousServer(size=np, host="127.0.0.1", port=0, timeout_s=timeout).start()
+    job_id = secrets.token_hex(8)
+    base = {"SDP_RENDEZVOUS_ADDR": server.address, "SDP_JOB_ID": job_id,
+            "SDP_START_TIMEOUT": f"{timeout:g}", "PYTHONUNBUFFERED": "1"}
+    base.update({str(k): str(v) for k, v in (env or {}).items()})
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = []
+    # A spawned child re-imports the main script (and its `import horovod...`) before unpickling
+    # fn, with the parent's sys.path and environment: give it the shim directory and SDP_COMPAT.
+    active = installed()
+    finder = _finder
+    saved_path = list(sys.path)
+    saved_env = {k: os.environ.get(k) for k in (COMPAT_ENV, FORCE_ENV)}
+    try:
+        if active:
+            sys.path.insert(1 if sys.path else 0, SHIM_DIR)  # after the script's directory
+            os.environ[COMPAT_ENV] = ",".join(active)
+            forced = [f for f in active if finder is not None and finder.families.get(f)]
+            if forced:
+                os.environ[FORCE_ENV] = ",".join(forced)
+        for info in ranks:
+            renv = dict(base)
+            renv.update(info.env())
+            p = ctx.Process(target=_run_worker, args=(fn, tuple(args), kwargs, renv, queue, info.rank),
+                            name=f"sdp-run-rank-{info.rank}")
+            p.start()
+            procs.append(p)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        server.stop()
+        raise
+    finally:
+        sys.path[:] = saved_path
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    import queue as queue_mod
+    results: Dict[int, object] = {}
+    failure = None
+    try:
+        while len(results) < np and failure is None:
+            try:
+                rank, ok, value = queue.get(timeout=0.2)
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs) if i not in results and p.exitcode is not None]
+                if not dead:
+                    continue
+                try:  # it may have reported just before exiting; give the queue a moment
+                    rank, ok, value = queue.get(timeout=1.0)
+                except queue_mod.Empty:
+                    failure = (dead[0], f"the process exited with status {procs[dead[0]].exitcode} "
+                                        f"without a result")
+                    break
+            if ok:
+                results[rank] = value
+            else:
+                failure = (rank, value)
+    finally:
+        if failure is not None:
+            deadline = time.monotonic() + 3.0
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+        for p in procs:
+            p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        server.stop()
+    if failure is not None:
+        raise RuntimeError(f"horovod.run: rank {failure[0]} failed: {failure[1]}")
+    return [results[r] for r in range(np)]

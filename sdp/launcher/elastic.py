@@ -1,0 +1,253 @@
+"""Elastic (watch) mode of ``sdprun -w``: a config server and the controller that grows/shrinks jobs.
+
+``sdprun -w`` serves a small HTTP endpoint (``--builtin-config-port PORT``, default: a free port)
+on 127.0.0.1 and tells every worker where it is:
+
+* ``SDP_ELASTIC_URL=http://127.0.0.1:PORT`` — the control endpoint (``POST /resize``);
+* ``SDP_CONFIG_SERVER`` — where workers read the desired cluster: ``--config-server URL`` if given,
+  else the built-in ``http://127.0.0.1:PORT/config``;
+* ``SDP_ELASTIC_EPOCH`` — the cluster epoch the worker starts in (0 for the first workers).
+
+Endpoints (JSON bodies and answers):
+
+=====================  ===============================================================================
+``GET /config``        the desired cluster: ``{"version": v, "size": n, "workers": [{"rank", "host"}]}``
+``PUT|POST /config``   set the desired size: ``{"size": n}`` or a KungFu-style ``{"Workers": [...]}``
+                       (its length is the size); bumps ``version``.  Workers pick it up at their next
+                       ``resize()`` (KungFu's ``resize_cluster_from_url``).
+``POST /resize``       commit a new epoch (sent by the workers' rank 0 during ``resize``):
+                       ``{"size": n, "epoch": e}`` -> ``{"epoch": e+1, "size": n, "rendezvous":
+                       "tcp://...", "ranks": [{SDP_* of rank r}, ...]}``; 409 if ``e`` is not the current
+                       epoch, 400 if ``n`` is not in [1, slots].
+``GET /status``        ``{"epoch", "size", "capacity", "desired"}``
+=====================  ===============================================================================
+
+A commit starts a rendezvous server of the new size, starts worker processes for the new ranks
+(``size .. n-1``, same command, the ``SDP_*`` variables of the new epoch), and makes ``n`` the
+desired size.  Workers whose rank is ``>= n`` detach and exit on their own (see
+:mod:`sdp_kungfu_bridge._cluster` for the worker side).  The job ends when every worker has exited;
+a worker exiting non-zero stops the job as usual.
+
+The endpoint listens on 127.0.0.1 only: ``sdprun`` runs local workers, and a commit starts
+processes.
+"""
+import http.server
+import json
+import logging
+import threading
+import urllib.parse
+import urllib.request
+from typing import Callable, List, Optional
+
+from sdp.launcher import hosts as hostlib
+
+log = logging.getLogger("sdp.launcher")
+
+#: Slots of this machine in watch mode when no ``-H``/``--hostfile`` gives them.
+DEFAULT_ELASTIC_SLOTS = 64
+
+
+class ConflictError(Exception):
+    """A commit for an epoch that is no longer current."""
+
+
+class ElasticController:
+    """The elastic state of one ``sdprun -w`` job and its HTTP endpoint.
+
+    ``make_envs(rank_infos, rendezvous_addr, epoch)`` returns the full environment of every rank
+    of an epoch; ``group`` is the :class:`~sdp.launcher.procs.WorkerGroup` new workers join.
+    """
+
+    def __init__(self, hosts: List[hostlib.HostSlots], group, make_envs: Callable, initial_size: int,
+                 start_timeout: float, port: int = 0, config_server: Optional[str] = None,
+                 http_timeout: float = 10.0):
+        self.hosts = hosts
+        self.group = group
+        self.make_envs = make_envs
+        self.capacity = hostlib.total_slots(hosts)
+        self.start_timeout = start_timeout
+        self.http_timeout = http_timeout
+        self.epoch = 0
+        self.size = initial_size
+        self.version = 0
+        self.desired = initial_size
+        self._servers = {}  # epoch -> RendezvousServer started by this controller
+        self._last_commit = None
+        self._lock = threading.Lock()
+        controller = self
+
+        class Handler(_Handler):
+            ctl = controller
+
+        self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.external_config = None
+        if config_server and not self._is_own(config_server):
+            self.external_config = config_server
+        self.config_url = self.external_config or f"{self.url}/config"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="sdprun-config-server",
+                                        daemon=True)
+
+    def _is_own(self, url: str) -> bool:
+        u = urllib.parse.urlparse(url)
+        return u.port == self.port and (u.hostname or "") in hostlib.local_names() | {"127.0.0.1", "localhost"}
+
+    def start(self) -> "ElasticController":
+        self._thread.start()
+        log.debug("elastic mode: control endpoint %s, config server %s", self.url, self.config_url)
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        with self._lock:
+            for srv in self._servers.values():
+                srv.stop()
+            self._servers.clear()
+
+    def worker_env(self, epoch: int = 0) -> dict:
+        """The elastic variables every worker of ``epoch`` gets."""
+        return {"SDP_ELASTIC_URL": self.url, "SDP_CONFIG_SERVER": self.config_url,
+                "SDP_ELASTIC_EPOCH": str(epoch)}
+
+    # -- desired configuration -------------------------------------------------------------
+    def get_config(self) -> dict:
+        with self._lock:
+            infos = hostlib.assign_ranks(self.hosts, self.desired) if self.desired <= self.capacity else []
+            return {"version": self.version, "size": self.desired,
+                    "workers": [{"rank": i.rank, "host": i.hostname} for i in infos]}
+
+    def put_config(self, body) -> dict:
+        size = _size_of(body)
+        if not 1 <= size <= self.capacity:
+            raise ValueError(f"size {size} is outside [1, {self.capacity}] (the slots of the hosts)")
+        with self._lock:
+            if size != self.desired:
+                self.version += 1
+                self.desired = size
+        log.info("config server: desired cluster size %d (version %d)", size, self.version)
+        return self.get_config()
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"epoch": self.epoch, "size": self.size, "capacity": self.capacity,
+                    "desired": self.desired, "version": self.version}
+
+    # -- commit ----------------------------------------------------------------------------
+    def commit(self, body) -> dict:
+        try:
+            size, epoch = int(body["size"]), int(body["epoch"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("expected {\"size\": N, \"epoch\": E}") from None
+        from sdp.transport.rendezvous import RendezvousServer
+        with self._lock:
+            last = self._last_commit
+            if last is not None and epoch == last["epoch"] - 1 and size == last["size"]:
+                return last  # a retried request
+            if epoch != self.epoch:
+                raise ConflictError(f"epoch {epoch} is not the current epoch {self.epoch}")
+            if not 1 <= size <= self.capacity:
+                raise ValueError(f"cannot resize to {size} workers: the hosts have {self.capacity} slots "
+                                 "(give more with -H host:slots)")
+            infos = hostlib.assign_ranks(self.hosts, size)
+            new_epoch = epoch + 1
+            server = RendezvousServer(size=size, host="127.0.0.1", port=0,
+                                      timeout_s=self.start_timeout).start()
+            envs = self.make_envs(infos, server.address, new_epoch)
+            try:
+                for r in range(self.size, size):
+                    self.group.add(r, envs[r])
+            except BaseException:
+                server.stop()
+                raise
+            for old in [e for e in self._servers if e < new_epoch]:
+                self._servers.pop(old).stop()  # every rank of those epochs met long ago
+            self._servers[new_epoch] = server
+            log.info("resize: epoch %d -> %d, %d -> %d workers%s", epoch, new_epoch, self.size, size,
+                     f" (started ranks {self.size}..{size - 1})" if size > self.size else "")
+            self.epoch, self.size = new_epoch, size
+            if self.desired != size:
+                self.desired = size
+                self.version += 1
+            rec = {"epoch": new_epoch, "size": size, "rendezvous": server.address,
+                   "ranks": [i.env() for i in infos]}
+            self._last_commit = rec
+        if self.external_config:
+            self._put_external(size)
+        return rec
+
+    def _put_external(self, size: int) -> None:
+        """Best effort: keep an external config server in line with a committed size."""
+        req = urllib.request.Request(self.external_config, data=json.dumps({"size": size}).encode(),
+                                     method="PUT", headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=self.http_timeout).close()
+        except OSError as e:
+            log.warning("could not update config server %s to size %d: %s", self.external_config, size, e)
+
+
+def _size_of(body) -> int:
+    if isinstance(body, dict):
+        if isinstance(body.get("size"), int):
+            return body["size"]
+        for key in ("Workers", "workers"):
+            if isinstance(body.get(key), list):
+                return len(body[key])
+    raise ValueError("expected {\"size\": N} or {\"Workers\": [...]}")
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    ctl: ElasticController = None
+    server_version = "sdprun-config"
+
+    def log_message(self, fmt, *args):  # noqa: D401 - quiet: route to the debug log
+        log.debug("config server: " + fmt, *args)
+
+    def _send(self, code: int, obj) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        try:
+            return json.loads(self.rfile.read(n) or b"{}")
+        except ValueError:
+            raise ValueError("the request body is not JSON") from None
+
+    def _path(self) -> str:
+        return urllib.parse.urlparse(self.path).path.rstrip("/") or "/"
+
+    def do_GET(self):
+        path = self._path()
+        if path == "/config":
+            self._send(200, self.ctl.get_config())
+        elif path in ("/status", "/"):
+            self._send(200, self.ctl.status())
+        else:
+            self._send(404, {"error": f"no such endpoint {path}"})
+
+    def _write(self):
+        path = self._path()
+        try:
+            if path == "/config":
+                self._send(200, self.ctl.put_config(self._body()))
+            elif path == "/resize":
+                self._send(200, self.ctl.commit(self._body()))
+            else:
+                self._send(404, {"error": f"no such endpoint {path}"})
+        except ConflictError as e:
+            self._send(409, {"error": str(e)})
+        except ValueError as e:
+            self._send(400, {"error": str(e)})
+        except Exception as e:  # noqa: BLE001 - the worker gets the reason
+            log.exception("config server: %s %s failed", self.command, path)
+            self._send(500, {"error": f"{type(e).__name__}: {e}"})
+
+    do_PUT = _write
+    do_POST = _write

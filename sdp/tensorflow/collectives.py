@@ -1,0 +1,236 @@
+"""Collectives on ``tf.Tensor``: Horovod's and SageMaker's TensorFlow functions.
+
+Each function builds one op (eagerly it runs at once; in ``tf.function`` / ``tf.compat.v1`` graphs
+it runs when the graph does).  Shapes and dtypes must agree across ranks where stated, otherwise
+every rank raises :class:`sdp.errors.TensorMismatchError`.  A call before ``init()`` raises
+:class:`sdp.errors.NotInitializedError`; inside ``jit_compile=True`` functions
+:class:`sdp.tensorflow.ops.XlaNotSupportedError`.
+"""
+import numpy as np
+import tensorflow as tf
+
+from sdp import api
+from sdp.common.reduce_ops import ReduceOp, resolve_op
+from sdp.tensorflow import ops
+from sdp.tensorflow.compression import Compression
+from sdp.tensorflow.gradients import check_devices, check_process_set, global_process_set
+
+
+def _check_op(op):
+    if op == ReduceOp.ADASUM:
+        raise NotImplementedError("op=Adasum is not supported by sdp; use Average or Sum")
+    return op
+
+
+def _sparse_allreduce(tensor, op, prescale_factor, postscale_factor, name):
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+    base = ops._base_name("allreduce", tensor.values, name)
+    values, indices = ops.grouped_allgather_tensors([tensor.values, tensor.indices],
+                                                    [base + ".values", base + ".indices"])
+    if op == ReduceOp.AVERAGE:
+        values = values / tf.cast(api.size(), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+
+
+def allreduce(tensor, param_index=0, num_params=1, compression=Compression.none, op=None, *, average=None,
+              device_dense="", device_sparse="", prescale_factor=1.0, postscale_factor=1.0, name=None,
+              process_set=global_process_set, ignore_name_scope=False):
+    """Reduce ``tensor`` (``tf.Tensor``/``tf.Variable``, any shape and dtype, identical on every rank;
+    or ``tf.IndexedSlices``) over all ranks; returns a tensor of the same shape and dtype.
+
+    Positionally this follows SMDDP: ``allreduce(tensor, param_index, num_params, compression,
+    op)`` (``param_index``/``num_params`` only describe the tensor's place in a list and default
+    to 0/1).  Horovod's arguments are accepted as keywords (``average``, ``device_dense``,
+    ``device_sparse``, ``prescale_factor``, ``postscale_factor``, ``name``, ``process_set``,
+    ``ignore_name_scope``); a bool or ``None`` as the second positional argument is read as
+    Horovod's ``average``.  ``op`` defaults to AVERAGE; giving both ``op`` and ``average`` raises
+    ``ValueError``.  ``tf.IndexedSlices`` are allgathered (values and indices) and stay
+    ``IndexedSlices``.  Mirrors ``smdistributed.dataparallel.tensorflow.allreduce`` and
+    ``horovod.tensorflow.allreduce``."""
+    if param_index is None or isinstance(param_index, bool):  # horovod: allreduce(tensor, average, ...)
+        if average is not None:
+            raise ValueError("average given twice (positionally and as a keyword)")
+        average, param_index = param_index, 0
+        if isinstance(num_params, str):
+            device_dense, num_params = num_params, 1
+    if not isinstance(param_index, (int, np.integer)) or not isinstance(num_params, (int, np.integer)) \
+            or not 0 <= param_index < max(num_params, 1):
+        raise ValueError(f"param_index={param_index!r} and num_params={num_params!r}: expected integers with "
+                         "0 <= param_index < num_params")
+    check_devices(device_dense, device_sparse)
+    check_process_set(process_set)
+    op = _check_op(resolve_op(op, average))
+    if isinstance(tensor, tf.IndexedSlices):
+        return _sparse_allreduce(tensor, op, prescale_factor, postscale_factor, name)
+    tensor = ops._as_tensor(tensor)
+    compressed, ctx = compression.compress(tensor)
+    out = ops.allreduce_tensor(compressed, ops._base_name("allreduce", tensor, name), op, prescale_factor,
+                               postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
+                      op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
+                      ignore_name_scope=False, name=None):
+    """Allreduce a list of tensors in one op (fused by the engine); returns a list of tensors with
+    the same shapes and dtypes (``IndexedSlices`` are allgathered, as in :func:`allreduce`).
+    Mirrors ``horovod.tensorflow.grouped_allreduce``."""
+    check_devices(device_dense, device_sparse)
+    check_process_set(process_set)
+    op = _check_op(resolve_op(op, average))
+    tensors = list(tensors)
+    if not tensors:
+        return tensors
+    first = next((t for t in tensors if not isinstance(t, tf.IndexedSlices)), None)
+    base = ops._base_name("grouped_allreduce", first, name)
+    out = [None] * len(tensors)
+    dense_idx = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            out[i] = _sparse_allreduce(t, op, prescale_factor, postscale_factor, f"{base}.{i}")
+    if dense_idx:
+        comp = [compression.compress(ops._as_tensor(tensors[i])) for i in dense_idx]
+        reduced = ops.grouped_allreduce_tensors([c for c, _ in comp], [f"{base}.{i}" for i in dense_idx], op,
+                                                prescale_factor, postscale_factor)
+        for i, r, (_, ctx) in zip(dense_idx, reduced, comp):
+            out[i] = compression.decompress(r, ctx)
+    return out
+
+
+def oob_allreduce(tensor, compression=Compression.none, op=ReduceOp.AVERAGE):
+    """Out-of-band allreduce for non-gradient tensors (e.g. a loss to report); returns the reduced
+    tensor (same shape and dtype).  Mirrors ``smdistributed.dataparallel.tensorflow.oob_allreduce``;
+    in sdp it is the same engine path as :func:`allreduce`, and every ``ReduceOp`` works."""
+    return allreduce(tensor, compression=compression, op=op)
+
+
+def overlap(tensor):
+    """Identity (returns ``tensor``).  Mirrors ``smdistributed.dataparallel.tensorflow.overlap``, a
+    scheduling hint for XLA-compiled models; sdp overlaps communication with the backward pass in
+    its engine thread without hints."""
+    return tf.identity(tensor)
+
+
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Return ``root_rank``'s ``tensor`` on every rank (same shape and dtype everywhere).
+    Mirrors ``smdistributed.dataparallel.tensorflow.broadcast`` / ``horovod.tensorflow.broadcast``.
+    A ``root_rank`` outside ``[0, size)`` raises ``TensorMismatchError`` on every rank."""
+    check_process_set(process_set)
+    tensor = ops._as_tensor(tensor)
+    return ops.grouped_broadcast_tensors([tensor], [ops._base_name("broadcast", tensor, name)], int(root_rank))[0]
+
+
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Concatenate every rank's ``tensor`` along the first dimension, in rank order (the first
+    dimension may differ per rank; the others and the dtype must agree).  The result's static
+    first dimension is unknown.  Mirrors ``horovod.tensorflow.allgather``."""
+    check_process_set(process_set)
+    tensor = ops._as_tensor(tensor)
+    return ops.allgather_tensor(tensor, ops._base_name("allgather", tensor, name))
+
+
+def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """:func:`allgather` of each tensor of a list, in one op.  Mirrors
+    ``horovod.tensorflow.grouped_allgather``."""
+    check_process_set(process_set)
+    tensors = [ops._as_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    base = ops._base_name("grouped_allgather", tensors[0], name)
+    return ops.grouped_allgather_tensors(tensors, [f"{base}.{i}" for i in range(len(tensors))])
+
+
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Send ``splits[j]`` rows (first dimension) of ``tensor`` to rank j and return what every rank
+    sent here, concatenated in rank order.  ``splits`` (ints, length ``size``, summing to the first
+    dimension) defaults to an equal split.  Returns the tensor, or ``(tensor, received_splits)``
+    (int32, shape ``[size]``) when ``splits`` is given.  Mirrors ``horovod.tensorflow.alltoall``."""
+    check_process_set(process_set)
+    tensor = ops._as_tensor(tensor)
+    out, rsplits = ops.alltoall_tensor(tensor, splits, ops._base_name("alltoall", tensor, name))
+    return (out, rsplits) if splits is not None else out
+
+
+def reducescatter(tensor, device_dense="", compression=Compression.none, op=ReduceOp.AVERAGE, name=None,
+                  process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
+                  postscale_factor=1.0):
+    """Reduce ``tensor`` (same shape on every rank, at least 1-D) and return this rank's block of
+    the first dimension (lower ranks get one extra row when it does not divide evenly).
+    ``op`` defaults to AVERAGE.  Mirrors ``horovod.tensorflow.reducescatter``."""
+    check_devices(device_dense, "")
+    check_process_set(process_set)
+    op = _check_op(resolve_op(op))
+    tensor = ops._as_tensor(tensor)
+    compressed, ctx = compression.compress(tensor)
+    out = ops.reducescatter_tensor(compressed, ops._base_name("reducescatter", tensor, name), op,
+                                   prescale_factor, postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=ReduceOp.AVERAGE,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """:func:`reducescatter` of each tensor of a list.  Mirrors
+    ``horovod.tensorflow.grouped_reducescatter``."""
+    return [reducescatter(t, device_dense, compression, op, None, process_set, False, prescale_factor,
+                          postscale_factor) for t in tensors]
+
+
+def join():
+    """Not supported yet: raises ``NotImplementedError``.
+
+    Horovod's ``join()`` lets a rank that ran out of data keep serving the other ranks'
+    collectives (contributing zeros) until every rank has joined.  That needs the engine to answer
+    collectives on behalf of a joined rank, which sdp's engine cannot do yet.  Give every rank the
+    same number of steps (e.g. cut each shard to a common length) instead."""
+    raise NotImplementedError(
+        "sdp does not support join() yet: give every rank the same number of steps "
+        "(cut each rank's shard to a common length) so that no rank runs out of data early.")
+
+
+def barrier(process_set=global_process_set):
+    """Block until every rank reaches the barrier.  Mirrors ``horovod.tensorflow.barrier``."""
+    check_process_set(process_set)
+    api.barrier()
+
+
+def _runtime_int(fn, name, what):
+    def body():
+        return np.int32(fn())
+    api.runtime(what)
+    ops.check_not_xla(what)
+    out = tf.py_function(body, [], tf.int32, name=name)
+    out.set_shape([])
+    return out
+
+
+def size_op(process_set_id=0, name=None):
+    """A scalar int32 op returning ``size()`` when it runs (not when it is built).
+    Mirrors ``horovod.tensorflow.size_op``."""
+    if process_set_id != 0:
+        raise NotImplementedError("sdp supports only the global process set (process_set_id=0)")
+    return _runtime_int(api.size, name, "size_op()")
+
+
+def local_size_op(name=None):
+    """A scalar int32 op returning ``local_size()``.  Mirrors ``horovod.tensorflow.local_size_op``."""
+    return _runtime_int(api.local_size, name, "local_size_op()")
+
+
+def rank_op(name=None):
+    """A scalar int32 op returning ``rank()``.  Mirrors ``horovod.tensorflow.rank_op``."""
+    return _runtime_int(api.rank, name, "rank_op()")
+
+
+def local_rank_op(name=None):
+    """A scalar int32 op returning ``local_rank()``.  Mirrors ``horovod.tensorflow.local_rank_op``."""
+    return _runtime_int(api.local_rank, name, "local_rank_op()")
+
+
+def process_set_included_op(process_set_id=0, name=None):
+    """1 for the global process set (every rank belongs to it).  Mirrors Horovod's op."""
+    if process_set_id != 0:
+        raise NotImplementedError("sdp supports only the global process set (process_set_id=0)")
+    return tf.constant(1, tf.int32, name=name)

@@ -1,0 +1,156 @@
+"""Reducing a list of gradients over all ranks: the one piece shared by ``DistributedGradientTape``
+and every ``DistributedOptimizer``.
+
+Dense gradients are compressed, allreduced (fused by the engine) and decompressed; ``IndexedSlices``
+(e.g. embedding gradients) are allgathered (values and indices), or made dense first with
+``sparse_as_dense=True``; ``None`` stays ``None``; gradients of variables registered as local are
+not communicated.  Everything of one call runs in a single op.
+"""
+import warnings
+
+import tensorflow as tf
+
+from sdp import api
+from sdp.common.reduce_ops import ReduceOp, resolve_op
+from sdp.tensorflow import ops
+from sdp.tensorflow.compression import Compression
+
+
+class _GlobalProcessSet:
+    """The only process set sdp has: all ranks.  Mirrors ``horovod.tensorflow.global_process_set``."""
+
+    process_set_id = 0
+    ranks = None
+
+    def size(self) -> int:
+        return api.size()
+
+    def rank(self) -> int:
+        return api.rank()
+
+    def included(self) -> bool:
+        return True
+
+    def __repr__(self):
+        return "ProcessSet(process_set_id=0, ranks=all)"
+
+
+global_process_set = _GlobalProcessSet()
+
+
+def check_process_set(process_set) -> None:
+    """Only the global process set exists: raise ``NotImplementedError`` for anything else."""
+    if process_set is None or process_set is global_process_set or getattr(process_set, "process_set_id", None) == 0:
+        return
+    raise NotImplementedError(f"process_set={process_set!r}: sdp supports only the global process set")
+
+
+def check_devices(device_dense, device_sparse) -> None:
+    """SMDDP documents ``device_dense``/``device_sparse`` as "Not supported. Raises not supported
+    error.": raise ``NotImplementedError`` if either is given (non-empty)."""
+    for label, value in (("device_dense", device_dense), ("device_sparse", device_sparse)):
+        if value:
+            raise NotImplementedError(f"{label}={value!r} is not supported: sdp places reductions itself")
+
+
+def resolve_groups(num_groups=0, groups=None):
+    """Horovod's ``num_groups`` (deprecated) / ``groups`` check.  Returns ``groups``.
+
+    Raises ``ValueError`` unless ``groups`` is None, a positive int or a list of lists of
+    variables.  Grouping changes no result in sdp: the engine fuses all gradients of a step into
+    buckets of ``SDP_FUSION_THRESHOLD`` bytes by itself."""
+    if num_groups:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups`.", DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+        raise ValueError("groups should be a non-negative integer or a list of list of tf.Variable.")
+    return groups
+
+
+def _ref(v):
+    return v.ref() if hasattr(v, "ref") else id(v)
+
+
+class GradientReducer:
+    """Reduces gradients across ranks with fixed settings.
+
+    ``name``: prefix of the collective names (made unique per graph, see :func:`ops.unique_name`).
+    ``compression``: ``Compression.none``/``Compression.fp16``.  ``op``: ``ReduceOp`` (AVERAGE, SUM,
+    MIN, MAX, PRODUCT; Adasum raises ``NotImplementedError``).  ``gradient_predivide_factor``
+    (AVERAGE only, else ``ValueError``) scales by ``1/f`` before the sum and ``f/size`` after.
+    ``scale_local_gradients``: divide gradients of local variables by ``size()``, as Horovod does.
+    """
+
+    def __init__(self, name, compression=Compression.none, sparse_as_dense=False, op=ReduceOp.AVERAGE,
+                 gradient_predivide_factor=1.0, scale_local_gradients=True):
+        self.name = name
+        self.compression = compression if compression is not None else Compression.none
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self.op = resolve_op(op)
+        if self.op == ReduceOp.ADASUM:
+            raise NotImplementedError("op=Adasum is not supported by sdp; use Average or Sum")
+        self.prescale, self.postscale = 1.0, 1.0
+        if gradient_predivide_factor != 1.0:
+            if self.op != ReduceOp.AVERAGE:
+                raise ValueError("gradient_predivide_factor not supported with op != Average")
+            self.prescale = 1.0 / gradient_predivide_factor
+            self.postscale = float(gradient_predivide_factor)
+        self.scale_local_gradients = scale_local_gradients
+        self._local = set()
+
+    def register_local(self, var) -> None:
+        """Gradients of ``var`` stay local to each rank (Horovod's ``register_local_var``)."""
+        self._local.add(_ref(var))
+
+    @property
+    def has_local(self) -> bool:
+        return bool(self._local)
+
+    def reduce(self, grads, variables=None):
+        """Return ``grads`` (list of ``tf.Tensor``/``tf.IndexedSlices``/``None``) reduced over all
+        ranks, in the same order, shapes and dtypes.  ``variables`` (same length) is needed only
+        when local variables are registered."""
+        grads = list(grads)
+        if self._local and (variables is None or len(variables) != len(grads)):
+            raise ValueError("local variables are registered: pass the variables matching the gradients")
+        local = [bool(self._local) and _ref(v) in self._local for v in (variables or [None] * len(grads))]
+        prefix = ops.unique_name(self.name)
+        batch = ops.Batch("gradient allreduce")
+        plan = []
+        for i, (g, is_local) in enumerate(zip(grads, local)):
+            if g is None or is_local:
+                plan.append(None)
+                continue
+            if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
+                g = tf.convert_to_tensor(g)
+            if isinstance(g, tf.IndexedSlices):
+                if self.op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+                    raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
+                if self.prescale != 1.0 or self.postscale != 1.0:
+                    raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+                vi = batch.add_allgather(g.values, f"{prefix}.grad_{i}.values")
+                ii = batch.add_allgather(g.indices, f"{prefix}.grad_{i}.indices")
+                plan.append(("sparse", g, vi, ii))
+            else:
+                c, ctx = self.compression.compress(g)
+                ri = batch.add_allreduce(c, f"{prefix}.grad_{i}", self.op, self.prescale, self.postscale)
+                plan.append(("dense", ctx, ri))
+        results = batch.run()
+        out = []
+        n = api.size()
+        for g, p, is_local in zip(grads, plan, local):
+            if p is None:
+                if is_local and g is not None and self.scale_local_gradients and n > 1:
+                    g = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
+                         if isinstance(g, tf.IndexedSlices) else g / n)
+                out.append(g)
+            elif p[0] == "dense":
+                out.append(self.compression.decompress(results[p[2]], p[1]))
+            else:
+                _, sg, vi, ii = p
+                values = results[vi]
+                if self.op == ReduceOp.AVERAGE:
+                    values = values / tf.cast(n, values.dtype)
+                out.append(tf.IndexedSlices(values, results[ii], dense_shape=sg.dense_shape))
+        return out

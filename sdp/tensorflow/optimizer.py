@@ -1,0 +1,151 @@
+"""``DistributedOptimizer`` for every optimizer family: ``tf.compat.v1.train.Optimizer`` (TF1
+graphs), Keras 3 and tf_keras optimizers (see :mod:`sdp.tensorflow.keras_optimizer`).
+
+Mirrors ``smdistributed.dataparallel.tensorflow.DistributedOptimizer`` and
+``horovod.tensorflow.DistributedOptimizer``.
+"""
+import tensorflow as tf
+
+from sdp import api
+from sdp.common.config import bucket_cap_mb_to_bytes
+from sdp.common.reduce_ops import ReduceOp, resolve_op
+from sdp.tensorflow import keras_optimizer
+from sdp.tensorflow.aggregation import LocalAggregator
+from sdp.tensorflow.compression import Compression
+from sdp.tensorflow.gradients import (GradientReducer, check_devices, check_process_set, global_process_set,
+                                      resolve_groups)
+
+_LegacyOptimizer = tf.compat.v1.train.Optimizer
+
+
+class _DistributedLegacyOptimizer(_LegacyOptimizer):
+    """Wraps a ``tf.compat.v1.train.Optimizer``: ``compute_gradients`` returns gradients reduced
+    over all ranks; everything else is delegated to the wrapped optimizer."""
+
+    def __init__(self, optimizer, name, use_locking, reducer, aggregator):
+        super().__init__(name=name, use_locking=use_locking)
+        self._optimizer = optimizer
+        self._sdp_reducer = reducer
+        self._sdp_aggregator = aggregator
+
+    def register_local_var(self, var):
+        """Keep the gradient of ``var`` local to each rank.  Mirrors Horovod's ``register_local_var``."""
+        self._sdp_reducer.register_local(var)
+
+    def compute_gradients(self, *args, **kwargs):
+        """``Optimizer.compute_gradients`` of the wrapped optimizer, then reduced over all ranks
+        (on every ``backward_passes_per_step``-th call when accumulating).  Returns a list of
+        ``(gradient, variable)``."""
+        pairs = self._optimizer.compute_gradients(*args, **kwargs)
+        if not pairs:
+            return pairs
+        grads, variables = zip(*pairs)
+        if self._sdp_aggregator is not None:
+            reduced = self._sdp_aggregator.compute(list(grads), list(variables))
+        else:
+            reduced = self._sdp_reducer.reduce(list(grads), list(variables))
+        return list(zip(reduced, variables))
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        """Delegates to the wrapped optimizer (skipped, except for ``global_step``, on passes that
+        only accumulate)."""
+        if self._sdp_aggregator is None:
+            return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+        pairs = list(grads_and_vars)
+
+        def skip():
+            return global_step.assign_add(1) if global_step is not None else tf.no_op()
+
+        return self._sdp_aggregator.apply(
+            lambda: self._optimizer.apply_gradients(pairs, global_step=global_step, name=name), skip,
+            deps=[g for g, _ in pairs])
+
+    def get_slot(self, *args, **kwargs):
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args, **kwargs):
+        return self._optimizer.variables(*args, **kwargs)
+
+
+def apply_bucket_cap(bucket_cap_mb) -> None:
+    """Set the engine's fusion buffer to ``bucket_cap_mb`` MiB on every rank (SMDDP's argument).
+
+    Raises ``ValueError`` unless ``bucket_cap_mb * 1024 * 1024`` is a non-negative multiple of 128
+    bytes.  Every rank must pass the same value: the change is made between two barriers, so that
+    no collective is planned with different thresholds on different ranks."""
+    if bucket_cap_mb is None:
+        return
+    nbytes = bucket_cap_mb_to_bytes(bucket_cap_mb)
+    rt = api.runtime("DistributedOptimizer(bucket_cap_mb=...)")
+    if rt.fusion_threshold == nbytes:
+        return
+    api.barrier()
+    rt.fusion_threshold = nbytes
+    api.barrier()
+
+
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False, op=ReduceOp.AVERAGE,
+                         bucket_cap_mb=None, *, backward_passes_per_step=1, gradient_predivide_factor=1.0,
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=global_process_set, scale_local_gradients=True):
+    """Wrap ``optimizer`` so that gradients are reduced (averaged by default) over all ranks before
+    they are applied.
+
+    ``optimizer``: a ``tf.compat.v1.train.Optimizer`` (returns a wrapper whose
+    ``compute_gradients`` reduces; use it in TF1 graphs), a Keras 3 optimizer or a tf_keras
+    optimizer (returns an instance of a subclass of the optimizer's own class; see
+    :func:`sdp.tensorflow.keras.DistributedOptimizer`).  Anything else raises ``ValueError``.
+
+    Positional arguments follow SMDDP: ``name`` (default ``"Distributed" + class name``),
+    ``use_locking``, ``device_dense``/``device_sparse`` (not supported: a non-empty value raises
+    ``NotImplementedError``), ``compression`` (``Compression.none``/``fp16``),
+    ``sparse_as_dense`` (densify ``IndexedSlices`` instead of allgathering them), ``op``
+    (``ReduceOp``; default AVERAGE; Adasum raises ``NotImplementedError``), ``bucket_cap_mb``
+    (fusion buffer size in MiB for the whole job; ``ValueError`` unless ``bucket_cap_mb * 2**20``
+    is a multiple of 128; every rank must pass the same value).
+
+    Horovod's other arguments are keyword-only (Horovod's positional order differs from SMDDP's
+    after ``sparse_as_dense``): ``backward_passes_per_step`` (reduce and apply every N passes,
+    accumulating locally in between; TF1 optimizers need graph mode for N > 1, as in Horovod),
+    ``average_aggregated_gradients`` (divide the accumulated sum by N), ``gradient_predivide_factor``
+    (AVERAGE only), ``num_groups``/``groups`` (validated; no effect on results),
+    ``process_set`` (global only), ``scale_local_gradients``.
+
+    Mirrors ``smdistributed.dataparallel.tensorflow.DistributedOptimizer`` and
+    ``horovod.tensorflow.DistributedOptimizer``."""
+    check_devices(device_dense, device_sparse)
+    check_process_set(process_set)
+    resolve_groups(num_groups, groups)
+    op = resolve_op(op)
+    if op == ReduceOp.ADASUM:
+        raise NotImplementedError("op=Adasum is not supported by sdp; use Average or Sum")
+    if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if int(backward_passes_per_step) < 1:
+        raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step}")
+    if isinstance(optimizer, _LegacyOptimizer):
+        apply_bucket_cap(bucket_cap_mb)
+        name = name or f"Distributed{type(optimizer).__name__}"
+        reducer = GradientReducer(name, compression, sparse_as_dense, op, gradient_predivide_factor,
+                                  scale_local_gradients)
+        aggregator = None
+        if backward_passes_per_step > 1:
+            if tf.executing_eagerly():
+                raise ValueError("backward_passes_per_step > 1 is not yet supported for _LegacyOptimizer "
+                                 "with eager execution.")
+            aggregator = LocalAggregator(backward_passes_per_step, reducer, average_aggregated_gradients,
+                                         sparse_as_dense)
+        return _DistributedLegacyOptimizer(optimizer, name, use_locking, reducer, aggregator)
+    if keras_optimizer.flavor(optimizer) is not None:
+        if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError("op currently only supports Average and Sum")
+        apply_bucket_cap(bucket_cap_mb)
+        return keras_optimizer.make(optimizer, name, compression, sparse_as_dense, op, gradient_predivide_factor,
+                                    backward_passes_per_step, average_aggregated_gradients,
+                                    scale_local_gradients)
+    raise ValueError("Provided optimizer doesn't inherit from either legacy TensorFlow or Keras optimizer: "
+                     f"{optimizer!r}")
