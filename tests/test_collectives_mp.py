@@ -45,3 +45,7 @@ def test_objects_barrier_grouped():
         assert got == {"from": 1, "list": [1, 1, 1]}
         assert every == [["rank", 0], ["rank", 1], ["rank", 2]]
         assert grouped == [[3.0] * 3, [3] * 2]
+
+
+def test_repeated_allgather_with_changing_rows_is_not_cached_wrongly():
+    assert all(check_ok(run_workers(3, "workers_collectives:repeated_uneven_allgather", [5])))

@@ -154,3 +154,17 @@ def objects_and_barrier():
     every = sdp.allgather_object(("rank", r))
     grouped = sdp.grouped_allreduce([np.full(3, r, np.float32), np.full(2, r, np.int64)], op=sdp.Sum)
     return [got, every, [g.tolist() for g in grouped]]
+
+
+def repeated_uneven_allgather(steps):
+    """Same name every step, rank-dependent first dimension that changes per step."""
+    r, n = sdp.rank(), sdp.size()
+    ok = True
+    for step in range(steps):
+        rows = (r + step) % 3 + 1
+        out = sdp.allgather(np.full((rows, 2), r, np.int32), name="ag")
+        expect = np.concatenate([np.full(((q + step) % 3 + 1, 2), q, np.int32) for q in range(n)])
+        ok = ok and np.array_equal(out, expect)
+        got, _ = sdp.alltoall(np.arange(n * (step + 1)), name="a2a")
+        ok = ok and got.size == n * (step + 1)
+    return bool(ok)

@@ -18,7 +18,7 @@ from sdp.common import errors
 from sdp.common.config import Config
 from sdp.common.reduce_ops import UFUNCS, ReduceOp
 from sdp.engine import collectives, fusion, timeline
-from sdp.engine.coordinator import JOIN, Coordinator, signature
+from sdp.engine.coordinator import JOIN, Coordinator
 from sdp.transport.zmq_mesh import CTRL, Mesh
 
 log = logging.getLogger("sdp.engine")
@@ -88,6 +88,11 @@ class Request:
         self.prescale, self.postscale = float(prescale), float(postscale)
         self.handle = Handle(name)
 
+    def key(self) -> tuple:
+        """Everything that must agree across ranks, hashable: the response-cache key."""
+        return (self.name, self.kind, self.array.dtype, self.array.shape, self.op, self.root,
+                self.prescale, self.postscale, None if self.splits is None else tuple(self.splits))
+
     def meta(self) -> dict:
         reduces = self.kind in ("allreduce", "reducescatter")
         return {"n": self.name, "k": self.kind, "d": self.array.dtype.str if self.array.dtype.kind != "V"
@@ -115,7 +120,7 @@ class Runtime:
         os.set_blocking(self._wake_r, False)
         self.mesh.poller.register(self._wake_r, 1)  # zmq.POLLIN
         self._pending: Dict[str, Request] = {}
-        self._cache: Dict[str, int] = {}  # signature -> id (same on all ranks)
+        self._cache: Dict[tuple, int] = {}  # Request.key() -> response-cache id (same on all ranks)
         self._coord = Coordinator(self.size, self.config.stall_check_s, self.config.stall_shutdown_s) \
             if self.rank == 0 else None
         self._seq = 0
@@ -202,10 +207,9 @@ class Runtime:
                     "names must be unique among outstanding collectives"))
                 continue
             self._pending[req.name] = req
-            meta = req.meta()
-            cid = self._cache.get(signature(meta))
+            cid = self._cache.get(req.key())
             if cid is None:
-                new.append(meta)
+                new.append(req.meta())
             else:
                 ids.append(cid)
             if self.timeline:
@@ -276,8 +280,10 @@ class Runtime:
             if req is None:
                 raise errors.ProtocolError(f"rank {self.rank}: coordinator scheduled '{item['n']}', "
                                            "which this rank did not submit")
-            if "meta" in item:
-                self._cache[signature(req.meta())] = item["id"]
+            if "meta" in item and req.kind not in ("allgather", "alltoall"):
+                # (allgather/alltoall metas differ per rank in the first dimension / splits, so
+                # rank 0's agreed meta would be wrong for the others: those always travel in full)
+                self._cache[req.key()] = item["id"]
             if self.timeline:
                 self.timeline.end(req.name, "NEGOTIATE")
             if req.kind == "allreduce":
