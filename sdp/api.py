@@ -148,22 +148,26 @@ def _submit(kind, tensor, name, **kw) -> Handle:
 
 
 def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0) -> Handle:
+                    postscale_factor: float = 1.0, out: Optional[np.ndarray] = None) -> Handle:
     """Start an allreduce of ``tensor`` (numpy array, any shape) and return a handle.
 
     ``op``: :class:`ReduceOp` (default AVERAGE).  Scale factors multiply before / after reduction.
-    The result has the shape and dtype of ``tensor``.  Mirrors ``horovod.torch.allreduce_async``."""
+    The result has the shape and dtype of ``tensor``; it is written into ``out`` when given (a
+    preallocated array of that shape and dtype, which may be ``tensor`` itself: in place, like
+    ``horovod.torch.allreduce_``), else into a new array.
+    Mirrors ``horovod.torch.allreduce_async``.  Raises ``ValueError`` for an unusable ``out``."""
     return _submit("allreduce", tensor, name, op=resolve_op(op), prescale=prescale_factor,
-                   postscale=postscale_factor)
+                   postscale=postscale_factor, out=out)
 
 
 def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0) -> np.ndarray:
-    """Reduce ``tensor`` across all ranks (default: average) and return the result everywhere.
+              postscale_factor: float = 1.0, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """Reduce ``tensor`` across all ranks (default: average) and return the result everywhere
+    (``out`` if given, see :func:`allreduce_async`).
 
     Shape, dtype, op and scale factors must agree on every rank, otherwise every rank raises
     :class:`TensorMismatchError`.  Mirrors ``horovod.tensorflow.allreduce`` on numpy arrays."""
-    return allreduce_async(tensor, name, op, prescale_factor, postscale_factor).wait()
+    return allreduce_async(tensor, name, op, prescale_factor, postscale_factor, out).wait()
 
 
 def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = None, op=None,

@@ -49,3 +49,13 @@ def test_objects_barrier_grouped():
 
 def test_repeated_allgather_with_changing_rows_is_not_cached_wrongly():
     assert all(check_ok(run_workers(3, "workers_collectives:repeated_uneven_allgather", [5])))
+
+
+def test_allreduce_into_preallocated_and_in_place():
+    for same, inplace, bad in check_ok(run_workers(2, "workers_collectives:out_and_in_place", [])):
+        assert same and inplace == 3.0
+        assert "out= for 'bad' must be" in bad
+
+
+def test_back_to_back_shared_memory_allreduces_stay_exact():
+    assert all(check_ok(run_workers(3, "workers_collectives:back_to_back_shm", [60])))

@@ -168,3 +168,34 @@ def repeated_uneven_allgather(steps):
         got, _ = sdp.alltoall(np.arange(n * (step + 1)), name="a2a")
         ok = ok and got.size == n * (step + 1)
     return bool(ok)
+
+
+def out_and_in_place():
+    r = sdp.rank()
+    a = np.full(100_000, r + 1.0, np.float32)
+    out = np.empty_like(a)
+    res = sdp.allreduce(a, name="o", op=sdp.Sum, out=out)
+    same = res is out and float(out[0]) == 3.0 and float(a[0]) == r + 1.0
+    sdp.allreduce(a, name="inplace", op=sdp.Sum, out=a)
+    try:
+        sdp.allreduce(a, name="bad", out=np.empty(3, np.float32))
+        bad = "no error"
+    except ValueError as e:
+        bad = str(e)
+    return [bool(same), float(a[0]), bad]
+
+
+def back_to_back_shm(steps):
+    """Consecutive shared-memory allreduces with one rank lagging at random points: each result
+    must be exact (catches a rank overwriting a half that a peer is still reading)."""
+    import random
+    import time
+    rng = random.Random(sdp.rank())
+    n, ok = sdp.size(), True
+    for step in range(steps):
+        if rng.random() < 0.3:
+            time.sleep(0.002)
+        a = np.full(50_000 + step, float(step * 10 + sdp.rank()), np.float64)
+        out = sdp.allreduce(a, name="b2b", op=sdp.Sum)
+        ok = ok and bool(np.all(out == sum(step * 10 + q for q in range(n))))
+    return ok

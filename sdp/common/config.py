@@ -10,7 +10,7 @@
 | SDP_STALL_CHECK_TIME      | 60 (s)       | warn when a tensor waits this long for other ranks         |
 | SDP_STALL_SHUTDOWN_TIME   | 0 (s, off)   | raise StallError after this long                           |
 | SDP_SEGMENT_BYTES         | 1048576 (B)  | size of one pipelined frame on the wire                    |
-| SDP_SHM_SLAB_BYTES        | 16777216 (B) | same-host shared-memory slab (0: no shared memory)         |
+| SDP_SHM_SLAB_BYTES        | 33554432 (B) | same-host shared-memory slab (0: no shared memory)         |
 | SDP_TIMELINE              | unset        | path of a Chrome-trace JSON timeline                       |
 | SDP_LOG_LEVEL             | WARNING      | level of the ``sdp`` logger                                |
 
@@ -44,7 +44,7 @@ class Config:
     stall_check_s: float = 60.0
     stall_shutdown_s: float = 0.0
     segment_bytes: int = 1 << 20
-    shm_slab_bytes: int = 16 << 20
+    shm_slab_bytes: int = 32 << 20
     timeline: Optional[str] = None
 
     @classmethod
@@ -60,7 +60,7 @@ class Config:
             stall_shutdown_s=_get(env, ["SDP_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"],
                                   0.0, float),
             segment_bytes=_get(env, ["SDP_SEGMENT_BYTES"], 1 << 20, int),
-            shm_slab_bytes=_get(env, ["SDP_SHM_SLAB_BYTES"], 16 << 20, int),
+            shm_slab_bytes=_get(env, ["SDP_SHM_SLAB_BYTES"], 32 << 20, int),
             timeline=_get(env, ["SDP_TIMELINE", "HOROVOD_TIMELINE"], None, str),
         )
 

@@ -80,19 +80,30 @@ def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None):
 
     ``acc`` is an optional accumulation dtype (float32 for float16/bfloat16 payloads)."""
     n = mesh.size
-    if n == 1 or inp.size == 0 or inp.nbytes <= SMALL_BYTES or inp.size < n or mesh.shm is None:
-        if out is not inp:
-            np.copyto(out, inp)
+    shm = uses_shm(mesh, inp.nbytes, inp.size)
+    if not shm and out is not inp:
+        np.copyto(out, inp)
     if n == 1 or inp.size == 0:
         return
-    if inp.nbytes <= SMALL_BYTES or inp.size < n:
-        _recursive_doubling(mesh, out, ufunc, seq, acc)
-    elif mesh.shm is not None:
+    if shm:
         _shm_allreduce(mesh, inp, out, ufunc, seq, acc)
+    elif inp.nbytes <= SMALL_BYTES or inp.size < n:
+        _recursive_doubling(mesh, out, ufunc, seq, acc)
     else:
         edges = _bounds(out.size, n)
         _ring_reduce_scatter(mesh, out, ufunc, seq, segment_bytes, edges, acc)
         _ring_allgather(mesh, out, seq, segment_bytes, edges)
+
+
+def uses_shm(mesh, nbytes, count) -> bool:
+    """Whether :func:`allreduce` takes the shared-memory path for this buffer."""
+    return mesh.shm is not None and mesh.size > 1 and nbytes > SMALL_BYTES and count >= mesh.size
+
+
+def allreduce_staged(mesh, half, inp, out, ufunc, seq, acc=None):
+    """Allreduce ``inp`` — this rank's shared-memory half ``half`` (from ``mesh.shm.claim()``),
+    already filled, at most one slab — into ``out``."""
+    _shm_allreduce(mesh, inp, out, ufunc, seq, acc, staged=half)
 
 
 def _sync(mesh, seq, step):
@@ -104,24 +115,30 @@ def _sync(mesh, seq, step):
         mesh.recv(q, SYNC, seq=seq, aux=step)
 
 
-def _shm_allreduce(mesh, inp, out, ufunc, seq, acc):
+def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, staged=None):
     """Same-host allreduce through shared memory, one slab (<= half a segment) at a time.
 
     Per slab: (1) copy the chunks peers will reduce into my segment; barrier; (2) reduce my chunk
     from my input and the peers' segments into my segment; barrier; (3) copy every rank's
-    reduced chunk into ``out``.  Slabs alternate between the two halves of each segment, so the
-    next slab's barrier (1) also proves every rank has finished reading the half we reuse."""
+    reduced chunk into ``out``.  Successive slabs (across calls too) alternate between the two
+    halves of every segment, so slab g's first barrier proves every rank finished reading the
+    half that slab g-2 used before anyone overwrites it.
+
+    ``staged``: the half index when ``inp`` already *is* this rank's half (the caller packed a
+    fusion bucket straight into shared memory, so step (1) has nothing to copy)."""
     seg, n, r = mesh.shm, mesh.size, mesh.rank
     slab = max(n, seg.slab_bytes // inp.dtype.itemsize)
     for k, start in enumerate(range(0, inp.size, slab)):
         m = min(slab, inp.size - start)
         edges = _bounds(m, n)
         src = inp[start:start + m]
-        halves = [seg.half(q, k % 2, inp.dtype, m) for q in range(n)]
+        half = staged if staged is not None else seg.claim()
+        halves = [seg.half(q, half, inp.dtype, m) for q in range(n)]
         mine = halves[r]
-        for q in range(n):
-            if q != r:
-                np.copyto(mine[edges[q]:edges[q + 1]], src[edges[q]:edges[q + 1]])
+        if staged is None:
+            for q in range(n):
+                if q != r:
+                    np.copyto(mine[edges[q]:edges[q + 1]], src[edges[q]:edges[q + 1]])
         _sync(mesh, seq, 2 * k)
         lo, hi = edges[r], edges[r + 1]
         if acc is None:
@@ -140,7 +157,6 @@ def _shm_allreduce(mesh, inp, out, ufunc, seq, acc):
         dst = out[start:start + m]
         for q in range(n):
             np.copyto(dst[edges[q]:edges[q + 1]], halves[q][edges[q]:edges[q + 1]])
-
 
 def _combine(ufunc, mine, theirs, acc):
     if acc is None:

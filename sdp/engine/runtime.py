@@ -74,10 +74,10 @@ class Handle:
 class Request:
     """One tensor submitted to one collective (see :mod:`sdp.engine.coordinator` for ``meta``)."""
 
-    __slots__ = ("name", "kind", "array", "op", "root", "prescale", "postscale", "splits", "handle")
+    __slots__ = ("name", "kind", "array", "op", "root", "prescale", "postscale", "splits", "handle", "out")
 
     def __init__(self, name, kind, array, op=ReduceOp.SUM, root=None, prescale=1.0, postscale=1.0,
-                 splits=None):
+                 splits=None, out=None):
         if kind not in KINDS:
             raise ValueError(f"unknown collective kind {kind!r}")
         array = np.asarray(array)
@@ -86,6 +86,11 @@ class Request:
         self.name, self.kind, self.array = name, kind, array
         self.op, self.root, self.splits = op, root, splits
         self.prescale, self.postscale = float(prescale), float(postscale)
+        if out is not None and (kind != "allreduce" or out.shape != array.shape or out.dtype != array.dtype
+                                or not out.flags.c_contiguous or not out.flags.writeable):
+            raise ValueError(f"out= for '{name}' must be a writable C-contiguous {array.dtype} array of shape "
+                             f"{array.shape} (allreduce only), got {out.dtype} {out.shape}")
+        self.out = out
         self.handle = Handle(name)
 
     def key(self) -> tuple:
@@ -333,24 +338,45 @@ class Runtime:
             np.multiply(buf, post, out=buf, casting="unsafe")
 
     def _allreduce_bucket(self, reqs: List[Request]) -> None:
-        tl = self.timeline
-        names = [r.name for r in reqs]
+        """One collective for ``reqs`` (same dtype/op/scales).  A fused bucket is packed straight
+        into this rank's shared-memory half when it fits (else into the fusion buffer) and
+        reduced into one new result array; each request gets a view of its part (no unpack copy)."""
+        tl, names, first = self.timeline, [r.name for r in reqs], reqs[0]
+        dtype = first.array.dtype
         if len(reqs) == 1:
-            req = reqs[0]
-            out = np.empty(req.array.size, req.array.dtype)
+            out = first.out if first.out is not None else np.empty(first.array.shape, dtype)
             with timeline.span(tl, names, "ALLREDUCE"):
-                self._reduce(req.array.reshape(-1), out, req)
-            self._complete(req, out.reshape(req.array.shape))
+                self._reduce(first.array.reshape(-1), out.reshape(-1), first)
+            self._complete(first, out)
             return
-        buf = self._fusion.view(reqs[0].array.dtype, sum(r.array.size for r in reqs))
+        total = sum(r.array.size for r in reqs)
+        result = np.empty(total, dtype)
+        seg = self.mesh.shm
+        staged = (collectives.uses_shm(self.mesh, total * dtype.itemsize, total)
+                  and total * dtype.itemsize <= seg.slab_bytes)
+        if staged:
+            half = seg.claim()
+            buf = seg.half(self.rank, half, dtype, total)
+        else:
+            buf = self._fusion.view(dtype, total)
         with timeline.span(tl, names, "FUSE"):
             offsets = fusion.pack(buf, [r.array for r in reqs])
         with timeline.span(tl, names, "ALLREDUCE"):
-            self._reduce(buf, buf, reqs[0])
+            if staged:
+                if first.prescale != 1.0:
+                    np.multiply(buf, first.prescale, out=buf, casting="unsafe")
+                collectives.allreduce_staged(self.mesh, half, buf, result, UFUNCS[first.op], self._next_seq(),
+                                             accumulation_dtype(dtype))
+                self._finish_scale(result, first)
+            else:
+                self._reduce(buf, result, first)
         with timeline.span(tl, names, "UNPACK"):
-            outs = fusion.unpack(buf, offsets, [r.array.shape for r in reqs])
-        for r, out in zip(reqs, outs):
-            self._complete(r, out)
+            for i, r in enumerate(reqs):
+                view = result[offsets[i]:offsets[i + 1]].reshape(r.array.shape)
+                if r.out is not None:
+                    np.copyto(r.out, view)
+                    view = r.out
+                self._complete(r, view)
 
     def _complete(self, req: Request, result) -> None:
         del self._pending[req.name]

@@ -24,16 +24,16 @@ class LocalAggregator:
         self._acc = {}
         self._counter = None
 
-    def _variable(self, initial, name):
+    def _variable(self, shape, dtype, name):
         with tf.init_scope():
-            return tf.Variable(initial, trainable=False, name=name)
+            return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name)
 
     def _ensure(self, grads):
         if self._counter is None:
-            self._counter = self._variable(tf.constant(0, tf.int64), "sdp_aggregation_counter")
+            self._counter = self._variable([], tf.int64, "sdp_aggregation_counter")
         for i, g in enumerate(grads):
             if g is not None and i not in self._acc:
-                self._acc[i] = self._variable(tf.zeros(g.shape, g.dtype), f"sdp_aggregated_grad_{i}")
+                self._acc[i] = self._variable(g.shape, g.dtype, f"sdp_aggregated_grad_{i}")
 
     def compute(self, grads, variables=None):
         """Accumulate ``grads``; return the reduced accumulated gradients on a communication pass,

@@ -30,6 +30,10 @@ class XlaNotSupportedError(SdpError, NotImplementedError):
     sdp's collectives run as ``tf.py_function`` ops, which XLA cannot compile.  Compile the model
     or function with ``jit_compile=False``."""
 
+    # AutoGraph re-raises an error from traced code with its own type only if the type's __init__
+    # is Exception's (otherwise it substitutes a StagingError): keep the type visible to callers.
+    __init__ = Exception.__init__
+
 
 def _in_xla_context() -> bool:
     if tf.executing_eagerly():

@@ -52,6 +52,13 @@ class SharedSegments:
             raise
         self.peers = {rank: self.mine}
         self._unlinked = False
+        self._uses = 0
+
+    def claim(self) -> int:
+        """The half (0/1) the next slab must use: halves alternate over the whole job, the same
+        sequence on every rank because all ranks run the same collectives in the same order."""
+        self._uses += 1
+        return self._uses % 2
 
     def attach(self, rank: int, path: str) -> None:
         self.peers[rank] = _map(path, self.nbytes, create=False)

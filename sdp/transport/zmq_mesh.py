@@ -55,7 +55,7 @@ class Mesh:
     """
 
     def __init__(self, topology, timeout_s: float = 300.0, start_timeout_s: float = 60.0,
-                 shm_slab_bytes: int = 16 << 20):
+                 shm_slab_bytes: int = 32 << 20):
         self.rank = topology.rank
         self.size = topology.size
         self.timeout_s = timeout_s
@@ -196,9 +196,9 @@ class Mesh:
     def pump(self, timeout_ms: Optional[float]) -> None:
         """Wait up to ``timeout_ms`` (None: forever) for socket activity and sort it into inboxes."""
         ready = dict(self.poller.poll(timeout_ms))
+        self._drain_router()  # first: a peer's BYE must be seen before its disconnect event
         if len(ready) > (self.router in ready):
             self._drain_monitors(ready)
-        self._drain_router()
 
     def recv(self, src: int, kind: int, seq: Optional[int] = None, aux: Optional[int] = None,
              deadline: Optional[float] = None):
