@@ -78,6 +78,13 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
+def set_fusion_threshold(nbytes: int) -> None:
+    """Set the fusion buffer size in bytes (0 disables fusion); rank 0's setting decides the
+    buckets for every rank.  SMDDP's ``bucket_cap_mb`` maps here through
+    :func:`sdp.common.config.bucket_cap_mb_to_bytes`.  Raises ``ValueError`` if negative."""
+    runtime("set_fusion_threshold()").set_fusion_threshold(nbytes)
+
+
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start writing a Chrome-trace timeline of every tensor's phases to ``file_path`` (rank 0).
 

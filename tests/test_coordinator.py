@@ -27,7 +27,7 @@ def test_response_cache_ids_replace_metadata_in_steady_state():
     c.add(0, {"ids": [0]})
     c.add(1, {"ids": [0]})
     second = c.ready()[0]
-    assert second == {"n": "g", "id": 0}  # no metadata travels once cached
+    assert second == {"n": "g", "id": 0, "b": 0}  # no metadata travels once cached
 
 
 def test_cached_id_against_new_shape_is_a_mismatch():
@@ -63,3 +63,18 @@ def test_stall_warning_names_missing_ranks_then_fatal():
     assert c.stalls(t0 + 2.5) == ([], None)  # not repeated every cycle
     _, fatal = c.stalls(t0 + 6)
     assert fatal and "'late' missing ranks [1]" in fatal
+
+
+def test_coordinator_plans_fusion_buckets_by_threshold_and_key():
+    c = Coordinator(2, fusion_threshold=100)
+    ms = [meta(f"g{i}", shape=(10,)) for i in range(5)] + [meta("d", shape=(10,), dtype="<f8")]
+    for r in (0, 1):
+        c.add(r, {"new": ms})
+    items = {i["n"]: i["b"] for i in c.ready()}
+    # 40-byte float32 tensors: two per 100-byte bucket; the float64 one has its own
+    assert [items[f"g{i}"] for i in range(5)] == [0, 0, 1, 1, 2]
+    assert items["d"] not in (0, 1, 2)
+    c.fusion_threshold = 0
+    for r in (0, 1):
+        c.add(r, {"ids": [0, 1]})
+    assert len({i["b"] for i in c.ready()}) == 2  # no fusion

@@ -24,13 +24,24 @@ import logging
 import time
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
+
 from sdp.common.reduce_ops import ReduceOp
+from sdp.engine.fusion import plan_buckets
 
 log = logging.getLogger("sdp.coordinator")
 
 # fields that must agree on every rank (allgather: all but the first dimension of the shape)
 CHECKED = (("k", "op"), ("d", "dtype"), ("o", "reduce op"), ("r", "root rank"),
            ("pre", "prescale factor"), ("post", "postscale factor"))
+
+
+def wire_dtype(code: str) -> np.dtype:
+    """The numpy dtype for a meta ``d`` field: a dtype string ('<f4') or a name ('bfloat16')."""
+    if code[:1] in "<>|=":
+        return np.dtype(code)
+    import ml_dtypes  # registers bfloat16 & co. with numpy (installed with TensorFlow)
+    return np.dtype(getattr(ml_dtypes, code))
 
 
 JOIN = "__join__"  # the reserved name of join() requests
@@ -101,8 +112,10 @@ def check(metas: Dict[int, dict], size: int) -> Optional[str]:
 class Coordinator:
     """Collects requests from all ranks and decides what runs, in which order."""
 
-    def __init__(self, size: int, stall_check_s: float = 60.0, stall_shutdown_s: float = 0.0):
+    def __init__(self, size: int, stall_check_s: float = 60.0, stall_shutdown_s: float = 0.0,
+                 fusion_threshold: int = 25 * 1024 * 1024):
         self.size = size
+        self.fusion_threshold = fusion_threshold  # bytes per bucket; 0: no fusion
         self.stall_check_s = stall_check_s
         self.stall_shutdown_s = stall_shutdown_s
         self.table: Dict[str, Dict[int, dict]] = {}  # name -> rank -> meta
@@ -186,10 +199,23 @@ class Coordinator:
             item["id"] = cid
             items.append(item)
         self.order = keep
+        self._plan_fusion(items)
         if len(joined) == self.size:
             items.append({"n": JOIN, "last": self.joined[-1]})
             self.joined = []
         return items
+
+    def _plan_fusion(self, items: List[dict]) -> None:
+        """Give each allreduce item its bucket index ``b`` (same plan for every rank)."""
+        metas = {it["n"]: self.cache_meta[it["id"]] for it in items if "id" in it}
+        ars = [it for it in items if it["n"] in metas and metas[it["n"]]["k"] == "allreduce"]
+        if not ars:
+            return
+        nbytes = {n: int(np.prod(m["s"], dtype=np.int64)) * wire_dtype(m["d"]).itemsize for n, m in metas.items()}
+        key = lambda it: tuple(metas[it["n"]][k] for k in ("d", "o", "pre", "post"))
+        for b, bucket in enumerate(plan_buckets(ars, nbytes, key, self.fusion_threshold)):
+            for it in bucket:
+                it["b"] = b
 
     def stalls(self, now: Optional[float] = None) -> Tuple[List[str], Optional[str]]:
         """Return (warnings to log, fatal message or None) for names waiting on some ranks."""

@@ -18,7 +18,7 @@ from sdp.common import errors
 from sdp.common.config import Config
 from sdp.common.reduce_ops import UFUNCS, ReduceOp
 from sdp.engine import collectives, fusion, timeline
-from sdp.engine.coordinator import JOIN, Coordinator
+from sdp.engine.coordinator import JOIN, Coordinator, wire_dtype
 from sdp.transport.zmq_mesh import CTRL, Mesh
 
 log = logging.getLogger("sdp.engine")
@@ -32,14 +32,6 @@ def accumulation_dtype(dtype: np.dtype) -> Optional[np.dtype]:
     if dtype.kind == "f" and dtype.itemsize == 2 or dtype.name == "bfloat16":
         return np.dtype(np.float32)
     return None
-
-
-def wire_dtype(code: str) -> np.dtype:
-    """The numpy dtype for a meta ``d`` field: a dtype string ('<f4') or a name ('bfloat16')."""
-    if code[:1] in "<>|=":
-        return np.dtype(code)
-    import ml_dtypes  # registers bfloat16 & co. with numpy (installed with TensorFlow)
-    return np.dtype(getattr(ml_dtypes, code))
 
 
 class Handle:
@@ -117,8 +109,7 @@ class Runtime:
         self.mesh = Mesh(topology, timeout_s=self.config.timeout_s,
                          start_timeout_s=self.config.start_timeout_s,
                          shm_slab_bytes=self.config.shm_slab_bytes)
-        self.fusion_threshold = self.config.fusion_threshold
-        self._fusion = fusion.FusionBuffer(min(self.fusion_threshold, 64 << 20))
+        self._fusion = fusion.FusionBuffer(min(self.config.fusion_threshold, 64 << 20))
         self._queue = collections.deque()
         self._queue_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -126,8 +117,8 @@ class Runtime:
         self.mesh.poller.register(self._wake_r, 1)  # zmq.POLLIN
         self._pending: Dict[str, Request] = {}
         self._cache: Dict[tuple, int] = {}  # Request.key() -> response-cache id (same on all ranks)
-        self._coord = Coordinator(self.size, self.config.stall_check_s, self.config.stall_shutdown_s) \
-            if self.rank == 0 else None
+        self._coord = Coordinator(self.size, self.config.stall_check_s, self.config.stall_shutdown_s,
+                                  self.config.fusion_threshold) if self.rank == 0 else None
         self._seq = 0
         self._failed: Optional[BaseException] = None
         self._stop = threading.Event()
@@ -295,12 +286,11 @@ class Runtime:
                 reduce_items.append(item)
             else:
                 self._run_single(req, item)
-        if reduce_items:
-            key = lambda it: (self._pending[it["n"]].array.dtype.str, self._pending[it["n"]].op,
-                              self._pending[it["n"]].prescale, self._pending[it["n"]].postscale)
-            nbytes = {it["n"]: self._pending[it["n"]].array.nbytes for it in reduce_items}
-            for bucket in fusion.plan_buckets(reduce_items, nbytes, key, self.fusion_threshold):
-                self._allreduce_bucket([self._pending[it["n"]] for it in bucket])
+        buckets: Dict[int, List[Request]] = {}  # the coordinator's fusion plan ("b": bucket index)
+        for item in reduce_items:
+            buckets.setdefault(item["b"], []).append(self._pending[item["n"]])
+        for bucket in buckets.values():
+            self._allreduce_bucket(bucket)
 
     def _zeros_for_join(self, meta: dict) -> Request:
         """A rank that has joined contributes zeros to the allreduces the others still run."""
@@ -426,6 +416,14 @@ class Runtime:
         else:  # pragma: no cover - Request validates kinds
             raise errors.ProtocolError(f"unknown kind {req.kind}")
         return result
+
+    def set_fusion_threshold(self, nbytes: int) -> None:
+        """Bytes per fusion bucket from now on (0 disables fusion).  Rank 0's value decides:
+        the coordinator plans the buckets for every rank."""
+        if nbytes < 0:
+            raise ValueError(f"fusion threshold must be >= 0 bytes, got {nbytes}")
+        if self._coord is not None:
+            self._coord.fusion_threshold = int(nbytes)
 
     def _fail_all(self, err: BaseException) -> None:
         with self._queue_lock:
