@@ -1,4 +1,4 @@
-"""Tensor fusion: pack many small allreduces into one buffer, reduce once, unpack.
+"""Tensor fusion: pack many small allreduces into one buffer and reduce them in one collective.
 
 Buckets are formed from the agreed response list, which is identical on every rank, so every rank
 forms the same buckets: consecutive-in-order allreduce items with the same dtype, op and scale
@@ -52,8 +52,3 @@ def pack(buf: np.ndarray, arrays: List[np.ndarray]) -> List[int]:
         np.copyto(buf[offsets[-1]:offsets[-1] + n], a.reshape(-1))
         offsets.append(offsets[-1] + n)
     return offsets
-
-
-def unpack(buf: np.ndarray, offsets: List[int], shapes) -> List[np.ndarray]:
-    """New arrays with ``shapes`` copied out of ``buf`` at ``offsets``."""
-    return [buf[offsets[i]:offsets[i + 1]].reshape(shape).copy() for i, shape in enumerate(shapes)]
