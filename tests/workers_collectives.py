@@ -199,3 +199,12 @@ def back_to_back_shm(steps):
         out = sdp.allreduce(a, name="b2b", op=sdp.Sum)
         ok = ok and bool(np.all(out == sum(step * 10 + q for q in range(n))))
     return ok
+
+
+def fp16_average_no_overflow():
+    """float16 values near the top of the range: their sum overflows float16, their average
+    does not; the engine accumulates and scales in float32, so AVERAGE stays finite."""
+    big = np.full(100_000, 40000.0 + sdp.rank(), np.float16)
+    avg = sdp.allreduce(big, name="big", op=sdp.Average)
+    small = sdp.allreduce(np.full(1000, 3e-5, np.float16), name="small", op=sdp.Sum)
+    return [float(avg.min()), float(avg.max()), bool(np.isfinite(avg).all()), float(small[0])]

@@ -74,25 +74,32 @@ def _bounds(n_elems, parts, unit=1):
     return edges
 
 
-def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None):
+def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None):
     """Reduce ``inp`` across all ranks with ``ufunc`` into ``out`` (both 1-D, contiguous, same
     size/dtype; ``out`` may be ``inp``).  ``inp`` is not modified unless it is ``out``.
 
-    ``acc`` is an optional accumulation dtype (float32 for float16/bfloat16 payloads)."""
+    ``acc`` is an optional accumulation dtype (float32 for float16/bfloat16 payloads); ``scale``
+    an optional factor for the result (AVERAGE's 1/n), applied before 16-bit rounding where the
+    algorithm allows (shared memory), so an average of large float16 values does not overflow."""
     n = mesh.size
     shm = uses_shm(mesh, inp.nbytes, inp.size)
     if not shm and out is not inp:
         np.copyto(out, inp)
     if n == 1 or inp.size == 0:
+        if scale is not None:
+            np.multiply(out, scale, out=out, casting="unsafe")
         return
     if shm:
-        _shm_allreduce(mesh, inp, out, ufunc, seq, acc)
-    elif inp.nbytes <= SMALL_BYTES or inp.size < n:
+        _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale)
+        return
+    if inp.nbytes <= SMALL_BYTES or inp.size < n:
         _recursive_doubling(mesh, out, ufunc, seq, acc)
     else:
         edges = _bounds(out.size, n)
         _ring_reduce_scatter(mesh, out, ufunc, seq, segment_bytes, edges, acc)
         _ring_allgather(mesh, out, seq, segment_bytes, edges)
+    if scale is not None:
+        np.multiply(out, scale, out=out, casting="unsafe")
 
 
 def uses_shm(mesh, nbytes, count) -> bool:
@@ -100,10 +107,10 @@ def uses_shm(mesh, nbytes, count) -> bool:
     return mesh.shm is not None and mesh.size > 1 and nbytes > SMALL_BYTES and count >= mesh.size
 
 
-def allreduce_staged(mesh, half, inp, out, ufunc, seq, acc=None):
+def allreduce_staged(mesh, half, inp, out, ufunc, seq, acc=None, scale=None):
     """Allreduce ``inp`` — this rank's shared-memory half ``half`` (from ``mesh.shm.claim()``),
     already filled, at most one slab — into ``out``."""
-    _shm_allreduce(mesh, inp, out, ufunc, seq, acc, staged=half)
+    _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale, staged=half)
 
 
 def _sync(mesh, seq, step):
@@ -115,7 +122,7 @@ def _sync(mesh, seq, step):
         mesh.recv(q, SYNC, seq=seq, aux=step)
 
 
-def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, staged=None):
+def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None, staged=None):
     """Same-host allreduce through shared memory, one slab (<= half a segment) at a time.
 
     Per slab: (1) copy the chunks peers will reduce into my segment; barrier; (2) reduce my chunk
@@ -141,18 +148,17 @@ def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, staged=None):
                     np.copyto(mine[edges[q]:edges[q + 1]], src[edges[q]:edges[q + 1]])
         _sync(mesh, seq, 2 * k)
         lo, hi = edges[r], edges[r + 1]
-        if acc is None:
-            first = True
-            for q in range(n):
-                if q != r:
-                    ufunc(src[lo:hi] if first else mine[lo:hi], halves[q][lo:hi], out=mine[lo:hi])
-                    first = False
-        else:
-            tmp = src[lo:hi].astype(acc)
-            for q in range(n):
-                if q != r:
-                    ufunc(tmp, halves[q][lo:hi].astype(acc), out=tmp)
-            mine[lo:hi] = tmp
+        # reduce my chunk (16-bit floats: accumulate and scale in float32, round once)
+        acc_buf = mine[lo:hi] if acc is None else np.empty(hi - lo, acc)
+        first = True
+        for q in range(n):
+            if q != r:
+                ufunc(src[lo:hi] if first else acc_buf, halves[q][lo:hi], out=acc_buf, dtype=acc)
+                first = False
+        if scale is not None:
+            np.multiply(acc_buf, scale, out=acc_buf, casting="unsafe")
+        if acc is not None:
+            mine[lo:hi] = acc_buf
         _sync(mesh, seq, 2 * k + 1)
         dst = out[start:start + m]
         for q in range(n):
@@ -161,8 +167,10 @@ def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, staged=None):
 def _combine(ufunc, mine, theirs, acc):
     if acc is None:
         ufunc(mine, theirs, out=mine)
-    else:
-        mine[...] = ufunc(mine.astype(acc), theirs.astype(acc))
+    else:  # 16-bit floats: compute in float32 (the ufunc casts in buffered blocks, ~2.5x faster than astype)
+        tmp = np.empty(mine.shape, acc)
+        ufunc(mine, theirs, out=tmp, dtype=acc)
+        mine[...] = tmp
 
 
 def _recursive_doubling(mesh, buf, ufunc, seq, acc):

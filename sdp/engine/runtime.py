@@ -304,28 +304,39 @@ class Runtime:
         self._seq += 1
         return self._seq
 
-    def _reduce(self, inp: np.ndarray, out: np.ndarray, req: Request) -> None:
+    def _reduce(self, inp: np.ndarray, out: np.ndarray, req: Request, half: Optional[int] = None) -> None:
         """Prescale, allreduce ``inp`` into ``out`` (1-D; may be the same array), then
-        postscale/average ``out``.  ``inp`` is left unchanged unless it is ``out``."""
+        postscale/average.  ``inp`` is left unchanged unless it is ``out`` or a staged
+        shared-memory ``half`` (see :func:`collectives.allreduce_staged`)."""
         seq = self._next_seq()
         if req.prescale != 1.0:
-            if inp is not out:
+            if half is None and inp is not out:
                 np.copyto(out, inp)
                 inp = out
-            np.multiply(out, req.prescale, out=out, casting="unsafe")
-        acc = accumulation_dtype(out.dtype)
-        collectives.allreduce(self.mesh, inp, out, UFUNCS[req.op], seq, self.config.segment_bytes, acc)
-        self._finish_scale(out, req)
+            np.multiply(inp, req.prescale, out=inp, casting="unsafe")
+        acc, scale = accumulation_dtype(out.dtype), self._float_scale(req, out.dtype)
+        if half is None:
+            collectives.allreduce(self.mesh, inp, out, UFUNCS[req.op], seq, self.config.segment_bytes, acc, scale)
+        else:
+            collectives.allreduce_staged(self.mesh, half, inp, out, UFUNCS[req.op], seq, acc, scale)
+        self._int_scale(out, req)
 
-    def _finish_scale(self, buf: np.ndarray, req: Request) -> None:
-        post = req.postscale
+    def _float_scale(self, req: Request, dtype: np.dtype) -> Optional[float]:
+        """The factor (postscale, / size for AVERAGE) for float results, applied inside the
+        collective (in float32 for 16-bit floats, before rounding); None when there is none."""
+        if dtype.kind in "iub":
+            return None
+        factor = req.postscale / (self.size if req.op == ReduceOp.AVERAGE else 1)
+        return None if factor == 1.0 else factor
+
+    def _int_scale(self, buf: np.ndarray, req: Request) -> None:
+        """Integer results: AVERAGE floor-divides by size; postscale multiplies (truncating)."""
+        if buf.dtype.kind not in "iub":
+            return
         if req.op == ReduceOp.AVERAGE:
-            if buf.dtype.kind in "iub":
-                np.floor_divide(buf, self.size, out=buf)
-            else:
-                post /= self.size
-        if post != 1.0:
-            np.multiply(buf, post, out=buf, casting="unsafe")
+            np.floor_divide(buf, self.size, out=buf)
+        if req.postscale != 1.0:
+            np.multiply(buf, req.postscale, out=buf, casting="unsafe")
 
     def _allreduce_bucket(self, reqs: List[Request]) -> None:
         """One collective for ``reqs`` (same dtype/op/scales).  A fused bucket is packed straight
@@ -352,14 +363,7 @@ class Runtime:
         with timeline.span(tl, names, "FUSE"):
             offsets = fusion.pack(buf, [r.array for r in reqs])
         with timeline.span(tl, names, "ALLREDUCE"):
-            if staged:
-                if first.prescale != 1.0:
-                    np.multiply(buf, first.prescale, out=buf, casting="unsafe")
-                collectives.allreduce_staged(self.mesh, half, buf, result, UFUNCS[first.op], self._next_seq(),
-                                             accumulation_dtype(dtype))
-                self._finish_scale(result, first)
-            else:
-                self._reduce(buf, result, first)
+            self._reduce(buf, result, first, half if staged else None)
         with timeline.span(tl, names, "UNPACK"):
             for i, r in enumerate(reqs):
                 view = result[offsets[i]:offsets[i + 1]].reshape(r.array.shape)
@@ -411,7 +415,10 @@ class Runtime:
             collectives.reducescatter(self.mesh, buf, UFUNCS[req.op], seq, seg, edges,
                                       accumulation_dtype(buf.dtype))
             mine = buf[edges[self.rank]:edges[self.rank + 1]]
-            self._finish_scale(mine, req)
+            scale = self._float_scale(req, mine.dtype)
+            if scale is not None:
+                np.multiply(mine, scale, out=mine, casting="unsafe")
+            self._int_scale(mine, req)
             result = mine.reshape((rows[self.rank + 1] - rows[self.rank],) + a.shape[1:]).copy()
         else:  # pragma: no cover - Request validates kinds
             raise errors.ProtocolError(f"unknown kind {req.kind}")
