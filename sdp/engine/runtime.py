@@ -152,7 +152,9 @@ class Runtime:
             return
         self._stop.set()
         os.write(self._wake_w, b"x")
-        self._thread.join(timeout=self.config.timeout_s)
+        self._thread.join(timeout=2.0)  # let a collective in flight finish
+        self.mesh.stopping = True  # then cut any wait short
+        self._thread.join(timeout=30.0)
         self._fail_all(errors.NotInitializedError("waiting on a collective: sdp was shut down"))
         os.close(self._wake_r)
         os.close(self._wake_w)

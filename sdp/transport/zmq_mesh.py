@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from sdp.common.errors import CollectiveTimeoutError, PeerLostError, ProtocolError
+from sdp.common.errors import CollectiveTimeoutError, PeerLostError, ProtocolError, SdpError
 from sdp.transport import rendezvous, shm
 
 log = logging.getLogger("sdp.transport")
@@ -78,6 +78,7 @@ class Mesh:
         self.inbox = collections.defaultdict(collections.deque)  # (src, kind) -> deque of (aux, seq, frames)
         self.lost: Dict[int, str] = {}
         self.departed = set()  # ranks that said BYE
+        self.stopping = False  # set by the engine's shutdown(): waits end at once
         self.aborted: Dict[int, dict] = {}  # rank -> {"lost": rank or None, "err": str} it failed with
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
@@ -213,6 +214,8 @@ class Mesh:
         while not box:
             if src in self.lost:
                 raise self.peer_error()
+            if self.stopping:
+                raise SdpError(f"rank {self.rank}: shut down while waiting for rank {src}")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CollectiveTimeoutError(
