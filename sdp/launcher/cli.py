@@ -14,6 +14,25 @@ Output lines are prefixed ``[rank]<stdout>:`` / ``[rank]<stderr>:``.  If a worke
 are stopped and ``sdprun`` exits with that worker's status; SIGINT/SIGTERM to ``sdprun`` are
 forwarded to all workers.
 
+Elastic (watch) mode: ``sdprun -w [--builtin-config-port PORT] [--config-server URL]`` serves a
+config server; workers resize the job with the KungFu bridge (``resize(n)``, ``resize()`` after
+``propose_new_size(n)`` or a ``PUT`` to the config server); ``sdprun`` starts the new workers and
+the removed ones exit.  See :mod:`sdp.launcher.elastic`.
+
+``kungfu-run`` flags and their ``sdprun`` meaning:
+
+=========================  =====================================================================
+``-np N``                  ``-np N``: number of workers (the initial size with ``-w``)
+``-H h1:n1,h2:n2``         ``-H``: hosts and slots (only local hosts are started); with ``-w``
+                           the slots bound how far the job can grow (default: 64 on this machine)
+``-nic IFACE``             ``-nic``: network interface, ``SDP_IFACE`` for the workers
+``-w``                     ``-w`` / ``--watch``: elastic mode
+``-builtin-config-port P`` ``--builtin-config-port P``: the built-in config server's port (implies -w)
+``-config-server URL``     ``--config-server URL``: where workers read the desired size (implies -w)
+``-strategy``, ``-q``,     accepted and ignored
+``-logdir``
+=========================  =====================================================================
+
 Only local hosts are supported (no ssh yet).  For testing multi-host topologies on one machine, set
 ``SDP_LAUNCHER_ALLOW_FAKE_HOSTS=1``: any host name is accepted, every process runs locally and
 ``SDP_HOSTNAME`` tells each worker its pretend host.

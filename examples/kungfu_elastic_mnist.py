@@ -1,0 +1,127 @@
+"""Elastic KungFu-style MNIST training on sdp: the cluster grows and shrinks on a step schedule.
+
+    sdprun -w -np 2 -H localhost:4 python examples/kungfu_elastic_mnist.py \\
+        --data-dir ../shared/data/mnist --schedule 100:4,200:2 --max-step 300
+
+With ``-w`` (watch mode) ``sdprun`` serves a config server and starts new workers when the
+cluster grows.  The loop follows KungFu's elastic pattern:
+
+* after step ``s`` in the schedule, every worker calls ``resize(n)``: it returns
+  ``(changed, detached)``; a detached worker (rank >= n) leaves the loop and exits;
+* after a change, and when a new worker starts, everybody re-synchronises from rank 0: the step
+  counter first (so no step is lost or repeated), then the model and optimizer variables.
+
+Each worker trains on batches drawn for (step, rank), so the data is spread over however many
+workers there are.  Rank 0 evaluates on the test set at the end.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+sys.path.append(str(_HERE.parent))
+
+import mnist_data  # noqa: E402
+from sdp_kungfu_bridge.python import (current_cluster_size, current_rank, resize,  # noqa: E402
+                                      run_barrier)
+from sdp_kungfu_bridge.tensorflow.initializer import broadcast_variables  # noqa: E402
+from sdp_kungfu_bridge.tensorflow.ops import broadcast  # noqa: E402
+from sdp_kungfu_bridge.tensorflow.optimizers import SynchronousSGDOptimizer  # noqa: E402
+
+
+def parse_schedule(text):
+    """'100:4,200:2' -> {100: 4, 200: 2}: after step 100 resize to 4 workers, after 200 to 2."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        step, size = item.split(":")
+        out[int(step)] = int(size)
+    return out
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", default=None,
+                   help="directory with the MNIST IDX .gz files "
+                        "(default: $SDP_MNIST_DIR or ../shared/data/mnist, else download)")
+    p.add_argument("--schedule", default="100:4,200:2", help="STEP:SIZE,... resize after STEP to SIZE")
+    p.add_argument("--max-step", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=64, help="batch size per worker")
+    p.add_argument("--lr", type=float, default=0.002)
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
+    schedule = parse_schedule(args.schedule)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    tf.keras.utils.set_random_seed(os.getpid())  # differs per worker: only the sync makes them agree
+
+    (x_train, y_train), (x_test, y_test) = mnist_data.load_mnist(args.data_dir or mnist_data.find_mnist_dir())
+    x_train = (x_train.astype(np.float32) / 255.0)[..., np.newaxis]
+    y_train = y_train.astype(np.int64)
+
+    model = tf.keras.Sequential([
+        tf.keras.Input(shape=(28, 28, 1)),
+        tf.keras.layers.Conv2D(16, 3, activation="relu"),
+        tf.keras.layers.MaxPooling2D(),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(64, activation="relu"),
+        tf.keras.layers.Dense(10),
+    ])
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = SynchronousSGDOptimizer(tf.keras.optimizers.Adam(args.lr))
+    # Create the optimizer state now: a new worker must broadcast the same variables as the others.
+    opt.build(model.trainable_variables)
+
+    @tf.function
+    def train_step(images, labels):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(images, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    def sync(step):
+        """Rank 0's step, model and optimizer state on every worker."""
+        step = int(broadcast(tf.constant(step, tf.int64)))
+        broadcast_variables(model.variables + list(opt.variables))
+        return step
+
+    step, need_sync, detached = 0, True, False
+    while step < args.max_step:
+        if need_sync:
+            old = step
+            step = sync(step)
+            need_sync = False
+            print(f"rank {current_rank()}/{current_cluster_size()}: synchronised at step {step}"
+                  f"{'' if old == step else f' (was {old})'}", flush=True)
+        rng = np.random.default_rng(step * 1000 + current_rank())
+        idx = rng.integers(0, len(x_train), args.batch_size)
+        loss = train_step(x_train[idx], y_train[idx])
+        step += 1
+        if current_rank() == 0 and step % 50 == 0:
+            print(f"step {step}: {current_cluster_size()} workers, loss {float(loss):.4f}", flush=True)
+        if step in schedule:
+            changed, detached = resize(schedule[step])
+            if detached:
+                print(f"detached after step {step}", flush=True)
+                break
+            need_sync = changed
+
+    if not detached:
+        run_barrier()
+        if current_rank() == 0:
+            logits = model((x_test.astype(np.float32) / 255.0)[..., np.newaxis], training=False)
+            accuracy = float(np.mean(np.argmax(logits, axis=1) == y_test))
+            print(f"finished at step {step} with {current_cluster_size()} workers; "
+                  f"test accuracy: {accuracy:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""KungFu-style MNIST training with a TensorFlow 2 GradientTape loop, on sdp.
+
+    sdprun -np 2 python examples/kungfu_tf2_mnist_gradient_tape.py --data-dir ../shared/data/mnist
+    sdprun -np 2 python examples/kungfu_tf2_mnist_gradient_tape.py --optimizer sma
+    sdprun -np 2 python examples/kungfu_tf2_mnist_gradient_tape.py --optimizer pair-avg
+
+The KungFu recipe (kungfu.tensorflow.* is sdp_kungfu_bridge.tensorflow.*):
+  1. wrap the optimizer in a KungFu distributed optimizer:
+     sync-sgd  SynchronousSGDOptimizer        (S-SGD: gradients averaged every step)
+     sma       SynchronousAveragingOptimizer  (SMA: models averaged every step)
+     pair-avg  PairAveragingOptimizer         (AD-PSGD: average with one random peer's model,
+                                               pulled asynchronously)
+  2. after the first step, broadcast the model and optimizer variables from rank 0;
+  3. each worker reads its own shard of the data; rank 0 evaluates at the end.
+"""
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+sys.path.append(str(_HERE.parent))
+
+import mnist_data  # noqa: E402
+from sdp_kungfu_bridge.python import (current_cluster_size, current_local_size,  # noqa: E402
+                                      current_rank, run_barrier)
+from sdp_kungfu_bridge.tensorflow.initializer import broadcast_variables  # noqa: E402
+from sdp_kungfu_bridge.tensorflow.optimizers import (PairAveragingOptimizer,  # noqa: E402
+                                                     SynchronousAveragingOptimizer,
+                                                     SynchronousSGDOptimizer)
+
+OPTIMIZERS = {"sync-sgd": SynchronousSGDOptimizer, "sma": SynchronousAveragingOptimizer,
+              "pair-avg": PairAveragingOptimizer}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sync-sgd")
+    p.add_argument("--data-dir", default=None,
+                   help="directory with the MNIST IDX .gz files "
+                        "(default: $SDP_MNIST_DIR or ../shared/data/mnist, else download)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=64, help="batch size per worker")
+    p.add_argument("--lr", type=float, default=0.001, help="Adam learning rate of one worker")
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--v1-optimizer", action="store_true",
+                   help="wrap tf.compat.v1.train.AdamOptimizer (as KungFu's example) instead of Keras Adam")
+    p.add_argument("--seed", type=int, default=1)
+    return p.parse_args()
+
+
+def build_model():
+    return tf.keras.Sequential([
+        tf.keras.Input(shape=(28, 28, 1)),
+        tf.keras.layers.Conv2D(16, 3, activation="relu"),
+        tf.keras.layers.MaxPooling2D(),
+        tf.keras.layers.Conv2D(32, 3, activation="relu"),
+        tf.keras.layers.MaxPooling2D(),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(64, activation="relu"),
+        tf.keras.layers.Dense(10),
+    ])
+
+
+def evaluate(model, images, labels, batch_size=1000):
+    correct = 0
+    for i in range(0, len(images), batch_size):
+        logits = model(images[i:i + batch_size], training=False)
+        correct += int(np.sum(np.argmax(logits, axis=1) == labels[i:i + batch_size]))
+    return correct / len(images)
+
+
+def main():
+    args = parse_args()
+    rank, size = current_rank(), current_cluster_size()
+    threads = max(1, (os.cpu_count() or 1) // current_local_size())
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
+    tf.keras.utils.set_random_seed(args.seed + rank)  # models differ until the broadcast
+
+    (x_train, y_train), (x_test, y_test) = mnist_data.load_mnist(args.data_dir or mnist_data.find_mnist_dir())
+    per_worker = len(x_train) // size
+    x = (x_train[rank::size][:per_worker].astype(np.float32) / 255.0)[..., np.newaxis]
+    y = y_train[rank::size][:per_worker].astype(np.int64)
+    dataset = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(10000, seed=args.seed + rank)
+               .batch(args.batch_size, drop_remainder=True).repeat(args.epochs))
+    if args.steps:
+        dataset = dataset.take(args.steps)
+
+    model = build_model()
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    # S-SGD sees size times more data per step: scale its learning rate; model averaging does not.
+    lr = args.lr * size if args.optimizer == "sync-sgd" else args.lr
+    opt = tf.compat.v1.train.AdamOptimizer(lr) if args.v1_optimizer else tf.keras.optimizers.Adam(lr)
+    # KungFu step 1: wrap the optimizer.
+    opt = OPTIMIZERS[args.optimizer](opt)
+
+    @tf.function
+    def training_step(images, labels, first_batch):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(images, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        # KungFu step 2: after the first step (the optimizer state exists), start from rank 0's state.
+        if first_batch:
+            broadcast_variables(model.variables)
+            broadcast_variables(opt.variables())
+        return loss
+
+    if rank == 0:
+        print(f"training with {args.optimizer} on {size} worker(s), {per_worker} images each", flush=True)
+    start = time.perf_counter()
+    for batch, (images, labels) in enumerate(dataset):
+        loss = training_step(images, labels, batch == 0)
+        if batch % 100 == 0 and rank == 0:
+            print(f"step {batch}: loss {float(loss):.4f}", flush=True)
+    elapsed = time.perf_counter() - start
+    run_barrier()  # with pair averaging, peers may still pull from this worker's store
+    if rank == 0:
+        accuracy = evaluate(model, (x_test.astype(np.float32) / 255.0)[..., np.newaxis], y_test)
+        print(f"trained {batch + 1} steps in {elapsed:.1f} s", flush=True)
+        print(f"test accuracy: {accuracy:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,9 @@
+"""KungFu's TensorFlow API on sdp: mirrors ``kungfu.tensorflow``.
+
+Submodules: :mod:`.ops` (operators), :mod:`.optimizers` (distributed optimizers),
+:mod:`.initializer` (variable broadcast).  Importing this package joins the cluster, like
+``kungfu.python``.
+"""
+from sdp_kungfu_bridge import python as _python  # noqa: F401  (joins the cluster)
+from sdp_kungfu_bridge.python import (current_cluster_size, current_local_rank,  # noqa: F401
+                                      current_local_size, current_rank, detached, run_barrier)

@@ -1,0 +1,150 @@
+"""Elastic resizing under ``sdprun -w``: the KungFu bridge's resize protocol and the launcher's
+config server (tests/workers_kungfu_elastic.py is the worker; numpy only, so it is fast)."""
+import collections
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from sdp.launcher import cli, hosts
+from sdp.launcher.elastic import ElasticController
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "workers_kungfu_elastic.py")
+
+
+def _sdprun(*args, timeout=90):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop(cli.ALLOW_FAKE_HOSTS_ENV, None)
+    return subprocess.run([sys.executable, "-m", "sdp.launcher.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+def _records(stdout):
+    out = []
+    for line in stdout.splitlines():
+        prefix, sep, rest = line.partition(":")
+        if sep and prefix.endswith("<stdout>") and rest.startswith("{"):
+            out.append(json.loads(rest))
+    return out
+
+
+def _check_run(res, initial, schedule, max_step):
+    """Sizes follow the schedule, every step is done once per live worker, with identical weights,
+    each worker's steps are consecutive, and the workers removed by a shrink detach cleanly."""
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    recs = _records(res.stdout)
+    steps = [r for r in recs if "step" in r]
+    expected, size = {}, initial
+    for s in range(1, max_step + 1):
+        expected[s] = size
+        size = schedule.get(s, size)
+    by_step = collections.defaultdict(list)
+    for r in steps:
+        by_step[r["step"]].append(r)
+    assert sorted(by_step) == list(range(1, max_step + 1))
+    for s, rows in by_step.items():
+        assert len(rows) == expected[s], (s, rows)  # no lost or duplicated step
+        assert {r["size"] for r in rows} == {expected[s]}
+        assert sorted(r["rank"] for r in rows) == list(range(expected[s]))
+        assert len({r["w"] for r in rows}) == 1, (s, rows)  # identical weights on all live workers
+    per_worker = collections.defaultdict(list)
+    for r in steps:
+        per_worker[r["uid"]].append(r["step"])
+    for seq in per_worker.values():
+        assert seq == list(range(seq[0], seq[-1] + 1))  # monotonic, no gap, no repeat
+    detached = [r for r in recs if "detached_at" in r]
+    done = [r for r in recs if "done" in r]
+    assert len(done) == expected[max_step] and all(r["done"] == max_step for r in done)
+    assert len(per_worker) == len(done) + len(detached)
+    return per_worker, detached
+
+
+def test_resize_2_to_3_to_1():
+    res = _sdprun("-w", "-np", "2", "-H", "localhost:3", "python", WORKER, '{"3": 3, "6": 1}', "9")
+    per_worker, detached = _check_run(res, 2, {3: 3, 6: 1}, 9)
+    assert len(per_worker) == 3 and sorted(r["detached_at"] for r in detached) == [6, 6]
+    assert "resize: epoch 0 -> 1, 2 -> 3 workers" in res.stderr
+    assert "resize: epoch 1 -> 2, 3 -> 1 workers" in res.stderr
+
+
+def test_resize_from_config_server_with_kungfu_flags():
+    # rank 0 proposes the size (PUT to the config server); every worker calls resize() each step
+    res = _sdprun("-w", "-builtin-config-port", "0", "-q", "-logdir", "logs", "-np", "1",
+                  "-H", "localhost:3", "python", WORKER, '{"2": 3, "4": 2}', "6", "propose")
+    per_worker, detached = _check_run(res, 1, {2: 3, 4: 2}, 6)
+    assert len(per_worker) == 3 and [r["detached_at"] for r in detached] == [4]
+
+
+def test_resize_2_to_3_to_1_tensorflow():
+    pytest.importorskip("tensorflow")
+    res = _sdprun("-w", "-np", "2", "-H", "localhost:3", "python", WORKER, '{"2": 3, "4": 1}', "6", "tf",
+                  timeout=150)
+    per_worker, detached = _check_run(res, 2, {2: 3, 4: 1}, 6)
+    assert len(per_worker) == 3 and sorted(r["detached_at"] for r in detached) == [4, 4]
+
+
+class _FakeGroup:
+    def __init__(self):
+        self.added = []
+
+    def add(self, rank, env):
+        self.added.append((rank, env))
+
+
+def _http(url, method="GET", body=None):
+    req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture
+def controller():
+    group = _FakeGroup()
+    ctl = ElasticController([hosts.HostSlots("localhost", 3)], group,
+                            lambda infos, addr, epoch: [dict(i.env(), ADDR=addr, EPOCH=str(epoch)) for i in infos],
+                            initial_size=2, start_timeout=5).start()
+    yield ctl, group
+    ctl.stop()
+
+
+def test_config_server_endpoints(controller):
+    ctl, group = controller
+    assert ctl.worker_env() == {"SDP_ELASTIC_URL": ctl.url, "SDP_CONFIG_SERVER": ctl.url + "/config",
+                                "SDP_ELASTIC_EPOCH": "0"}
+    code, cfg = _http(ctl.url + "/config")
+    assert code == 200 and cfg["size"] == 2 and cfg["version"] == 0 and len(cfg["workers"]) == 2
+    code, cfg = _http(ctl.url + "/config", "PUT", {"Workers": ["a", "b", "c"]})  # KungFu style
+    assert code == 200 and cfg["size"] == 3 and cfg["version"] == 1
+    assert _http(ctl.url + "/config", "PUT", {"size": 4})[0] == 400  # more than the 3 slots
+    assert _http(ctl.url + "/config", "PUT", {"nothing": 1})[0] == 400
+    assert _http(ctl.url + "/nowhere")[0] == 404
+    # commit a grow: epoch 0 -> 1, one new worker (rank 2) with the new epoch's environment
+    code, rec = _http(ctl.url + "/resize", "POST", {"size": 3, "epoch": 0})
+    assert code == 200 and rec["epoch"] == 1 and rec["size"] == 3 and rec["rendezvous"].startswith("tcp://")
+    assert [r["SDP_RANK"] for r in rec["ranks"]] == ["0", "1", "2"]
+    assert [(r, e["SDP_SIZE"], e["EPOCH"]) for r, e in group.added] == [(2, "3", "1")]
+    assert _http(ctl.url + "/resize", "POST", {"size": 3, "epoch": 0})[1] == rec  # a retry
+    code, err = _http(ctl.url + "/resize", "POST", {"size": 1, "epoch": 0})
+    assert code == 409 and "epoch" in err["error"]
+    assert _http(ctl.url + "/resize", "POST", {"size": 5, "epoch": 1})[0] == 400
+    code, rec = _http(ctl.url + "/resize", "POST", {"size": 1, "epoch": 1})  # shrink: nobody new
+    assert code == 200 and rec["epoch"] == 2 and len(group.added) == 1
+    assert _http(ctl.url + "/status")[1] == {"epoch": 2, "size": 1, "capacity": 3, "desired": 1, "version": 2}
+
+
+def test_parser_accepts_kungfu_elastic_flags():
+    a = cli.build_parser().parse_args(["-q", "-logdir", "logs", "-np", "1", "-w", "-builtin-config-port", "9100",
+                                       "-config-server", "http://127.0.0.1:9100/config", "python", "t.py"])
+    assert a.watch and a.builtin_config_port == 9100 and a.config_server == "http://127.0.0.1:9100/config"
+    a = cli.build_parser().parse_args(["--watch", "--builtin-config-port", "1", "--config-server", "u", "x"])
+    assert a.watch and a.builtin_config_port == 1 and a.config_server == "u"
