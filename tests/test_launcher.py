@@ -301,3 +301,23 @@ def test_signal_to_sdprun_kills_workers(tmp_path, sig):
     assert proc.returncode == 128 + sig
     for pid in pids:  # workers and the grandchildren they started
         assert _gone(pid), f"pid {pid} still alive"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_sigkill_of_sdprun_does_not_orphan_workers(tmp_path):
+    """Even SIGKILL (which sdprun cannot catch) takes the workers down: they have PDEATHSIG."""
+    import signal as _signal
+    import subprocess as _sp
+    import time as _time
+    pidfile = tmp_path / "pids"
+    code = f"import os,time; open({str(pidfile)!r},'a').write(str(os.getpid())+'\\n'); time.sleep(60)"
+    p = _sp.Popen([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, "-c", code],
+                  stdout=_sp.DEVNULL, stderr=_sp.DEVNULL)
+    deadline = _time.monotonic() + 20
+    while _time.monotonic() < deadline and (not pidfile.exists() or len(pidfile.read_text().split()) < 2):
+        _time.sleep(0.05)
+    pids = [int(x) for x in pidfile.read_text().split()]
+    p.send_signal(_signal.SIGKILL)
+    p.wait(timeout=10)
+    alive = [pid for pid in pids if not _gone(pid, wait_s=10)]
+    assert not alive, f"workers {alive} outlived a SIGKILLed sdprun"

@@ -55,6 +55,26 @@ def _live_groups(pgids) -> set:
     return live
 
 
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_launcher() -> None:
+    """In the child before exec: get SIGTERM if sdprun dies (even by SIGKILL), so no worker is
+    orphaned."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -147,9 +167,14 @@ class WorkerGroup:
         return self
 
     def _start_one(self, rank: int, env: Mapping[str, str]) -> Worker:
+        # Linux delivers PDEATHSIG when the *thread* that forked exits, so only the main thread's
+        # workers get it (elastic workers started from a server thread rely on the engine
+        # noticing its peers instead).
+        main = threading.current_thread() is threading.main_thread()
         proc = subprocess.Popen(self.command, env=dict(env), start_new_session=True,
                                 stdin=None if rank == 0 else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=_die_with_launcher if main and _PRCTL else None)
         pumps = []
         for pipe, tag, sink in ((proc.stdout, "stdout", self._out), (proc.stderr, "stderr", self._err)):
             prefix = f"[{rank}]<{tag}>:" if self.prefix else ""
