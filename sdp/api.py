@@ -85,6 +85,12 @@ def set_fusion_threshold(nbytes: int) -> None:
     runtime("set_fusion_threshold()").set_fusion_threshold(nbytes)
 
 
+def fusion_threshold() -> int:
+    """The fusion buffer size in bytes this rank last set (``SDP_FUSION_THRESHOLD`` by default;
+    rank 0's value decides the buckets)."""
+    return runtime("fusion_threshold()").fusion_threshold
+
+
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start writing a Chrome-trace timeline of every tensor's phases to ``file_path`` (rank 0).
 

@@ -426,11 +426,17 @@ class Runtime:
             raise errors.ProtocolError(f"unknown kind {req.kind}")
         return result
 
+    @property
+    def fusion_threshold(self) -> int:
+        """Bytes per fusion bucket as this rank last set it (rank 0's value is the one used)."""
+        return self.config.fusion_threshold
+
     def set_fusion_threshold(self, nbytes: int) -> None:
         """Bytes per fusion bucket from now on (0 disables fusion).  Rank 0's value decides:
         the coordinator plans the buckets for every rank."""
         if nbytes < 0:
             raise ValueError(f"fusion threshold must be >= 0 bytes, got {nbytes}")
+        self.config.fusion_threshold = int(nbytes)
         if self._coord is not None:
             self._coord.fusion_threshold = int(nbytes)
 

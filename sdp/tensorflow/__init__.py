@@ -17,7 +17,7 @@ building one under ``jit_compile=True`` raises :class:`XlaNotSupportedError`).
 """
 from sdp import api as _api
 from sdp.api import (cross_rank, cross_size, is_initialized, local_rank, local_size,  # noqa: F401
-                     rank, shutdown, size)
+                     rank, shutdown, size, start_timeline, stop_timeline)
 from sdp.common.errors import (AlreadyInitializedError, NotInitializedError, PeerLostError,  # noqa: F401
                                SdpError, TensorMismatchError)
 from sdp.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
@@ -111,7 +111,7 @@ def rocm_built() -> bool:
 
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "size", "local_size", "rank", "local_rank", "cross_rank", "cross_size",
+    "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size", "rank", "local_rank", "cross_rank", "cross_size",
     "is_homogeneous", "rank_op", "size_op", "local_rank_op", "local_size_op", "process_set_included_op",
     "allreduce", "grouped_allreduce", "oob_allreduce", "overlap", "allgather", "grouped_allgather", "broadcast",
     "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier",

@@ -78,7 +78,8 @@ class LocalAggregator:
     def apply(self, apply_fn, skip_fn, deps=()):
         """Run ``apply_fn()`` on a communication pass (after :meth:`compute` has reset the
         counter), ``skip_fn()`` otherwise.  ``deps``: tensors returned by :meth:`compute`, so that
-        graphs read the counter after it was updated.  Returns what the branch returns."""
+        graphs read the counter after it was updated.  Eagerly it returns what the branch returned;
+        in a graph, a bool tensor that depends on the branch's effects."""
         deps = [d for d in deps if d is not None]
         with tf.control_dependencies(deps):
             is_comm = tf.equal(self._counter.read_value(), 0)
@@ -89,11 +90,17 @@ class LocalAggregator:
 
 
 def _graph_branch(fn):
-    """A ``tf.cond`` branch running ``fn`` for its side effects; returns a bool tensor."""
+    """A ``tf.cond`` branch running ``fn`` for its side effects; returns a bool tensor that depends
+    on everything ``fn`` returned (ops, tensors, or lazily read variables such as the result of
+    ``variable.assign_add`` in graph mode, whose ``.op`` is the update)."""
     def branch():
         r = fn()
-        deps = [] if r is None else [r] if isinstance(r, (tf.Operation, tf.Tensor)) else [
-            x for x in tf.nest.flatten(r) if isinstance(x, (tf.Operation, tf.Tensor))]
+        deps = []
+        for x in ([] if r is None else tf.nest.flatten(r)):
+            if isinstance(x, (tf.Operation, tf.Tensor)):
+                deps.append(x)
+            elif getattr(x, "op", None) is not None:
+                deps.append(x.op)
         with tf.control_dependencies(deps):
             return tf.constant(True)
     return branch

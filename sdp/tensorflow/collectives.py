@@ -179,15 +179,12 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
 
 
 def join():
-    """Not supported yet: raises ``NotImplementedError``.
-
-    Horovod's ``join()`` lets a rank that ran out of data keep serving the other ranks'
-    collectives (contributing zeros) until every rank has joined.  That needs the engine to answer
-    collectives on behalf of a joined rank, which sdp's engine cannot do yet.  Give every rank the
-    same number of steps (e.g. cut each shard to a common length) instead."""
-    raise NotImplementedError(
-        "sdp does not support join() yet: give every rank the same number of steps "
-        "(cut each rank's shard to a common length) so that no rank runs out of data early.")
+    """Declare that this rank has run out of data; until every rank has joined, this rank's part
+    of the others' allreduces (Sum/Average) is zeros (Average still divides by ``size()``).
+    Blocks until all ranks have joined and returns the rank that joined last, as an int32
+    scalar tensor.  Mirrors ``horovod.tensorflow.join``; eager only.  Other collectives that
+    involve a joined rank raise ``TensorMismatchError`` on every rank."""
+    return tf.constant(api.join(), tf.int32)
 
 
 def barrier(process_set=global_process_set):

@@ -11,9 +11,6 @@ from sdp import api
 from sdp.tensorflow import ops
 from sdp.tensorflow.gradients import check_process_set, global_process_set
 
-_calls = itertools.count()
-
-
 def _value(v):
     """A tensor holding variable ``v``'s value (tf.Variable, Keras 3 variable, or tensor)."""
     if isinstance(v, tf.Variable):
@@ -33,7 +30,7 @@ def _check_variables(variables, what):
 
 
 def _broadcast_assign(variables, root_rank, base):
-    prefix = ops.unique_name(base) if not tf.executing_eagerly() else f"{base}.{next(_calls)}"
+    prefix = ops.unique_name(base)  # eagerly: ``base`` itself (calls complete one after another)
     names = [f"{prefix}.{i}" for i in range(len(variables))]
     new = ops.grouped_broadcast_tensors([_value(v) for v in variables], names, root_rank)
     assigns = [v.assign(n) for v, n in zip(variables, new)]

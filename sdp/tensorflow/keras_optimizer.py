@@ -109,11 +109,12 @@ class _TfKerasMixin:
                                    lambda: self.iterations.assign_add(1), deps=out)
 
     def _sdp_build(self, variables):
-        if hasattr(self, "_create_all_weights"):  # legacy OptimizerV2
-            with tf.init_scope():
+        """Create the optimizer's variables now (both builders are idempotent), so that they are
+        not first created inside the ``tf.cond`` of gradient accumulation."""
+        with tf.init_scope():
+            if hasattr(self, "_create_all_weights"):  # legacy OptimizerV2
                 self._create_all_weights(variables)
-        elif not getattr(self, "_built", True) or not getattr(self, "built", True):
-            with tf.init_scope():
+            else:
                 self.build(variables)
 
     def register_local_var(self, var):
@@ -161,8 +162,8 @@ def _find_attr(cls, name):
 
 
 def install(optimizer, reducer, aggregator=None):
-    """Turn ``optimizer`` itself into a distributed one (class swap; its state is kept).
-    Used by ``load_model`` and by :func:`wrap`.  Returns ``optimizer``."""
+    """Turn ``optimizer`` itself into a distributed one (class swap: its state, identity and
+    tracking are kept).  Used by ``load_model``.  Returns ``optimizer``."""
     base = type(optimizer)
     if getattr(base, "_sdp_distributed", False):
         base = next(c for c in base.__mro__[1:] if not getattr(c, "_sdp_distributed", False)

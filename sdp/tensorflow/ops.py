@@ -10,19 +10,12 @@ Names identify a collective across ranks (see :func:`unique_name`).  ``py_functi
 compiled by XLA: every op here raises :class:`XlaNotSupportedError` when it is built inside a
 ``jit_compile=True`` function.
 """
-import itertools
-import threading
-
 import numpy as np
 import tensorflow as tf
 
 from sdp import api
 from sdp.common.errors import SdpError
 from sdp.common.reduce_ops import ReduceOp
-
-_name_lock = threading.Lock()
-_name_counts = {}
-
 
 class XlaNotSupportedError(SdpError, NotImplementedError):
     """An sdp collective was placed in a function compiled with XLA (``jit_compile=True``).
@@ -73,16 +66,15 @@ def unique_name(base: str) -> str:
 
 def _base_name(kind: str, tensor=None, name=None) -> str:
     """Name of a user-level collective: ``name`` if given; in graphs, from the input's op name,
-    made unique in the graph; eagerly, from a per-process counter (every rank makes the same
-    unnamed calls in the same order)."""
+    made unique in the graph (:func:`unique_name`); eagerly, ``"<kind>.eager"``, like Horovod's
+    eager ops: eager collectives complete one after another, so every rank's n-th unnamed call
+    meets the others' n-th call, and the engine's response cache hits on every step."""
     if name:
         return name
     if not tf.executing_eagerly():
         op = getattr(tensor, "op", None)
         return unique_name(f"{kind}.{op.name}" if op is not None else kind)
-    with _name_lock:
-        c = _name_counts.setdefault(kind, itertools.count())
-        return f"{kind}.noname.{next(c)}"
+    return f"{kind}.eager"
 
 
 def _as_tensor(t):

@@ -71,20 +71,12 @@ class _DistributedLegacyOptimizer(_LegacyOptimizer):
 
 
 def apply_bucket_cap(bucket_cap_mb) -> None:
-    """Set the engine's fusion buffer to ``bucket_cap_mb`` MiB on every rank (SMDDP's argument).
-
-    Raises ``ValueError`` unless ``bucket_cap_mb * 1024 * 1024`` is a non-negative multiple of 128
-    bytes.  Every rank must pass the same value: the change is made between two barriers, so that
-    no collective is planned with different thresholds on different ranks."""
+    """Set the engine's fusion buffer to ``bucket_cap_mb`` MiB (SMDDP's argument; rank 0's value
+    decides the buckets of every rank).  ``None`` leaves it alone.  Raises ``ValueError`` unless
+    ``bucket_cap_mb * 1024 * 1024`` is a non-negative multiple of 128 bytes."""
     if bucket_cap_mb is None:
         return
-    nbytes = bucket_cap_mb_to_bytes(bucket_cap_mb)
-    rt = api.runtime("DistributedOptimizer(bucket_cap_mb=...)")
-    if rt.fusion_threshold == nbytes:
-        return
-    api.barrier()
-    rt.fusion_threshold = nbytes
-    api.barrier()
+    api.set_fusion_threshold(bucket_cap_mb_to_bytes(bucket_cap_mb))
 
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from sdp.common.reduce_ops import Average, ReduceOp, Sum  # noqa: F401
 from sdp.tensorflow import (Compression, cross_rank, cross_size, init, is_initialized,  # noqa: F401
-                            local_rank, local_size, rank, shutdown, size)
+                            local_rank, local_size, rank, shutdown, size, start_timeline, stop_timeline)
 from sdp.tensorflow import ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled  # noqa: F401
 from sdp.tensorflow import mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rocm_built  # noqa: F401
 from sdp.tensorflow import collectives as _collectives

@@ -89,7 +89,8 @@ class MetricAverageCallback(_keras.callbacks.Callback):
     ``ReduceLROnPlateau``, ``TensorBoard``, ``ModelCheckpoint`` and other metric-based callbacks.
 
     Every rank must have the same metric names.  ``device``: not supported (``NotImplementedError``
-    if non-empty).  Mirrors ``horovod.tensorflow.keras.callbacks.MetricAverageCallback``."""
+    if non-empty).  Like every sdp callback, it turns ``jit_compile`` off (see :func:`disable_jit`).
+    Mirrors ``horovod.tensorflow.keras.callbacks.MetricAverageCallback``."""
 
     def __init__(self, device=""):
         super().__init__()
@@ -106,6 +107,9 @@ class MetricAverageCallback(_keras.callbacks.Callback):
         reduced = api.grouped_allreduce(values, name="MetricAverageCallback." + ",".join(names))
         for k, v in zip(names, reduced):
             logs[k] = float(v)
+
+    def on_train_begin(self, logs=None):
+        disable_jit(self.model)
 
     def on_epoch_end(self, epoch, logs=None):
         self._average_metrics_in_place(logs)
@@ -222,6 +226,7 @@ class LearningRateScheduleCallback(_keras.callbacks.Callback):
             self.restore_momentum = None
 
     def on_train_begin(self, logs=None):
+        disable_jit(self.model)
         if not self.staircase and not self.steps_per_epoch:
             self.steps_per_epoch = self._autodetect_steps_per_epoch()
 
@@ -297,6 +302,7 @@ class BestModelCheckpoint(_keras.callbacks.ModelCheckpoint):
         self.filepath = filepath if filepath is None else str(filepath)
 
     def on_train_begin(self, logs=None):
+        disable_jit(self.model)
         if self.filepath is None:
             raise ValueError("BestModelCheckpoint has no filepath: pass filepath=... or set callback.filepath "
                              "before training")

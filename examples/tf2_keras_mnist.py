@@ -1,0 +1,135 @@
+"""Data-parallel MNIST with Keras `model.fit`, sdp's DistributedOptimizer and Horovod-style callbacks.
+
+    python examples/tf2_keras_mnist.py --data-dir ../shared/data/mnist
+    sdprun -np 2 python examples/tf2_keras_mnist.py --data-dir ../shared/data/mnist
+
+The Horovod Keras recipe (`import horovod.tensorflow.keras as hvd` works the same way with
+`import sdp.tensorflow.keras as hvd`):
+  1. hvd.init(), one GPU per process by local rank (if there are GPUs);
+  2. each rank trains on its own shard of the data;
+  3. scale the learning rate by hvd.size(), and warm it up from lr / size over the first epoch(s)
+     (LearningRateWarmupCallback);
+  4. wrap the optimizer in hvd.DistributedOptimizer, which averages gradients over ranks;
+  5. BroadcastGlobalVariablesCallback(0) makes every rank start from rank 0's weights;
+  6. MetricAverageCallback averages the logged metrics over ranks;
+  7. only rank 0 writes checkpoints and prints.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+sys.path.append(str(_HERE.parent))
+
+import mnist_data  # noqa: E402
+import sdp.tensorflow.keras as hvd  # noqa: E402
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", default=None,
+                   help="directory with the MNIST IDX .gz files "
+                        "(default: $SDP_MNIST_DIR or ../shared/data/mnist, else download)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64, help="batch size per rank")
+    p.add_argument("--lr", type=float, default=0.001, help="Adam learning rate for one rank")
+    p.add_argument("--warmup-epochs", type=float, default=1.0,
+                   help="epochs over which the learning rate grows from lr to lr * size")
+    p.add_argument("--steps-per-epoch", type=int, default=None, help="cap on steps per epoch")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="where rank 0 saves checkpoints (default: a new temp dir)")
+    p.add_argument("--seed", type=int, default=42)
+    return p.parse_args()
+
+
+def build_model():
+    return tf.keras.Sequential([
+        tf.keras.Input(shape=(28, 28, 1)),
+        tf.keras.layers.Conv2D(16, 3, activation="relu"),
+        tf.keras.layers.MaxPooling2D(),
+        tf.keras.layers.Conv2D(32, 3, activation="relu"),
+        tf.keras.layers.MaxPooling2D(),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dropout(0.25),
+        tf.keras.layers.Dense(64, activation="relu"),
+        tf.keras.layers.Dense(10),
+    ])
+
+
+def preprocess(images):
+    return (images.astype(np.float32) / 255.0)[..., np.newaxis]
+
+
+def main():
+    args = parse_args()
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+
+    # Share the CPU cores between the processes on this machine.
+    threads = max(1, (os.cpu_count() or 1) // hvd.local_size())
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        tf.config.experimental.set_memory_growth(gpu, True)
+    if gpus:
+        tf.config.set_visible_devices(gpus[hvd.local_rank() % len(gpus)], "GPU")
+
+    # A different seed per rank: only the broadcast makes the initial weights agree.
+    tf.keras.utils.set_random_seed(args.seed + rank)
+
+    (x_train, y_train), (x_test, y_test) = mnist_data.load_mnist(args.data_dir or mnist_data.find_mnist_dir())
+    # Equal shards, so that every rank runs the same number of steps.
+    per_rank = len(x_train) // size
+    x_shard = preprocess(x_train[rank::size][:per_rank])
+    y_shard = y_train[rank::size][:per_rank].astype(np.int64)
+    steps = per_rank // args.batch_size
+    if args.steps_per_epoch:
+        steps = min(steps, args.steps_per_epoch)
+    dataset = (tf.data.Dataset.from_tensor_slices((x_shard, y_shard))
+               .shuffle(10000, seed=args.seed + rank).repeat()
+               .batch(args.batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
+
+    model = build_model()
+    scaled_lr = args.lr * size
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.Adam(scaled_lr))
+    model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+
+    callbacks = [
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        hvd.callbacks.MetricAverageCallback(),
+        hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr, warmup_epochs=args.warmup_epochs,
+                                                 verbose=1),
+    ]
+    if rank == 0:
+        ckpt_dir = args.checkpoint_dir or tempfile.mkdtemp(prefix="sdp_keras_mnist_")
+        callbacks.append(tf.keras.callbacks.ModelCheckpoint(os.path.join(ckpt_dir, "checkpoint-{epoch}.keras")))
+        print(f"training on {size} rank(s): {per_rank} images and {steps} steps of {args.batch_size} per rank "
+              f"per epoch; checkpoints in {ckpt_dir}", flush=True)
+
+    start = time.perf_counter()
+    model.fit(dataset, steps_per_epoch=steps, epochs=args.epochs, callbacks=callbacks, shuffle=False,
+              verbose=2 if rank == 0 else 0)
+    elapsed = time.perf_counter() - start
+
+    # Every rank scores its half of the test set; the counts are summed over ranks.
+    xt, yt = preprocess(x_test[rank::size]), y_test[rank::size]
+    correct = int(np.sum(np.argmax(model.predict(xt, batch_size=1000, verbose=0), axis=1) == yt))
+    totals = hvd.allreduce(np.array([correct, len(yt)], np.int64), name="test_accuracy", op=hvd.Sum)
+    if rank == 0:
+        images = args.epochs * steps * args.batch_size * size
+        print(f"trained {args.epochs} epoch(s) in {elapsed:.1f} s ({images / elapsed:.0f} images/sec)", flush=True)
+        print(f"test accuracy: {int(totals[0]) / int(totals[1]):.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""sdp.tensorflow's collectives, tapes and layers across 2 real processes, against numpy references."""
+import numpy as np
+import pytest
+
+from harness import check_ok, run_workers
+
+pytest.importorskip("tensorflow")
+
+pytestmark = pytest.mark.tf
+
+
+def _data(r, shape=(2, 3), dtype=np.float32):
+    return (np.arange(np.prod(shape)).reshape(shape) + 10 * r + 1).astype(dtype)
+
+
+def _check_collectives(values):
+    x = [_data(r) for r in range(2)]
+    s = x[0] + x[1]
+    gat = np.concatenate([_data(r, shape=(r + 1, 2)) for r in range(2)])
+    a2a = [_data(r, shape=(3, 2)) for r in range(2)]
+    rs = _data(0, shape=(5, 2)) + _data(1, shape=(5, 2))
+    sparse = np.zeros((4, 3), np.float32)
+    sparse[0], sparse[2] = _data(0, (1, 3))[0] / 2, _data(1, (1, 3))[0] / 2
+    for r, v in enumerate(values):
+        close = lambda key, want, **kw: np.testing.assert_allclose(np.asarray(v[key]), want, err_msg=key, **kw)  # noqa
+        close("avg", s / 2)
+        for key in ("smddp_positional", "horovod_average_false", "sum_kw"):
+            close(key, s)
+        close("min", x[0])
+        close("max", x[1])
+        close("product", x[0] * x[1])
+        close("int_sum", _data(0, dtype=np.int32) + _data(1, dtype=np.int32))
+        assert v["int_dtype"] == "int32" and v["fp16_dtype"] == "float32"
+        close("fp16", s / 2, rtol=1e-3)
+        close("scaled", 3 * s)
+        close("oob", s / 2)
+        close("grouped", [s, 2 * s])
+        close("allgather", gat)
+        close("grouped_allgather", [gat, 2 * gat])
+        close("broadcast", x[1])
+        out, rsplits = v["alltoall"]
+        want = [a2a[0][:1], a2a[1][:2]] if r == 0 else [a2a[0][1:], a2a[1][2:]]
+        np.testing.assert_allclose(out, np.concatenate(want))
+        assert rsplits == ([1, 2] if r == 0 else [2, 1])
+        close("reducescatter", rs[:3] if r == 0 else rs[3:])
+        close("reducescatter_avg", (rs[:3] if r == 0 else rs[3:]) / 2)
+        close("sparse", sparse)
+        close("overlap", x[r])
+        assert [v["rank_op"], v["size_op"], v["local_rank_op"], v["local_size_op"]] == [r, 2, r, 2]
+
+
+def test_collectives_eager_match_numpy():
+    values = check_ok(run_workers(2, "workers_tf_api:collectives", ["eager"], timeout=180))
+    _check_collectives(values)
+    for r, v in enumerate(values):
+        np.testing.assert_allclose(v["broadcast_"][0], _data(1))
+        np.testing.assert_allclose(v["broadcast_"][1], _data(1, shape=(2,)))
+        np.testing.assert_allclose(v["broadcast_"][2], _data(1))
+        assert v["broadcast_object"] == {"rank": 1, "list": [1, 1, 1]}
+        assert v["broadcast_object_fn"] == ["from", 0]
+        assert v["allgather_object"] == [{"r": 0}, {"r": 1}]
+        assert v["built"] == [False, False, 0, False, True]
+        assert v["ids"] == [r, 2, r, 2, 0, 1]
+        assert v["errors"] == {
+            "device_dense": "NotImplementedError", "tape_device_sparse": "NotImplementedError",
+            "opt_device_dense": "NotImplementedError", "op_and_average": "ValueError",
+            "adasum": "NotImplementedError", "join": "no error", "init_twice": "AlreadyInitializedError",
+            "bad_param_index": "ValueError", "bucket_cap": "ValueError", "not_an_optimizer": "ValueError",
+            "global_vars_eager": "RuntimeError", "sync_bn_fused": "ValueError", "predivide_sum": "ValueError",
+            "process_set": "NotImplementedError", "xla": "XlaNotSupportedError"}
+
+
+def test_collectives_in_tf_function_match_numpy():
+    _check_collectives(check_ok(run_workers(2, "workers_tf_api:collectives", ["graph"], timeout=180)))
+
+
+def _sync_bn_reference():
+    import tensorflow as tf
+    data = [_data(r, shape=(3, 2)) * (1 + r) for r in range(2)]
+    xs = [tf.constant(d) for d in data]
+    with tf.GradientTape() as tape:
+        tape.watch(xs)
+        allx = tf.concat(xs, 0)
+        mean, var = tf.nn.moments(allx, axes=[0])
+        ys = [(x - mean) * tf.math.rsqrt(var + 1e-3) for x in xs]
+        loss = sum(tf.reduce_sum(y * tf.constant([[1.0, 2.0]]) * (1 + r) + y ** 2) for r, y in enumerate(ys))
+    grads = tape.gradient(loss, xs)
+    return [y.numpy() for y in ys], mean.numpy(), [g.numpy() for g in grads]
+
+
+def test_tapes_and_sync_batch_norm_match_numpy():
+    values = check_ok(run_workers(2, "workers_tf_api:tapes", [2], timeout=180))
+    x = [_data(r, shape=(2, 3)) for r in range(2)]
+    w = np.ones([3, 2], np.float32)
+    gw = np.mean([2 * xr.T @ (xr @ w) for xr in x], axis=0)
+    ge = np.zeros((4, 3), np.float32)
+    ge[0], ge[1], ge[3] = 0.5, 1.0, 1.5
+    ys, mean, gxs = _sync_bn_reference()
+    for r, v in enumerate(values):
+        for label in ("plain", "dense", "predivide", "fp16"):
+            rtol = 2e-3 if label == "fp16" else 1e-5
+            np.testing.assert_allclose(v[label]["gw"], gw, rtol=rtol, err_msg=label)
+            np.testing.assert_allclose(v[label]["ge"], ge, rtol=rtol, err_msg=label)
+        assert [v[k]["sparse"] for k in ("plain", "fp16", "dense", "predivide")] == [True, True, False, False]
+        np.testing.assert_allclose(v["partial"]["local"], [[(1.0 + r) / 2]])
+        np.testing.assert_allclose(v["partial"]["shared"], [[1.5]])
+        np.testing.assert_allclose(v["sync_bn"]["y"], ys[r], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(v["sync_bn"]["moving_mean"], mean * 0.5, rtol=1e-5)
+        np.testing.assert_allclose(v["sync_bn"]["gx"], gxs[r], rtol=1e-3, atol=1e-4)

@@ -1,0 +1,170 @@
+"""Workers for tests/test_tf_api.py: sdp.tensorflow's collectives, tapes and layers, run inside
+real rank processes.  Each returns plain lists; the test compares them with numpy references."""
+import numpy as np
+
+
+def _data(r, shape=(2, 3), dtype=np.float32):
+    return (np.arange(np.prod(shape)).reshape(shape) + 10 * r + 1).astype(dtype)
+
+
+def _errors(hvd, tf):
+    """Documented errors; returns {case: exception class name}."""
+    out = {}
+
+    def expect(case, fn):
+        try:
+            fn()
+            out[case] = "no error"
+        except Exception as e:  # noqa: BLE001
+            out[case] = type(e).__name__
+
+    x = tf.constant([1.0])
+    expect("device_dense", lambda: hvd.allreduce(x, device_dense="/gpu:0"))
+    expect("tape_device_sparse", lambda: hvd.DistributedGradientTape(tf.GradientTape(), device_sparse="/gpu:0"))
+    expect("opt_device_dense", lambda: hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                                                device_dense="/gpu:0"))
+    expect("op_and_average", lambda: hvd.allreduce(x, op=hvd.Sum, average=True))
+    expect("adasum", lambda: hvd.allreduce(x, op=hvd.Adasum))
+    expect("join", lambda: int(hvd.join()) in (0, 1) or 1 / 0)
+    expect("init_twice", hvd.init)
+    expect("bad_param_index", lambda: hvd.allreduce(x, 3, 2))
+    expect("bucket_cap", lambda: hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                                          bucket_cap_mb=1e-9))
+    expect("not_an_optimizer", lambda: hvd.DistributedOptimizer(object()))
+    expect("global_vars_eager", lambda: hvd.broadcast_global_variables(0))
+    expect("sync_bn_fused", lambda: hvd.SyncBatchNormalization(fused=True))
+    expect("predivide_sum", lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum,
+                                                                gradient_predivide_factor=2.0))
+    expect("process_set", lambda: hvd.allreduce(x, process_set=object()))
+
+    @tf.function(jit_compile=True)
+    def xla(t):
+        return hvd.allreduce(t)
+
+    expect("xla", lambda: xla(x))
+    return out
+
+
+def collectives(mode):
+    """Every collective once, eagerly (``mode="eager"``) or inside one tf.function (``"graph"``)."""
+    import tensorflow as tf
+
+    import sdp.tensorflow as hvd
+    r, n = hvd.rank(), hvd.size()
+    x = tf.constant(_data(r))
+    xi = tf.constant(_data(r, dtype=np.int32))
+    gat = tf.constant(_data(r, shape=(r + 1, 2)))  # first dimension differs per rank
+    a2a = tf.constant(_data(r, shape=(3, 2)))
+    splits = tf.constant([1, 2] if r == 0 else [2, 1], tf.int32)
+    rs = tf.constant(_data(r, shape=(5, 2)))
+    sparse = tf.IndexedSlices(tf.constant(_data(r, shape=(1, 3))), tf.constant([r * 2], tf.int64),
+                              dense_shape=tf.constant([4, 3], tf.int64))
+
+    def run():
+        out = {
+            "avg": hvd.allreduce(x),
+            "smddp_positional": hvd.allreduce(x, 0, 1, hvd.Compression.none, hvd.ReduceOp.SUM),
+            "horovod_average_false": hvd.allreduce(x, False),
+            "sum_kw": hvd.allreduce(x, average=False),
+            "min": hvd.allreduce(x, op=hvd.Min),
+            "max": hvd.allreduce(x, op=hvd.Max),
+            "product": hvd.allreduce(x, op=hvd.Product),
+            "int_sum": hvd.allreduce(xi, op=hvd.Sum),
+            "fp16": hvd.allreduce(x, compression=hvd.Compression.fp16),
+            "scaled": hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5 * 3),
+            "oob": hvd.oob_allreduce(x),
+            "grouped": hvd.grouped_allreduce([x, 2 * x], op=hvd.Sum),
+            "allgather": hvd.allgather(gat),
+            "grouped_allgather": hvd.grouped_allgather([gat, 2 * gat]),
+            "broadcast": hvd.broadcast(x, 1),
+            "alltoall": hvd.alltoall(a2a, splits=splits),
+            "reducescatter": hvd.reducescatter(rs, op=hvd.Sum),
+            "reducescatter_avg": hvd.reducescatter(rs),
+            "sparse": hvd.allreduce(sparse),
+            "overlap": hvd.overlap(x),
+            "rank_op": hvd.rank_op(), "size_op": hvd.size_op(),
+            "local_rank_op": hvd.local_rank_op(), "local_size_op": hvd.local_size_op(),
+        }
+        return out
+
+    if mode == "graph":
+        run = tf.function(run)
+    out = run()
+
+    def lists(v):
+        if isinstance(v, tf.IndexedSlices):
+            return tf.convert_to_tensor(v).numpy().tolist()
+        if isinstance(v, (list, tuple)):
+            return [lists(e) for e in v]
+        return np.asarray(v).tolist()
+
+    res = {k: lists(v) for k, v in out.items()}
+    res["fp16_dtype"] = out["fp16"].dtype.name
+    res["int_dtype"] = out["int_sum"].dtype.name
+    if mode == "eager":
+        v = tf.Variable(_data(r))
+        w = tf.Variable(_data(r, shape=(2,)))
+        new = hvd.broadcast_([v, w], root_rank=1)
+        res["broadcast_"] = [v.numpy().tolist(), w.numpy().tolist(), new[0].numpy().tolist()]
+        res["broadcast_object"] = hvd.broadcast_object({"rank": r, "list": [r] * 3}, root_rank=1)
+        res["broadcast_object_fn"] = hvd.broadcast_object_fn(root_rank=0)(("from", r))
+        res["allgather_object"] = hvd.allgather_object({"r": r})
+        res["errors"] = _errors(hvd, tf)
+        res["built"] = [hvd.mpi_built(), hvd.gloo_built(), hvd.nccl_built(), hvd.cuda_built(), hvd.is_homogeneous()]
+        res["ids"] = [hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
+                      hvd.cross_size()]
+    return res
+
+
+def tapes(steps):
+    """DistributedGradientTape (fp16, sparse embedding, predivide), PartialDistributedGradientTape
+    and SyncBatchNormalization, compared by the test with numpy references."""
+    import keras
+    import tensorflow as tf
+
+    import sdp.tensorflow as hvd
+    r = hvd.rank()
+    out = {}
+    w = tf.Variable(np.ones([3, 2], np.float32) * (r + 1))
+    x = tf.constant(_data(r, shape=(2, 3)))
+    emb = tf.Variable(np.arange(12, dtype=np.float32).reshape(4, 3))
+    ids = tf.constant([r, 3])
+
+    @tf.function
+    def step(compression, sparse_as_dense, predivide):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.matmul(x, w) ** 2) + tf.reduce_sum(tf.gather(emb, ids) * (r + 1.0))
+        tape = hvd.DistributedGradientTape(tape, compression=compression, sparse_as_dense=sparse_as_dense,
+                                           gradient_predivide_factor=predivide)
+        gw, ge = tape.gradient(loss, [w, emb])
+        return gw, tf.convert_to_tensor(ge), isinstance(ge, tf.IndexedSlices)
+
+    hvd.broadcast_variables([w], root_rank=0)
+    for label, args in {"plain": (hvd.Compression.none, False, 1.0), "fp16": (hvd.Compression.fp16, False, 1.0),
+                        "dense": (hvd.Compression.none, True, 1.0), "predivide": (hvd.Compression.none, True, 4.0)
+                        }.items():
+        for _ in range(steps):
+            gw, ge, was_sparse = step(*args)
+        out[label] = {"gw": gw.numpy().tolist(), "ge": ge.numpy().tolist(), "sparse": bool(was_sparse)}
+
+    # eager tape; PartialDistributedGradientTape with one local layer
+    local = keras.layers.Dense(1, use_bias=False, kernel_initializer=keras.initializers.Constant(1.0))
+    shared = keras.layers.Dense(1, use_bias=False, kernel_initializer=keras.initializers.Constant(1.0))
+    inp = tf.constant([[1.0 + r]])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(local(inp) + shared(inp))
+    tape = hvd.PartialDistributedGradientTape(tape, local_layers=[local])
+    gl, gs = tape.gradient(loss, [local.kernel, shared.kernel])
+    out["partial"] = {"local": gl.numpy().tolist(), "shared": gs.numpy().tolist()}
+
+    # SyncBatchNormalization: training output and gradient vs. a batch norm over both ranks' data
+    bn = hvd.SyncBatchNormalization(momentum=0.5, epsilon=1e-3)
+    data = tf.constant(_data(r, shape=(3, 2)) * (1 + r))
+    with tf.GradientTape() as tape:
+        tape.watch(data)
+        y = bn(data, training=True)
+        loss = tf.reduce_sum(y * tf.constant([[1.0, 2.0]]) * (1 + r) + y ** 2)
+    gx = tape.gradient(loss, data)
+    out["sync_bn"] = {"y": y.numpy().tolist(), "moving_mean": bn.moving_mean.numpy().tolist(),
+                      "gx": gx.numpy().tolist()}
+    return out
