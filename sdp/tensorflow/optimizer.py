@@ -18,13 +18,33 @@ from sdp.tensorflow.gradients import (GradientReducer, check_devices, check_proc
 _LegacyOptimizer = tf.compat.v1.train.Optimizer
 
 
-class _DistributedLegacyOptimizer(_LegacyOptimizer):
+class WrappedLegacyOptimizer(_LegacyOptimizer):
+    """Base of optimizers that wrap a ``tf.compat.v1.train.Optimizer`` (ours and the KungFu
+    bridge's): gradients, slots and variables are the wrapped optimizer's."""
+
+    def __init__(self, optimizer, name, use_locking=False):
+        super().__init__(name=name, use_locking=use_locking)
+        self._optimizer = optimizer
+
+    def compute_gradients(self, *args, **kwargs):
+        return self._optimizer.compute_gradients(*args, **kwargs)
+
+    def get_slot(self, *args, **kwargs):
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args, **kwargs):
+        return self._optimizer.variables(*args, **kwargs)
+
+
+class _DistributedLegacyOptimizer(WrappedLegacyOptimizer):
     """Wraps a ``tf.compat.v1.train.Optimizer``: ``compute_gradients`` returns gradients reduced
     over all ranks; everything else is delegated to the wrapped optimizer."""
 
     def __init__(self, optimizer, name, use_locking, reducer, aggregator):
-        super().__init__(name=name, use_locking=use_locking)
-        self._optimizer = optimizer
+        super().__init__(optimizer, name, use_locking)
         self._sdp_reducer = reducer
         self._sdp_aggregator = aggregator
 
@@ -59,15 +79,6 @@ class _DistributedLegacyOptimizer(_LegacyOptimizer):
         return self._sdp_aggregator.apply(
             lambda: self._optimizer.apply_gradients(pairs, global_step=global_step, name=name), skip,
             deps=[g for g, _ in pairs])
-
-    def get_slot(self, *args, **kwargs):
-        return self._optimizer.get_slot(*args, **kwargs)
-
-    def get_slot_names(self, *args, **kwargs):
-        return self._optimizer.get_slot_names(*args, **kwargs)
-
-    def variables(self, *args, **kwargs):
-        return self._optimizer.variables(*args, **kwargs)
 
 
 def apply_bucket_cap(bucket_cap_mb) -> None:

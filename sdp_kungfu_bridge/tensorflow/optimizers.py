@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from sdp import api
 from sdp.common.reduce_ops import ReduceOp
+from sdp.tensorflow.optimizer import WrappedLegacyOptimizer
 from sdp_kungfu_bridge import _cluster, _model_store
 from sdp_kungfu_bridge.tensorflow import ops as _ops
 
@@ -289,20 +290,16 @@ def _tf_variable(v):
     return v
 
 
-class _KungFuV1Optimizer(tf.compat.v1.train.Optimizer):
+class _KungFuV1Optimizer(WrappedLegacyOptimizer):
     """A ``tf.compat.v1.train.Optimizer`` running a KungFu algorithm around another one."""
 
     def __init__(self, optimizer, algo, name=None, use_locking=False):
-        super().__init__(name=name or f"KungFu{type(optimizer).__name__}", use_locking=use_locking)
-        self._optimizer = optimizer
+        super().__init__(optimizer, name or f"KungFu{type(optimizer).__name__}", use_locking)
         self._kf_algo = algo
 
     @property
     def kungfu_algorithm(self):
         return self._kf_algo
-
-    def compute_gradients(self, *args, **kwargs):
-        return self._optimizer.compute_gradients(*args, **kwargs)
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         pairs = list(grads_and_vars)
@@ -313,15 +310,6 @@ class _KungFuV1Optimizer(tf.compat.v1.train.Optimizer):
             return self._optimizer.apply_gradients(zip(g, v), global_step=global_step, name=name)
 
         return self._kf_algo.apply(local_apply, grads, variables)
-
-    def get_slot(self, *args, **kwargs):
-        return self._optimizer.get_slot(*args, **kwargs)
-
-    def get_slot_names(self, *args, **kwargs):
-        return self._optimizer.get_slot_names(*args, **kwargs)
-
-    def variables(self, *args, **kwargs):
-        return self._optimizer.variables(*args, **kwargs)
 
 
 def _create(optimizer, algo, name=None, use_locking=False):
