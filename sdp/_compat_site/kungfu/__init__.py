@@ -6,11 +6,6 @@ the sdp-backed package (if ``SDP_COMPAT`` enables it), or loads a real installat
 __sdp_compat__ = "shim"
 
 if "." not in __name__:
-    try:
-        import sdp.compat as _compat
-    except ImportError:  # sdp itself not on sys.path: use the copy this shim belongs to
-        import os as _os
-        import sys as _sys
-        _sys.path.append(_os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))))
-        import sdp.compat as _compat
-    _compat._activate_shim(__name__)
+    import _sdp_compat_boot
+
+    _sdp_compat_boot.activate(__name__)
