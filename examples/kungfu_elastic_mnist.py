@@ -26,6 +26,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.append(str(_HERE.parent))
 
+import common  # noqa: E402  (helpers shared by the examples)
 import mnist_data  # noqa: E402
 from sdp_kungfu_bridge.python import (current_cluster_size, current_rank, resize,  # noqa: E402
                                       run_barrier)
@@ -45,13 +46,10 @@ def parse_schedule(text):
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", default=None,
-                   help="directory with the MNIST IDX .gz files "
-                        "(default: $SDP_MNIST_DIR or ../shared/data/mnist, else download)")
+    # --data-dir, --batch-size, --lr
+    common.add_common_args(p, epochs=None, batch_size=64, lr=0.002, seed=None, per="worker")
     p.add_argument("--schedule", default="100:4,200:2", help="STEP:SIZE,... resize after STEP to SIZE")
     p.add_argument("--max-step", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=64, help="batch size per worker")
-    p.add_argument("--lr", type=float, default=0.002)
     return p.parse_args()
 
 
@@ -62,18 +60,10 @@ def main():
     tf.config.threading.set_inter_op_parallelism_threads(2)
     tf.keras.utils.set_random_seed(os.getpid())  # differs per worker: only the sync makes them agree
 
-    (x_train, y_train), (x_test, y_test) = mnist_data.load_mnist(args.data_dir or mnist_data.find_mnist_dir())
-    x_train = (x_train.astype(np.float32) / 255.0)[..., np.newaxis]
-    y_train = y_train.astype(np.int64)
+    # Every worker keeps the whole training set (one shard of one): batches are drawn per (step, rank).
+    (x_train, y_train), (x_test, y_test) = mnist_data.load_sharded(args.data_dir, rank=0, size=1)
 
-    model = tf.keras.Sequential([
-        tf.keras.Input(shape=(28, 28, 1)),
-        tf.keras.layers.Conv2D(16, 3, activation="relu"),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(64, activation="relu"),
-        tf.keras.layers.Dense(10),
-    ])
+    model = common.build_convnet(filters=(16,))  # Conv(16)-pool, Dense(64), Dense(10)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     opt = SynchronousSGDOptimizer(tf.keras.optimizers.Adam(args.lr))
     # Create the optimizer state now: a new worker must broadcast the same variables as the others.
@@ -117,7 +107,7 @@ def main():
     if not detached:
         run_barrier()
         if current_rank() == 0:
-            logits = model((x_test.astype(np.float32) / 255.0)[..., np.newaxis], training=False)
+            logits = model(x_test, training=False)
             accuracy = float(np.mean(np.argmax(logits, axis=1) == y_test))
             print(f"finished at step {step} with {current_cluster_size()} workers; "
                   f"test accuracy: {accuracy:.4f}", flush=True)

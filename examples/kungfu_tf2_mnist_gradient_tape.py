@@ -14,18 +14,17 @@ The KungFu recipe (kungfu.tensorflow.* is sdp_kungfu_bridge.tensorflow.*):
   3. each worker reads its own shard of the data; rank 0 evaluates at the end.
 """
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import tensorflow as tf
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.append(str(_HERE.parent))
 
+import common  # noqa: E402  (helpers shared by the examples)
 import mnist_data  # noqa: E402
 from sdp_kungfu_bridge.python import (current_cluster_size, current_local_size,  # noqa: E402
                                       current_rank, run_barrier)
@@ -41,58 +40,28 @@ OPTIMIZERS = {"sync-sgd": SynchronousSGDOptimizer, "sma": SynchronousAveragingOp
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sync-sgd")
-    p.add_argument("--data-dir", default=None,
-                   help="directory with the MNIST IDX .gz files "
-                        "(default: $SDP_MNIST_DIR or ../shared/data/mnist, else download)")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=64, help="batch size per worker")
-    p.add_argument("--lr", type=float, default=0.001, help="Adam learning rate of one worker")
+    # --data-dir, --epochs, --batch-size, --lr, --seed
+    common.add_common_args(p, epochs=1, batch_size=64, lr=0.001, seed=1, per="worker")
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps")
     p.add_argument("--v1-optimizer", action="store_true",
                    help="wrap tf.compat.v1.train.AdamOptimizer (as KungFu's example) instead of Keras Adam")
-    p.add_argument("--seed", type=int, default=1)
     return p.parse_args()
-
-
-def build_model():
-    return tf.keras.Sequential([
-        tf.keras.Input(shape=(28, 28, 1)),
-        tf.keras.layers.Conv2D(16, 3, activation="relu"),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Conv2D(32, 3, activation="relu"),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(64, activation="relu"),
-        tf.keras.layers.Dense(10),
-    ])
-
-
-def evaluate(model, images, labels, batch_size=1000):
-    correct = 0
-    for i in range(0, len(images), batch_size):
-        logits = model(images[i:i + batch_size], training=False)
-        correct += int(np.sum(np.argmax(logits, axis=1) == labels[i:i + batch_size]))
-    return correct / len(images)
 
 
 def main():
     args = parse_args()
     rank, size = current_rank(), current_cluster_size()
-    threads = max(1, (os.cpu_count() or 1) // current_local_size())
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
+    common.configure_threads(current_local_size(), min_inter_op=2)
     tf.keras.utils.set_random_seed(args.seed + rank)  # models differ until the broadcast
 
-    (x_train, y_train), (x_test, y_test) = mnist_data.load_mnist(args.data_dir or mnist_data.find_mnist_dir())
-    per_worker = len(x_train) // size
-    x = (x_train[rank::size][:per_worker].astype(np.float32) / 255.0)[..., np.newaxis]
-    y = y_train[rank::size][:per_worker].astype(np.int64)
+    (x, y), (x_test, y_test) = mnist_data.load_sharded(args.data_dir, rank, size)  # equal shards
+    per_worker = len(x)
     dataset = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(10000, seed=args.seed + rank)
                .batch(args.batch_size, drop_remainder=True).repeat(args.epochs))
     if args.steps:
         dataset = dataset.take(args.steps)
 
-    model = build_model()
+    model = common.build_convnet(filters=(16, 32))  # Conv(16)-pool-Conv(32)-pool, Dense(64), Dense(10)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     # S-SGD sees size times more data per step: scale its learning rate; model averaging does not.
     lr = args.lr * size if args.optimizer == "sync-sgd" else args.lr
@@ -122,7 +91,7 @@ def main():
     elapsed = time.perf_counter() - start
     run_barrier()  # with pair averaging, peers may still pull from this worker's store
     if rank == 0:
-        accuracy = evaluate(model, (x_test.astype(np.float32) / 255.0)[..., np.newaxis], y_test)
+        accuracy = common.evaluate(model, x_test, y_test)
         print(f"trained {batch + 1} steps in {elapsed:.1f} s", flush=True)
         print(f"test accuracy: {accuracy:.4f}", flush=True)
 

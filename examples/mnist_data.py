@@ -8,6 +8,9 @@ examples run without network access::
 With ``data_dir=None`` it falls back to ``tf.keras.datasets.mnist.load_data()``,
 which downloads the data on first use.
 
+For training, ``load_sharded(data_dir, rank, size)`` gives one rank its equal share of the
+training set, ready for a convnet (float32 in [0, 1], shape (N, 28, 28, 1)).
+
 IDX format (big-endian):
   images: uint32 magic 2051, uint32 count, uint32 rows, uint32 cols, then pixels
   labels: uint32 magic 2049, uint32 count, then one uint8 label per item
@@ -120,3 +123,24 @@ def load_mnist(data_dir=None):
     if not data_dir.is_dir():
         raise FileNotFoundError(f"MNIST data directory not found: {data_dir}")
     return _load_split(data_dir, "train"), _load_split(data_dir, "test")
+
+
+def preprocess(images):
+    """uint8 images (N, 28, 28) -> float32 in [0, 1] with a channel axis: (N, 28, 28, 1)."""
+    return (images.astype(np.float32) / 255.0)[..., np.newaxis]
+
+
+def load_sharded(data_dir=None, rank=0, size=1):
+    """Load MNIST and keep rank ``rank``'s shard of the training set out of ``size``.
+
+    Returns ``((x_shard, y_shard), (x_test, y_test))``: images through ``preprocess`` (float32),
+    labels int64.  The shard is every ``size``-th training example from ``rank`` on, cut to
+    ``60000 // size`` so that every rank runs the same number of steps (a rank with an extra step
+    would wait forever for the others in allreduce).  The test set is whole.  ``data_dir=None``
+    means ``find_mnist_dir()``, and if that finds nothing, ``load_mnist(None)`` (download).
+    """
+    (x_train, y_train), (x_test, y_test) = load_mnist(data_dir or find_mnist_dir())
+    per_rank = len(x_train) // size
+    x_shard = preprocess(x_train[rank::size][:per_rank])
+    y_shard = y_train[rank::size][:per_rank].astype(np.int64)
+    return (x_shard, y_shard), (preprocess(x_test), y_test.astype(np.int64))

@@ -15,7 +15,6 @@ tutorial.  The Horovod TF1 recipe, unchanged apart from the import:
 """
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -28,20 +27,17 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.append(str(_HERE.parent))
 
+import common  # noqa: E402  (helpers shared by the examples)
 import mnist_data  # noqa: E402
 import sdp.tensorflow as hvd  # noqa: E402
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", default=None,
-                   help="directory with the MNIST IDX .gz files "
-                        "(default: $SDP_MNIST_DIR or ../shared/data/mnist, else download)")
+    # --data-dir, --batch-size, --lr, --seed
+    common.add_common_args(p, epochs=None, batch_size=100, lr=0.002, seed=42)
     p.add_argument("--steps", type=int, default=600, help="training steps (every rank runs all of them)")
-    p.add_argument("--batch-size", type=int, default=100, help="batch size per rank")
-    p.add_argument("--lr", type=float, default=0.002, help="Adam learning rate for one rank")
     p.add_argument("--checkpoint-dir", default=None, help="rank 0's checkpoint directory (default: a temp dir)")
-    p.add_argument("--seed", type=int, default=42)
     return p.parse_args()
 
 
@@ -55,7 +51,7 @@ def main():
     y_shard = y_train[rank::size].astype(np.int64)
     rng = np.random.default_rng(args.seed + rank)
 
-    threads = max(1, (os.cpu_count() or 1) // hvd.local_size())
+    threads = common.threads_per_process(hvd.local_size())  # CPU cores shared by local ranks
     config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads)
 
     with tf.Graph().as_default():

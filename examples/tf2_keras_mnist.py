@@ -29,43 +29,21 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.append(str(_HERE.parent))
 
+import common  # noqa: E402  (helpers shared by the examples)
 import mnist_data  # noqa: E402
 import sdp.tensorflow.keras as hvd  # noqa: E402
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", default=None,
-                   help="directory with the MNIST IDX .gz files "
-                        "(default: $SDP_MNIST_DIR or ../shared/data/mnist, else download)")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=64, help="batch size per rank")
-    p.add_argument("--lr", type=float, default=0.001, help="Adam learning rate for one rank")
+    # --data-dir, --epochs, --batch-size, --lr, --seed
+    common.add_common_args(p, epochs=2, batch_size=64, lr=0.001, seed=42)
     p.add_argument("--warmup-epochs", type=float, default=1.0,
                    help="epochs over which the learning rate grows from lr to lr * size")
     p.add_argument("--steps-per-epoch", type=int, default=None, help="cap on steps per epoch")
     p.add_argument("--checkpoint-dir", default=None,
                    help="where rank 0 saves checkpoints (default: a new temp dir)")
-    p.add_argument("--seed", type=int, default=42)
     return p.parse_args()
-
-
-def build_model():
-    return tf.keras.Sequential([
-        tf.keras.Input(shape=(28, 28, 1)),
-        tf.keras.layers.Conv2D(16, 3, activation="relu"),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Conv2D(32, 3, activation="relu"),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dropout(0.25),
-        tf.keras.layers.Dense(64, activation="relu"),
-        tf.keras.layers.Dense(10),
-    ])
-
-
-def preprocess(images):
-    return (images.astype(np.float32) / 255.0)[..., np.newaxis]
 
 
 def main():
@@ -73,24 +51,16 @@ def main():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
 
-    # Share the CPU cores between the processes on this machine.
-    threads = max(1, (os.cpu_count() or 1) // hvd.local_size())
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(threads)
-    gpus = tf.config.list_physical_devices("GPU")
-    for gpu in gpus:
-        tf.config.experimental.set_memory_growth(gpu, True)
-    if gpus:
-        tf.config.set_visible_devices(gpus[hvd.local_rank() % len(gpus)], "GPU")
+    # Share the CPU cores between the processes on this machine; one GPU per process.
+    common.configure_threads(hvd.local_size())
+    common.pin_gpu(hvd.local_rank())
 
     # A different seed per rank: only the broadcast makes the initial weights agree.
     tf.keras.utils.set_random_seed(args.seed + rank)
 
-    (x_train, y_train), (x_test, y_test) = mnist_data.load_mnist(args.data_dir or mnist_data.find_mnist_dir())
     # Equal shards, so that every rank runs the same number of steps.
-    per_rank = len(x_train) // size
-    x_shard = preprocess(x_train[rank::size][:per_rank])
-    y_shard = y_train[rank::size][:per_rank].astype(np.int64)
+    (x_shard, y_shard), (x_test, y_test) = mnist_data.load_sharded(args.data_dir, rank, size)
+    per_rank = len(x_shard)
     steps = per_rank // args.batch_size
     if args.steps_per_epoch:
         steps = min(steps, args.steps_per_epoch)
@@ -98,7 +68,8 @@ def main():
                .shuffle(10000, seed=args.seed + rank).repeat()
                .batch(args.batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
 
-    model = build_model()
+    # Conv(16)-pool-Conv(32)-pool, Dropout(0.25), Dense(64), Dense(10)
+    model = common.build_convnet(filters=(16, 32), dropout=0.25)
     scaled_lr = args.lr * size
     opt = hvd.DistributedOptimizer(tf.keras.optimizers.Adam(scaled_lr))
     model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -122,7 +93,7 @@ def main():
     elapsed = time.perf_counter() - start
 
     # Every rank scores its half of the test set; the counts are summed over ranks.
-    xt, yt = preprocess(x_test[rank::size]), y_test[rank::size]
+    xt, yt = x_test[rank::size], y_test[rank::size]
     correct = int(np.sum(np.argmax(model.predict(xt, batch_size=1000, verbose=0), axis=1) == yt))
     totals = hvd.allreduce(np.array([correct, len(yt)], np.int64), name="test_accuracy", op=hvd.Sum)
     if rank == 0:

@@ -25,30 +25,26 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-# mnist_data.py lives next to this script. Running from a source checkout without
-# `pip install` also works: the repository root goes last on the path, so an
-# installed sdp wins if there is one.
+# mnist_data.py and common.py (helpers shared by the examples) live next to this
+# script. Running from a source checkout without `pip install` also works: the
+# repository root goes last on the path, so an installed sdp wins if there is one.
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.append(str(_HERE.parent))
 
+import common  # noqa: E402
 import mnist_data  # noqa: E402
 import sdp.tensorflow as sdp  # noqa: E402
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", default=None,
-                   help="directory with the MNIST IDX .gz files "
-                        "(default: $SDP_MNIST_DIR or ../shared/data/mnist, else download)")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=64, help="batch size per rank")
+    # --data-dir, --epochs, --batch-size, --lr, --seed
+    common.add_common_args(p, epochs=1, batch_size=64, lr=0.001, seed=42)
     p.add_argument("--steps", type=int, default=None,
                    help="stop after this many training steps in total (default: no cap)")
-    p.add_argument("--lr", type=float, default=0.001, help="learning rate for one rank")
     p.add_argument("--checkpoint-dir", default=None,
                    help="where rank 0 saves the final checkpoint (default: a new temp dir)")
-    p.add_argument("--seed", type=int, default=42)
     return p.parse_args()
 
 
@@ -66,21 +62,9 @@ def build_model():
     ])
 
 
-def preprocess(images):
-    return (images.astype(np.float32) / 255.0)[..., np.newaxis]
-
-
 def weights_checksum(model):
     flat = np.concatenate([w.numpy().ravel() for w in model.trainable_variables])
     return hashlib.sha256(flat.tobytes()).hexdigest()[:16]
-
-
-def evaluate(model, images, labels, batch_size=1000):
-    correct = 0
-    for i in range(0, len(images), batch_size):
-        logits = model(images[i:i + batch_size], training=False)
-        correct += int(np.sum(np.argmax(logits, axis=1) == labels[i:i + batch_size]))
-    return correct / len(images)
 
 
 def main():
@@ -91,30 +75,19 @@ def main():
 
     # Share the CPU cores between the processes on this machine instead of
     # letting each of them start one thread per core.
-    threads = max(1, (os.cpu_count() or 1) // sdp.local_size())
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(threads)
-
+    common.configure_threads(sdp.local_size())
     # One GPU per process, chosen by local rank.
-    gpus = tf.config.list_physical_devices("GPU")
-    for gpu in gpus:
-        tf.config.experimental.set_memory_growth(gpu, True)
-    if gpus:
-        tf.config.set_visible_devices(gpus[sdp.local_rank() % len(gpus)], "GPU")
+    common.pin_gpu(sdp.local_rank())
 
     # A different seed on each rank: the ranks start from different weights, and
     # only the broadcast below makes them agree.
     tf.keras.utils.set_random_seed(args.seed + rank)
 
-    data_dir = args.data_dir or mnist_data.find_mnist_dir()
-    (x_train, y_train), (x_test, y_test) = mnist_data.load_mnist(data_dir)
-
     # Each rank trains on its own shard, cut to a common length so that every
     # rank runs the same number of steps (a rank with an extra step would wait
     # forever for the others in allreduce).
-    per_rank = len(x_train) // size
-    x_shard = preprocess(x_train[rank::size][:per_rank])
-    y_shard = y_train[rank::size][:per_rank].astype(np.int64)
+    (x_shard, y_shard), (x_test, y_test) = mnist_data.load_sharded(args.data_dir, rank, size)
+    per_rank = len(x_shard)
     steps_per_epoch = per_rank // args.batch_size
     if steps_per_epoch == 0:
         raise SystemExit(f"--batch-size {args.batch_size} is larger than the "
@@ -177,7 +150,7 @@ def main():
         path = checkpoint.save(os.path.join(checkpoint_dir, "ckpt"))
         print(f"checkpoint saved to {path}", flush=True)
 
-        accuracy = evaluate(model, preprocess(x_test), y_test)
+        accuracy = common.evaluate(model, x_test, y_test)
         print(f"test accuracy: {accuracy:.4f}", flush=True)
 
     print(f"weights checksum: {weights_checksum(model)}", flush=True)

@@ -12,7 +12,6 @@ hvd`` is Horovod's tensorflow2_synthetic_benchmark.py.
 """
 
 import argparse
-import os
 import sys
 import timeit
 from pathlib import Path
@@ -20,8 +19,11 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-sys.path.append(str(Path(__file__).resolve().parent.parent))
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+sys.path.append(str(_HERE.parent))
 
+import common  # noqa: E402  (helpers shared by the examples)
 import sdp.tensorflow as hvd  # noqa: E402
 
 
@@ -47,14 +49,8 @@ def log(msg):
 def main():
     args = parse_args()
     hvd.init()
-    threads = max(1, (os.cpu_count() or 1) // hvd.local_size())
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(threads)
-    gpus = tf.config.list_physical_devices("GPU")
-    for gpu in gpus:
-        tf.config.experimental.set_memory_growth(gpu, True)
-    if gpus:
-        tf.config.set_visible_devices(gpus[hvd.local_rank() % len(gpus)], "GPU")
+    common.configure_threads(hvd.local_size())  # share the CPU cores between local ranks
+    common.pin_gpu(hvd.local_rank())  # one GPU per process
 
     try:
         model_fn = getattr(tf.keras.applications, args.model)

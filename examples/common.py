@@ -1,0 +1,80 @@
+"""Small helpers shared by the sdp examples: flags, CPU threads, GPU pinning, a model, evaluation.
+
+Only the set-up that every example repeats lives here.  What makes training distributed
+(``init``, ``DistributedGradientTape`` / ``DistributedOptimizer``, the KungFu optimizers, the
+broadcast from rank 0) stays in each example, where it can be read.
+
+The MNIST loading and sharding helpers are in ``mnist_data.py`` next to this file.
+"""
+
+import os
+
+import numpy as np
+import tensorflow as tf
+
+
+def add_common_args(parser, *, batch_size=64, lr=0.001, epochs=1, seed=42, per="rank"):
+    """Add the flags the MNIST examples share to an ``argparse`` parser.
+
+    ``--data-dir``, ``--batch-size`` and ``--lr`` always; ``--epochs`` and ``--seed`` unless their
+    default is None.  ``per`` names one process in the help texts ("rank" or "worker").
+    """
+    parser.add_argument("--data-dir", default=None,
+                        help="directory with the MNIST IDX .gz files "
+                             "(default: $SDP_MNIST_DIR or ../shared/data/mnist, else download)")
+    if epochs is not None:
+        parser.add_argument("--epochs", type=int, default=epochs)
+    parser.add_argument("--batch-size", type=int, default=batch_size, help=f"batch size per {per}")
+    parser.add_argument("--lr", type=float, default=lr, help=f"Adam learning rate for one {per}")
+    if seed is not None:
+        parser.add_argument("--seed", type=int, default=seed)
+    return parser
+
+
+def threads_per_process(local_size):
+    """The CPU cores of this machine divided among its ``local_size`` processes (at least 1)."""
+    return max(1, (os.cpu_count() or 1) // local_size)
+
+
+def configure_threads(local_size, min_inter_op=1):
+    """Share the CPU cores between the processes on this machine instead of letting each of them
+    start one thread per core.  Sets TensorFlow's intra-op threads to the cores per process and its
+    inter-op threads to that, or to ``min_inter_op`` if more; returns the cores per process.
+    Call it before TensorFlow runs any op."""
+    threads = threads_per_process(local_size)
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(max(min_inter_op, threads))
+    return threads
+
+
+def pin_gpu(local_rank):
+    """One GPU per process, chosen by local rank, with memory growth on; nothing without GPUs.
+    Call it before TensorFlow initialises its devices."""
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        tf.config.experimental.set_memory_growth(gpu, True)
+    if gpus:
+        tf.config.set_visible_devices(gpus[local_rank % len(gpus)], "GPU")
+
+
+def build_convnet(filters=(16, 32), dropout=None):
+    """A small MNIST convnet for (28, 28, 1) images, returning logits for 10 classes: one
+    Conv2D(3x3, ReLU) + MaxPooling2D block per entry of ``filters``, Flatten, Dropout(``dropout``)
+    if given, Dense(64, ReLU), Dense(10)."""
+    layers = [tf.keras.Input(shape=(28, 28, 1))]
+    for n in filters:
+        layers += [tf.keras.layers.Conv2D(n, 3, activation="relu"), tf.keras.layers.MaxPooling2D()]
+    layers.append(tf.keras.layers.Flatten())
+    if dropout:
+        layers.append(tf.keras.layers.Dropout(dropout))
+    layers += [tf.keras.layers.Dense(64, activation="relu"), tf.keras.layers.Dense(10)]
+    return tf.keras.Sequential(layers)
+
+
+def evaluate(model, images, labels, batch_size=1000):
+    """The fraction of ``images`` that ``model`` (which returns logits) labels correctly."""
+    correct = 0
+    for i in range(0, len(images), batch_size):
+        logits = model(images[i:i + batch_size], training=False)
+        correct += int(np.sum(np.argmax(logits, axis=1) == labels[i:i + batch_size]))
+    return correct / len(images)
