@@ -321,3 +321,16 @@ def test_sigkill_of_sdprun_does_not_orphan_workers(tmp_path):
     p.wait(timeout=10)
     alive = [pid for pid in pids if not _gone(pid, wait_s=10)]
     assert not alive, f"workers {alive} outlived a SIGKILLed sdprun"
+
+
+def test_sdp_worker_that_raises_stops_job_fast(tmp_path):
+    """A worker that raises after sdp.init() exits at once (its shutdown does not wait for the
+    peers), so sdprun reports it with the traceback well within 10 s."""
+    script = tmp_path / "raise.py"
+    script.write_text("import time, sdp\nsdp.init()\nif sdp.rank() == 1:\n"
+                      "    raise RuntimeError('boom from rank 1')\ntime.sleep(60)\n")
+    t0 = time.monotonic()
+    p = _sdprun("-np", "2", sys.executable, str(script), timeout=30)
+    assert p.returncode == 1
+    assert "[1]<stderr>:RuntimeError: boom from rank 1" in p.stderr
+    assert time.monotonic() - t0 < 10

@@ -173,7 +173,7 @@ class Runtime:
             # peers learn why, then see us disconnect, and fail fast too
             self.mesh.abort(getattr(e, "rank", None) if isinstance(e, errors.PeerLostError) else None, str(e))
             return
-        self.mesh.close(wait_s=10.0)
+        self.mesh.close()
 
     def _cycle(self) -> None:
         cycle_s = self.config.cycle_time_ms / 1000.0

@@ -249,7 +249,7 @@ class Mesh:
                     self.send(r, ABORT, payload=body)
                 except Exception:  # noqa: BLE001 - best effort on the way down
                     pass
-        self.close(wait_s=0)
+        self.close(linger_s=0.5)
 
     def sendrecv_done(self, trackers) -> None:
         """Wait until ZeroMQ has released every tracked buffer (bounded by ``timeout_s``)."""
@@ -258,22 +258,21 @@ class Mesh:
                 t.wait(self.timeout_s)
 
     # -- teardown --------------------------------------------------------------------------
-    def close(self, wait_s: float = 10.0) -> None:
-        """Say BYE to every live peer, wait up to ``wait_s`` seconds for theirs, close sockets."""
-        live = [r for r in self.dealers if r not in self.lost]
-        for r in live:
-            try:
-                self.send(r, BYE)
-            except zmq.ZMQError:
-                pass
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and any(
-                not self.inbox[(r, BYE)] and r not in self.lost for r in live):
-            self.pump(100)
+    def close(self, linger_s: float = 2.0) -> None:
+        """Say BYE to every live peer and close.  Does not wait for the peers (a rank may leave
+        while others still compute); ZeroMQ keeps delivering what is queued for up to
+        ``linger_s`` seconds (a dead peer's share is dropped then)."""
+        for r in self.dealers:
+            if r not in self.lost:
+                try:
+                    self.send(r, BYE)
+                except zmq.ZMQError:
+                    pass
+        self._drain_router()  # read what arrived, so TCP closes with FIN, not RST
         for mon in self.monitors:
             mon.close(linger=0)
         for d in self.dealers.values():
-            d.close(linger=1000)
+            d.close(linger=int(linger_s * 1000))
         self.router.close(linger=0)
         self.ctx.term()
         try:
