@@ -65,3 +65,9 @@ def test_float16_average_accumulates_in_float32():
     for lo, hi, finite, small in check_ok(run_workers(2, "workers_collectives:fp16_average_no_overflow", [])):
         assert finite and lo == hi and abs(lo - 40000.5) <= 32  # float16 spacing at 40000 is 32
         assert abs(small - 6e-5) < 1e-6
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fused_buckets_on_shared_memory(n):
+    for oks in check_ok(run_workers(n, "workers_collectives:fused_buckets", [5])):
+        assert all(oks), oks

@@ -208,3 +208,19 @@ def fp16_average_no_overflow():
     avg = sdp.allreduce(big, name="big", op=sdp.Average)
     small = sdp.allreduce(np.full(1000, 3e-5, np.float16), name="small", op=sdp.Sum)
     return [float(avg.min()), float(avg.max()), bool(np.isfinite(avg).all()), float(small[0])]
+
+
+def fused_buckets(seed):
+    """Gradient-list style fused allreduces large enough for the shared-memory path, with tensor
+    boundaries falling inside each rank's own chunk; float32 SUM, float16 AVERAGE, prescaled."""
+    n, r = sdp.size(), sdp.rank()
+    sizes = [1, 30_001, 7, 12_345, 0, 40_000, 3]
+    oks = []
+    for dtype, op, pre in (("float32", "SUM", 1.0), ("float16", "AVERAGE", 1.0), ("float64", "SUM", 0.5)):
+        mine = [data_for(r, [s], dtype, seed + i) for i, s in enumerate(sizes)]
+        hs = sdp.grouped_allreduce_async(mine, [f"{dtype}.{i}" for i in range(len(sizes))],
+                                         op=getattr(sdp.ReduceOp, op), prescale_factor=pre)
+        for i, h in enumerate(hs):
+            ref = reference(op, [data_for(q, [sizes[i]], dtype, seed + i) for q in range(n)]) * pre
+            oks.append(_close(h.wait(), ref, dtype))
+    return oks

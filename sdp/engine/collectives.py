@@ -107,10 +107,19 @@ def uses_shm(mesh, nbytes, count) -> bool:
     return mesh.shm is not None and mesh.size > 1 and nbytes > SMALL_BYTES and count >= mesh.size
 
 
-def allreduce_staged(mesh, half, inp, out, ufunc, seq, acc=None, scale=None):
-    """Allreduce ``inp`` — this rank's shared-memory half ``half`` (from ``mesh.shm.claim()``),
-    already filled, at most one slab — into ``out``."""
-    _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale, staged=half)
+def own_chunk(mesh, count):
+    """``(lo, hi)``: the elements of a one-slab shared-memory allreduce of ``count`` elements that
+    this rank reduces (and so never needs to copy into shared memory)."""
+    edges = _bounds(count, mesh.size)
+    return edges[mesh.rank], edges[mesh.rank + 1]
+
+
+def allreduce_staged(mesh, half, pieces, out, ufunc, seq, acc=None, scale=None):
+    """Allreduce a fusion bucket already packed into this rank's shared-memory half ``half``
+    (from ``mesh.shm.claim()``; at most one slab; ``out.size`` elements) except for its
+    :func:`own_chunk`, which ``pieces`` (``(offset, array)`` pairs) supply; result into ``out``."""
+    inp = mesh.shm.half(mesh.rank, half, out.dtype, out.size)
+    _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale, staged=(half, pieces))
 
 
 def _sync(mesh, seq, step):
@@ -131,30 +140,33 @@ def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None, staged=None):
     halves of every segment, so slab g's first barrier proves every rank finished reading the
     half that slab g-2 used before anyone overwrites it.
 
-    ``staged``: the half index when ``inp`` already *is* this rank's half (the caller packed a
-    fusion bucket straight into shared memory, so step (1) has nothing to copy)."""
+    ``staged``: ``(half, pieces)`` when the caller already packed a one-slab fusion bucket into
+    this rank's half (step (1) done) except for this rank's own chunk, whose values are given as
+    ``pieces``: ``(offset, array)`` pairs covering :func:`own_chunk` (never copied at all)."""
     seg, n, r = mesh.shm, mesh.size, mesh.rank
     slab = max(n, seg.slab_bytes // inp.dtype.itemsize)
     for k, start in enumerate(range(0, inp.size, slab)):
         m = min(slab, inp.size - start)
         edges = _bounds(m, n)
+        lo, hi = edges[r], edges[r + 1]
         src = inp[start:start + m]
-        half = staged if staged is not None else seg.claim()
+        half = staged[0] if staged is not None else seg.claim()
         halves = [seg.half(q, half, inp.dtype, m) for q in range(n)]
         mine = halves[r]
         if staged is None:
             for q in range(n):
                 if q != r:
                     np.copyto(mine[edges[q]:edges[q + 1]], src[edges[q]:edges[q + 1]])
+        pieces = staged[1] if staged is not None else [(lo, src[lo:hi])]
         _sync(mesh, seq, 2 * k)
-        lo, hi = edges[r], edges[r + 1]
         # reduce my chunk (16-bit floats: accumulate and scale in float32, round once)
         acc_buf = mine[lo:hi] if acc is None else np.empty(hi - lo, acc)
-        first = True
-        for q in range(n):
-            if q != r:
-                ufunc(src[lo:hi] if first else acc_buf, halves[q][lo:hi], out=acc_buf, dtype=acc)
-                first = False
+        peers = [q for q in range(n) if q != r]
+        for off, piece in pieces:
+            ufunc(piece, halves[peers[0]][off:off + piece.size], out=acc_buf[off - lo:off - lo + piece.size],
+                  dtype=acc)
+        for q in peers[1:]:
+            ufunc(acc_buf, halves[q][lo:hi], out=acc_buf, dtype=acc)
         if scale is not None:
             np.multiply(acc_buf, scale, out=acc_buf, casting="unsafe")
         if acc is not None:
@@ -163,6 +175,7 @@ def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None, staged=None):
         dst = out[start:start + m]
         for q in range(n):
             np.copyto(dst[edges[q]:edges[q + 1]], halves[q][edges[q]:edges[q + 1]])
+
 
 def _combine(ufunc, mine, theirs, acc):
     if acc is None:

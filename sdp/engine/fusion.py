@@ -44,11 +44,30 @@ class FusionBuffer:
         return self._raw[:need].view(dtype)
 
 
-def pack(buf: np.ndarray, arrays: List[np.ndarray]) -> List[int]:
-    """Copy each array into consecutive ranges of ``buf``; return the element offsets (len+1)."""
-    offsets = [0]
+def offsets(arrays: List[np.ndarray]) -> List[int]:
+    """Element offsets of ``arrays`` laid end to end (len(arrays) + 1 entries)."""
+    out = [0]
     for a in arrays:
-        n = a.size
-        np.copyto(buf[offsets[-1]:offsets[-1] + n], a.reshape(-1))
-        offsets.append(offsets[-1] + n)
-    return offsets
+        out.append(out[-1] + a.size)
+    return out
+
+
+def pack(buf: np.ndarray, arrays: List[np.ndarray], offs: List[int], skip=(0, 0)) -> None:
+    """Copy each array into ``buf`` at its offset, leaving out the element range ``skip``
+    (``[lo, hi)``: the part this rank reduces straight from the arrays)."""
+    lo, hi = skip
+    for a, start, end in zip(arrays, offs, offs[1:]):
+        flat = a.reshape(-1)
+        for s, e in ((start, min(end, lo)), (max(start, hi), end)) if hi > lo else ((start, end),):
+            if s < e:
+                np.copyto(buf[s:e], flat[s - start:e - start])
+
+
+def pieces(arrays: List[np.ndarray], offs: List[int], lo: int, hi: int):
+    """``(offset, view)`` pairs of the arrays' elements in ``[lo, hi)`` of the packed layout."""
+    out = []
+    for a, start, end in zip(arrays, offs, offs[1:]):
+        s, e = max(start, lo), min(end, hi)
+        if s < e:
+            out.append((s, a.reshape(-1)[s - start:e - start]))
+    return out

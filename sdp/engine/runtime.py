@@ -306,21 +306,17 @@ class Runtime:
         self._seq += 1
         return self._seq
 
-    def _reduce(self, inp: np.ndarray, out: np.ndarray, req: Request, half: Optional[int] = None) -> None:
+    def _reduce(self, inp: np.ndarray, out: np.ndarray, req: Request) -> None:
         """Prescale, allreduce ``inp`` into ``out`` (1-D; may be the same array), then
-        postscale/average.  ``inp`` is left unchanged unless it is ``out`` or a staged
-        shared-memory ``half`` (see :func:`collectives.allreduce_staged`)."""
+        postscale/average.  ``inp`` is left unchanged unless it is ``out``."""
         seq = self._next_seq()
         if req.prescale != 1.0:
-            if half is None and inp is not out:
+            if inp is not out:
                 np.copyto(out, inp)
                 inp = out
             np.multiply(inp, req.prescale, out=inp, casting="unsafe")
-        acc, scale = accumulation_dtype(out.dtype), self._float_scale(req, out.dtype)
-        if half is None:
-            collectives.allreduce(self.mesh, inp, out, UFUNCS[req.op], seq, self.config.segment_bytes, acc, scale)
-        else:
-            collectives.allreduce_staged(self.mesh, half, inp, out, UFUNCS[req.op], seq, acc, scale)
+        collectives.allreduce(self.mesh, inp, out, UFUNCS[req.op], seq, self.config.segment_bytes,
+                              accumulation_dtype(out.dtype), self._float_scale(req, out.dtype))
         self._int_scale(out, req)
 
     def _float_scale(self, req: Request, dtype: np.dtype) -> Optional[float]:
@@ -352,23 +348,32 @@ class Runtime:
                 self._reduce(first.array.reshape(-1), out.reshape(-1), first)
             self._complete(first, out)
             return
-        total = sum(r.array.size for r in reqs)
+        arrays = [r.array for r in reqs]
+        offs = fusion.offsets(arrays)
+        total = offs[-1]
         result = np.empty(total, dtype)
         seg = self.mesh.shm
-        staged = (collectives.uses_shm(self.mesh, total * dtype.itemsize, total)
-                  and total * dtype.itemsize <= seg.slab_bytes)
-        if staged:
+        if (collectives.uses_shm(self.mesh, total * dtype.itemsize, total) and total * dtype.itemsize <= seg.slab_bytes
+                and first.prescale == 1.0):
+            # pack straight into shared memory, all but the chunk this rank reduces from the inputs
             half = seg.claim()
-            buf = seg.half(self.rank, half, dtype, total)
+            lo, hi = collectives.own_chunk(self.mesh, total)
+            with timeline.span(tl, names, "FUSE"):
+                fusion.pack(seg.half(self.rank, half, dtype, total), arrays, offs, skip=(lo, hi))
+            with timeline.span(tl, names, "ALLREDUCE"):
+                collectives.allreduce_staged(self.mesh, half, fusion.pieces(arrays, offs, lo, hi), result,
+                                             UFUNCS[first.op], self._next_seq(), accumulation_dtype(dtype),
+                                             self._float_scale(first, dtype))
+                self._int_scale(result, first)
         else:
             buf = self._fusion.view(dtype, total)
-        with timeline.span(tl, names, "FUSE"):
-            offsets = fusion.pack(buf, [r.array for r in reqs])
-        with timeline.span(tl, names, "ALLREDUCE"):
-            self._reduce(buf, result, first, half if staged else None)
+            with timeline.span(tl, names, "FUSE"):
+                fusion.pack(buf, arrays, offs)
+            with timeline.span(tl, names, "ALLREDUCE"):
+                self._reduce(buf, result, first)
         with timeline.span(tl, names, "UNPACK"):
             for i, r in enumerate(reqs):
-                view = result[offsets[i]:offsets[i + 1]].reshape(r.array.shape)
+                view = result[offs[i]:offs[i + 1]].reshape(r.array.shape)
                 if r.out is not None:
                     np.copyto(r.out, view)
                     view = r.out
