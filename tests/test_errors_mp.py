@@ -71,3 +71,7 @@ def test_join_fills_zeros_for_ranks_out_of_data():
     assert values[1][0] == [3.0, 3.0] and values[2][0] == [3.0, 3.0, 2.0]
     assert all(v[1] == 0 for v in values)  # rank 0 joined last
     assert all(v[2] == 3.0 for v in values)  # normal service afterwards
+
+
+def test_allreduce_from_several_threads_in_different_orders():
+    assert all(check_ok(run_workers(3, "workers_errors:threads_submit", [4, 15])))

@@ -104,3 +104,29 @@ def uneven_then_join(steps_by_rank):
     last = sdp.join()
     after = float(sdp.allreduce(np.ones(2), name="after_join", op=sdp.Sum)[0])
     return [outs, last, after]
+
+
+def threads_submit(n_threads, per_thread):
+    """Several threads per rank each allreduce their own sequence of tensors (the same sequence
+    on every rank, as any blocking per-thread program must), with rank-dependent timing, so the
+    threads' submissions interleave differently on every rank."""
+    import threading
+    results, r = {}, sdp.rank()
+
+    def work(t):
+        order = list(range(per_thread))
+        random.Random(t).shuffle(order)
+        pause = random.Random(r * 31 + t)
+        for i in order:
+            time.sleep(pause.random() * 0.003)
+            results[(t, i)] = float(sdp.allreduce(np.full(100 + i, float(t + i + r), np.float32),
+                                                  name=f"th{t}.{i}", op=sdp.Sum)[0])
+
+    ts = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    n = sdp.size()
+    return all(results.get((t, i)) == sum(t + i + q for q in range(n))
+               for t in range(n_threads) for i in range(per_thread))
