@@ -148,6 +148,13 @@ def cross_size() -> int:
     return runtime("cross_size()").topology.cross_size
 
 
+def has_wire() -> bool:
+    """True when collectives cross a network (ranks on several hosts); False for one process or
+    when every rank shares this host's memory.  Used to skip wire compression where it cannot pay."""
+    rt = runtime("has_wire()")
+    return rt.size > 1 and rt.mesh.shm is None
+
+
 def auto_name(kind: str) -> str:
     """A name from a per-process, per-kind counter: ``allreduce.noname.7``."""
     with _counter_lock:

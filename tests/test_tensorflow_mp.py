@@ -18,3 +18,12 @@ def test_distributed_gradient_tape_in_tf_function_averages():
     expected = np.mean(grads, axis=0)
     for v in values:
         np.testing.assert_allclose(v["grad"], expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("slab,wire", [("0", "float16"), (None, "float32")])
+def test_fp16_compression_only_where_there_is_a_wire(slab, wire):
+    """Over ZeroMQ (SDP_SHM_SLAB_BYTES=0 stands in for a network) fp16 halves the bytes; between
+    ranks sharing memory it would only cost, so tensors stay float32."""
+    env = {"SDP_SHM_SLAB_BYTES": slab} if slab else None
+    for w, out_dtype, vals in check_ok(run_workers(2, "workers_tf:fp16_wire_dtype", [], env=env, timeout=120)):
+        assert w == wire and out_dtype == "float32" and vals == [2.0, 4.0]

@@ -20,3 +20,13 @@ def tape_in_tf_function(steps):
     hvd.broadcast_variables([w], root_rank=0)
     grads = [step().numpy() for _ in range(steps)]
     return {"w": w.numpy().tolist(), "grad": grads[-1].tolist()}
+
+
+def fp16_wire_dtype():
+    import tensorflow as tf
+
+    import sdp.tensorflow as hvd
+    x = tf.constant([1.0, 2.0])
+    wire, _ = hvd.Compression.fp16.compress(x)
+    out = hvd.allreduce(x, compression=hvd.Compression.fp16, op=hvd.Sum)
+    return [wire.dtype.name, out.dtype.name, out.numpy().tolist()]
