@@ -186,11 +186,11 @@ class Runtime:
                 pass
         except BlockingIOError:
             pass
+        self._handle_control()  # first: answers that arrived before a peer left still count
         if self.mesh.lost and (self._pending or self._queue):
             raise self.mesh.peer_error()
         if self._queue and time.monotonic() >= self._last_request_at + cycle_s:
             self._send_requests()
-        self._handle_control()
         if self._coord is not None:
             self._check_stalls()
 
