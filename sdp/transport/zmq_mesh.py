@@ -32,6 +32,7 @@ HEADER = struct.Struct("<4sBIQ")
 # message kinds
 HELLO, CTRL, DATA, BYE, SYNC, ABORT = 1, 2, 3, 4, 5, 6
 COPY_BELOW = 64 * 1024  # bytes: smaller payloads are copied (cheaper than tracking)
+LOSS_GRACE_S = 1.0  # seconds a dropped peer's other connection may still deliver its last messages
 
 
 def _local_ip_towards(address: Optional[str]) -> str:
@@ -77,6 +78,7 @@ class Mesh:
         self._ident_to_rank: Dict[bytes, int] = {}
         self.inbox = collections.defaultdict(collections.deque)  # (src, kind) -> deque of (aux, seq, frames)
         self.lost: Dict[int, str] = {}
+        self._suspects: Dict[int, float] = {}  # rank -> when its connection dropped (see _confirm_losses)
         self.departed = set()  # ranks that said BYE
         self.stopping = False  # set by the engine's shutdown(): waits end at once
         self.aborted: Dict[int, dict] = {}  # rank -> {"lost": rank or None, "err": str} it failed with
@@ -166,10 +168,20 @@ class Mesh:
             while mon.poll(0):
                 ev = recv_monitor_message(mon)
                 if ev["event"] == zmq.EVENT_DISCONNECTED and r not in self.lost:
-                    reason = "it shut down" if r in self.departed else "connection closed (process died?)"
-                    self.lost[r] = reason
-                    if r not in self.departed:
-                        log.error("rank %d: lost rank %d: %s", self.rank, r, reason)
+                    self._suspects.setdefault(r, time.monotonic())
+
+    def _confirm_losses(self) -> None:
+        """A peer whose connection to us dropped is lost once it said BYE (everything it sent
+        came before that, on one ordered connection) or after ``LOSS_GRACE_S``: its connection
+        *to* us may still be delivering what it sent before it closed."""
+        now = time.monotonic()
+        for r, since in list(self._suspects.items()):
+            if r in self.departed or now - since >= LOSS_GRACE_S:
+                del self._suspects[r]
+                reason = "it shut down" if r in self.departed else "connection closed (process died?)"
+                self.lost[r] = reason
+                if r not in self.departed:
+                    log.error("rank %d: lost rank %d: %s", self.rank, r, reason)
 
     def _drain_router(self) -> None:
         while True:
@@ -196,10 +208,14 @@ class Mesh:
 
     def pump(self, timeout_ms: Optional[float]) -> None:
         """Wait up to ``timeout_ms`` (None: forever) for socket activity and sort it into inboxes."""
+        if self._suspects:
+            timeout_ms = 50 if timeout_ms is None else min(timeout_ms, 50)
         ready = dict(self.poller.poll(timeout_ms))
         self._drain_router()  # first: a peer's BYE must be seen before its disconnect event
         if len(ready) > (self.router in ready):
             self._drain_monitors(ready)
+        if self._suspects:
+            self._confirm_losses()
 
     def recv(self, src: int, kind: int, seq: Optional[int] = None, aux: Optional[int] = None,
              deadline: Optional[float] = None):
