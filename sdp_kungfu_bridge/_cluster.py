@@ -53,6 +53,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from sdp import api
+from sdp.common.config import cluster_size_of
 from sdp.common.errors import NotInitializedError, SdpError
 from sdp.common.reduce_ops import ReduceOp
 
@@ -250,17 +251,6 @@ def control_url() -> Optional[str]:
     return os.environ.get(CONTROL_ENV) or None
 
 
-def size_of_config(cfg: dict) -> int:
-    """The cluster size a config describes: ``size``, or the length of ``Workers``/``workers``."""
-    if isinstance(cfg, dict):
-        if isinstance(cfg.get("size"), int):
-            return cfg["size"]
-        for key in ("Workers", "workers"):
-            if isinstance(cfg.get(key), list):
-                return len(cfg[key])
-    raise ElasticError(f"config has neither 'size' nor a 'Workers' list: {str(cfg)[:200]}")
-
-
 def _no_server(what: str) -> ElasticError:
     return ElasticError(
         f"{what} needs a config server: launch with 'sdprun -w [--builtin-config-port PORT]' "
@@ -271,7 +261,10 @@ def fetch_desired_size() -> int:
     url = config_server_url()
     if not url:
         raise _no_server("resize() without a size")
-    return size_of_config(_request(url))
+    try:
+        return cluster_size_of(_request(url))
+    except ValueError as e:
+        raise ElasticError(str(e)) from None
 
 
 def propose_new_size(new_size: int) -> None:

@@ -77,3 +77,16 @@ def bucket_cap_mb_to_bytes(bucket_cap_mb) -> int:
             f"bucket_cap_mb={bucket_cap_mb!r} gives {nbytes} bytes; bucket_cap_mb * 1024 * 1024 must be "
             "a non-negative whole multiple of 128")
     return int(nbytes)
+
+
+def cluster_size_of(cfg) -> int:
+    """The cluster size an elastic configuration describes (the JSON of ``sdprun -w``'s config
+    server): ``{"size": N}`` or KungFu's ``{"Workers": [...]}`` (its length).
+    Raises ``ValueError`` for anything else."""
+    if isinstance(cfg, dict):
+        if isinstance(cfg.get("size"), int):
+            return cfg["size"]
+        for key in ("Workers", "workers"):
+            if isinstance(cfg.get(key), list):
+                return len(cfg[key])
+    raise ValueError(f"config has neither 'size' nor a 'Workers' list: {str(cfg)[:200]}")

@@ -39,6 +39,7 @@ import urllib.parse
 import urllib.request
 from typing import Callable, List, Optional
 
+from sdp.common.config import cluster_size_of
 from sdp.launcher import hosts as hostlib
 
 log = logging.getLogger("sdp.launcher")
@@ -120,7 +121,7 @@ class ElasticController:
                     "workers": [{"rank": i.rank, "host": i.hostname} for i in infos]}
 
     def put_config(self, body) -> dict:
-        size = _size_of(body)
+        size = cluster_size_of(body)
         if not 1 <= size <= self.capacity:
             raise ValueError(f"size {size} is outside [1, {self.capacity}] (the slots of the hosts)")
         with self._lock:
@@ -187,15 +188,6 @@ class ElasticController:
         except OSError as e:
             log.warning("could not update config server %s to size %d: %s", self.external_config, size, e)
 
-
-def _size_of(body) -> int:
-    if isinstance(body, dict):
-        if isinstance(body.get("size"), int):
-            return body["size"]
-        for key in ("Workers", "workers"):
-            if isinstance(body.get(key), list):
-                return len(body[key])
-    raise ValueError("expected {\"size\": N} or {\"Workers\": [...]}")
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
