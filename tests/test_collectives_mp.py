@@ -71,3 +71,17 @@ def test_float16_average_accumulates_in_float32():
 def test_fused_buckets_on_shared_memory(n):
     for oks in check_ok(run_workers(n, "workers_collectives:fused_buckets", [5])):
         assert all(oks), oks
+
+
+@pytest.mark.parametrize("pool", ["134217728", "2097152", "0"])
+def test_results_held_by_one_rank_stay_exact(pool):
+    """Default pool (never full here), a 2 MB pool that rank 0 exhausts after a few steps (the
+    ranks then fall back to copying out), and no pool at all."""
+    values = check_ok(run_workers(3, "workers_collectives:held_results", [12],
+                                  env={"SDP_SHM_POOL_BYTES": pool}))
+    for rank, (ok, free) in enumerate(values):
+        assert ok, (rank, pool)
+        if pool == "0":
+            assert free is None
+    if pool == "2097152":
+        assert values[0][1] < 4096 * 64, "rank 0 should have used up its pool"

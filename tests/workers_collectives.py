@@ -224,3 +224,27 @@ def fused_buckets(seed):
             ref = reference(op, [data_for(q, [sizes[i]], dtype, seed + i) for q in range(n)]) * pre
             oks.append(_close(h.wait(), ref, dtype))
     return oks
+
+
+def held_results(steps):
+    """Rank 0 keeps every allreduce result (single and grouped) while the other ranks drop
+    theirs at once, so rank 0's shared-memory result pool runs out first and the ranks disagree
+    on whether peers can write results straight into it.  Values change every step, so a block
+    written again while rank 0 still holds it would show.  Returns (all exact, pool bytes free
+    at the end or None)."""
+    n, r = sdp.size(), sdp.rank()
+    held, ok = [], True
+    for step in range(steps):
+        single = sdp.allreduce(np.full(70_000, float(step * 10 + r), np.float32), name="single", op=sdp.Sum)
+        grads = [np.full(30_000 + i, float(step + i + r), np.float64) for i in range(3)]
+        fused = [h.wait() for h in sdp.grouped_allreduce_async(grads, [f"g{i}" for i in range(3)], op=sdp.Sum)]
+        expect = [sum(step * 10 + q for q in range(n))] + [sum(step + i + q for q in range(n)) for i in range(3)]
+        got = [single] + fused
+        if r == 0:
+            held.append((expect, got))
+        else:
+            ok = ok and all(bool(np.all(g == e)) for e, g in zip(expect, got))
+    for expect, got in held:
+        ok = ok and all(bool(np.all(g == e)) for e, g in zip(expect, got))
+    pool = sdp.api.runtime().mesh.shm.pool if sdp.api.runtime().mesh.shm is not None else None
+    return [ok, None if pool is None else pool.free_bytes()]

@@ -11,6 +11,8 @@
 | SDP_STALL_SHUTDOWN_TIME   | 0 (s, off)   | raise StallError after this long                           |
 | SDP_SEGMENT_BYTES         | 1048576 (B)  | size of one pipelined frame on the wire                    |
 | SDP_SHM_SLAB_BYTES        | 33554432 (B) | same-host shared-memory slab (0: no shared memory)         |
+| SDP_SHM_POOL_BYTES        | 134217728 (B)| same-host shared-memory pool that allreduce results are    |
+|                           |              | written into directly (0: copy results out of the slabs)   |
 | SDP_TIMELINE              | unset        | path of a Chrome-trace JSON timeline                       |
 | SDP_LOG_LEVEL             | WARNING      | level of the ``sdp`` logger                                |
 
@@ -45,6 +47,7 @@ class Config:
     stall_shutdown_s: float = 0.0
     segment_bytes: int = 1 << 20
     shm_slab_bytes: int = 32 << 20
+    shm_pool_bytes: int = 128 << 20
     timeline: Optional[str] = None
 
     @classmethod
@@ -61,6 +64,7 @@ class Config:
                                   0.0, float),
             segment_bytes=_get(env, ["SDP_SEGMENT_BYTES"], 1 << 20, int),
             shm_slab_bytes=_get(env, ["SDP_SHM_SLAB_BYTES"], 32 << 20, int),
+            shm_pool_bytes=_get(env, ["SDP_SHM_POOL_BYTES"], 128 << 20, int),
             timeline=_get(env, ["SDP_TIMELINE", "HOROVOD_TIMELINE"], None, str),
         )
 

@@ -8,14 +8,18 @@ agreed collective number), so that messages can be checked against what is expec
   sends 2(n-1)/n of the buffer).  Every rank ends with bit-identical results.
 * ``allreduce`` when every rank is on one host: through shared memory (:func:`_shm_allreduce`),
   ZeroMQ carrying only the barriers; each rank reduces its 1/n of every slab straight out of the
-  peers' segments.
+  peers' segments and, when every rank's output lives in its result pool, writes it straight
+  into every rank's output (no copy-out).
 * ``broadcast``: binomial tree from ``root``.
 * ``allgatherv``: ring over variable-size blocks.
 * ``alltoallv``: pairwise exchange.
 * ``reducescatter``: the reduce-scatter half of the ring.
 """
+import struct
+
 import numpy as np
 
+from sdp.common.errors import ProtocolError
 from sdp.transport.zmq_mesh import DATA, SYNC
 
 SMALL_BYTES = 64 * 1024  # at or below this, allreduce uses recursive doubling
@@ -50,12 +54,10 @@ class _Wire:
         for s in starts:
             frames = self.mesh.recv(src, DATA, seq=self.seq)
             if len(frames) != 1:
-                from sdp.common.errors import ProtocolError
                 raise ProtocolError(f"expected one data frame from rank {src}, got {len(frames)}")
             seg = _frombuf(frames[0], self.dtype)
             want = min(self.seg, n - s)
             if seg.size != want:
-                from sdp.common.errors import ProtocolError
                 raise ProtocolError(f"rank {self.mesh.rank}: segment from rank {src} has {seg.size} "
                                     f"elements, expected {want}")
             yield s, seg
@@ -65,22 +67,26 @@ class _Wire:
 
 
 def _bounds(n_elems, parts, unit=1):
-    """Split ``n_elems`` (multiple of ``unit``) into ``parts`` contiguous ranges, first ones larger."""
+    """Split ``n_elems`` into ``parts`` contiguous ranges, first ones larger, every inner edge a
+    multiple of ``unit`` (the last range takes the remainder)."""
     rows = n_elems // unit
     base, extra = divmod(rows, parts)
     edges = [0]
     for i in range(parts):
         edges.append(edges[-1] + (base + (i < extra)) * unit)
+    edges[-1] = n_elems
     return edges
 
 
-def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None):
+def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, out_offset=None):
     """Reduce ``inp`` across all ranks with ``ufunc`` into ``out`` (both 1-D, contiguous, same
     size/dtype; ``out`` may be ``inp``).  ``inp`` is not modified unless it is ``out``.
 
     ``acc`` is an optional accumulation dtype (float32 for float16/bfloat16 payloads); ``scale``
     an optional factor for the result (AVERAGE's 1/n), applied before 16-bit rounding where the
-    algorithm allows (shared memory), so an average of large float16 values does not overflow."""
+    algorithm allows (shared memory), so an average of large float16 values does not overflow.
+    ``out_offset``: the byte offset of ``out`` in this rank's shared-memory segment when ``out``
+    came from its result pool (peers then write their reduced chunks straight into it)."""
     n = mesh.size
     shm = uses_shm(mesh, inp.nbytes, inp.size)
     if not shm and out is not inp:
@@ -90,7 +96,7 @@ def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None):
             np.multiply(out, scale, out=out, casting="unsafe")
         return
     if shm:
-        _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale)
+        _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale, out_offset=out_offset)
         return
     if inp.nbytes <= SMALL_BYTES or inp.size < n:
         _recursive_doubling(mesh, out, ufunc, seq, acc)
@@ -107,38 +113,60 @@ def uses_shm(mesh, nbytes, count) -> bool:
     return mesh.shm is not None and mesh.size > 1 and nbytes > SMALL_BYTES and count >= mesh.size
 
 
-def own_chunk(mesh, count):
+def _shm_bounds(count, parts, dtype):
+    """Chunks of a shared-memory slab: edges on 64-byte boundaries (a misaligned output halves
+    the speed of numpy's vectorised reduce loops)."""
+    return _bounds(count, parts, max(1, 64 // np.dtype(dtype).itemsize))
+
+
+def own_chunk(mesh, count, dtype):
     """``(lo, hi)``: the elements of a one-slab shared-memory allreduce of ``count`` elements that
     this rank reduces (and so never needs to copy into shared memory)."""
-    edges = _bounds(count, mesh.size)
+    edges = _shm_bounds(count, mesh.size, dtype)
     return edges[mesh.rank], edges[mesh.rank + 1]
 
 
-def allreduce_staged(mesh, half, pieces, out, ufunc, seq, acc=None, scale=None):
+def allreduce_staged(mesh, half, pieces, out, ufunc, seq, acc=None, scale=None, out_offset=None):
     """Allreduce a fusion bucket already packed into this rank's shared-memory half ``half``
     (from ``mesh.shm.claim()``; at most one slab; ``out.size`` elements) except for its
-    :func:`own_chunk`, which ``pieces`` (``(offset, array)`` pairs) supply; result into ``out``."""
+    :func:`own_chunk`, which ``pieces`` (``(offset, array)`` pairs) supply; result into ``out``
+    (``out_offset`` as in :func:`allreduce`)."""
     inp = mesh.shm.half(mesh.rank, half, out.dtype, out.size)
-    _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale, staged=(half, pieces))
+    _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale, staged=(half, pieces), out_offset=out_offset)
 
 
-def _sync(mesh, seq, step):
-    """Barrier among all ranks for phase ``step`` of collective ``seq`` (ZeroMQ messages)."""
+_OFFSET = struct.Struct("<q")
+
+
+def _sync(mesh, seq, step, value=None):
+    """Barrier among all ranks for phase ``step`` of collective ``seq`` (ZeroMQ messages).  With
+    ``value`` (an int), the barrier also exchanges it: returns every rank's value, by rank."""
     peers = [q for q in range(mesh.size) if q != mesh.rank]
+    body = None if value is None else _OFFSET.pack(value)
     for q in peers:
-        mesh.send(q, SYNC, seq, step)
+        mesh.send(q, SYNC, seq, step, payload=body)
+    values = [value] * mesh.size
     for q in peers:
-        mesh.recv(q, SYNC, seq=seq, aux=step)
+        frames = mesh.recv(q, SYNC, seq=seq, aux=step)
+        if value is not None:
+            if len(frames) != 1 or len(frames[0].bytes) != _OFFSET.size:
+                raise ProtocolError(f"rank {mesh.rank}: malformed barrier message from rank {q}")
+            values[q] = _OFFSET.unpack(frames[0].bytes)[0]
+    return values
 
 
-def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None, staged=None):
+def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None, staged=None, out_offset=None):
     """Same-host allreduce through shared memory, one slab (<= half a segment) at a time.
 
-    Per slab: (1) copy the chunks peers will reduce into my segment; barrier; (2) reduce my chunk
-    from my input and the peers' segments into my segment; barrier; (3) copy every rank's
-    reduced chunk into ``out``.  Successive slabs (across calls too) alternate between the two
-    halves of every segment, so slab g's first barrier proves every rank finished reading the
-    half that slab g-2 used before anyone overwrites it.
+    Per slab: (1) copy the chunks peers will reduce into my segment; barrier, which also tells
+    every rank where each rank's ``out`` lies in its segment (-1: not in shared memory);
+    (2) reduce my chunk from my input and the peers' segments; then either (direct: every
+    rank's ``out`` is in its result pool) into my ``out`` and from there into every peer's
+    ``out``, or into my segment; barrier; (3) unless direct, copy every rank's reduced chunk
+    into ``out``.  Successive slabs (across calls too) alternate between the two halves of every
+    segment, so slab g's first barrier proves every rank finished reading the half that slab
+    g-2 used before anyone overwrites it.  A peer writes into my ``out`` only between the two
+    barriers of a collective this rank is running, so a result is final once it is returned.
 
     ``staged``: ``(half, pieces)`` when the caller already packed a one-slab fusion bucket into
     this rank's half (step (1) done) except for this rank's own chunk, whose values are given as
@@ -147,7 +175,7 @@ def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None, staged=None):
     slab = max(n, seg.slab_bytes // inp.dtype.itemsize)
     for k, start in enumerate(range(0, inp.size, slab)):
         m = min(slab, inp.size - start)
-        edges = _bounds(m, n)
+        edges = _shm_bounds(m, n, inp.dtype)
         lo, hi = edges[r], edges[r + 1]
         src = inp[start:start + m]
         half = staged[0] if staged is not None else seg.claim()
@@ -158,23 +186,43 @@ def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None, staged=None):
                 if q != r:
                     np.copyto(mine[edges[q]:edges[q + 1]], src[edges[q]:edges[q + 1]])
         pieces = staged[1] if staged is not None else [(lo, src[lo:hi])]
-        _sync(mesh, seq, 2 * k)
-        # reduce my chunk (16-bit floats: accumulate and scale in float32, round once)
-        acc_buf = mine[lo:hi] if acc is None else np.empty(hi - lo, acc)
-        peers = [q for q in range(n) if q != r]
-        for off, piece in pieces:
-            ufunc(piece, halves[peers[0]][off:off + piece.size], out=acc_buf[off - lo:off - lo + piece.size],
-                  dtype=acc)
-        for q in peers[1:]:
-            ufunc(acc_buf, halves[q][lo:hi], out=acc_buf, dtype=acc)
-        if scale is not None:
-            np.multiply(acc_buf, scale, out=acc_buf, casting="unsafe")
-        if acc is not None:
-            mine[lo:hi] = acc_buf
-        _sync(mesh, seq, 2 * k + 1)
+        size = inp.dtype.itemsize
+        where = _sync(mesh, seq, 2 * k, -1 if out_offset is None else out_offset + start * size)
+        direct = min(where) >= 0
         dst = out[start:start + m]
+        target = dst[lo:hi] if direct else mine[lo:hi]
+        peers = [q for q in range(n) if q != r]
+        pushes = [seg.at(q, where[q] + lo * size, inp.dtype, hi - lo) for q in peers] if direct else []
+        # reduce my chunk block by block (so pushing a block to the peers reads it from cache);
+        # 16-bit floats accumulate and scale in float32 and round once
+        tmp = None if acc is None else np.empty(min(hi - lo, _BLOCK), acc)
+        for off, piece in _blocks(pieces):
+            a, b = off - lo, off - lo + piece.size
+            t = target[a:b] if acc is None else tmp[:b - a]
+            ufunc(piece, halves[peers[0]][off:off + piece.size], out=t, dtype=acc)
+            for q in peers[1:]:
+                ufunc(t, halves[q][off:off + piece.size], out=t, dtype=acc)
+            if scale is not None:
+                np.multiply(t, scale, out=t, casting="unsafe")
+            if acc is not None:
+                target[a:b] = t
+            for p in pushes:
+                np.copyto(p[a:b], target[a:b])
+        _sync(mesh, seq, 2 * k + 1)
+        if direct:
+            continue
         for q in range(n):
             np.copyto(dst[edges[q]:edges[q + 1]], halves[q][edges[q]:edges[q + 1]])
+
+
+_BLOCK = 128 * 1024  # elements reduced (and pushed to the peers) at a time: stays in L2 cache
+
+
+def _blocks(pieces):
+    """``(offset, array)`` pieces split into blocks of at most ``_BLOCK`` elements."""
+    for off, piece in pieces:
+        for s in range(0, piece.size, _BLOCK):
+            yield off + s, piece[s:s + _BLOCK]
 
 
 def _combine(ufunc, mine, theirs, acc):

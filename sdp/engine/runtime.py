@@ -5,6 +5,7 @@ Callers :meth:`Runtime.submit` a :class:`Request` and get a :class:`Handle`; ``h
 returns the result array or raises the error every rank sees.
 """
 import collections
+import functools
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ log = logging.getLogger("sdp.engine")
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "join")
 
 
+@functools.lru_cache(maxsize=None)
 def accumulation_dtype(dtype: np.dtype) -> Optional[np.dtype]:
     """float32 for 16-bit floats (float16, bfloat16): sums never overflow or lose small terms
     in the 16-bit format while they are being accumulated."""
@@ -37,27 +39,38 @@ def accumulation_dtype(dtype: np.dtype) -> Optional[np.dtype]:
 class Handle:
     """The pending result of one submitted collective."""
 
+    __slots__ = ("name", "_lock", "_is_done", "_result", "_error")
+
     def __init__(self, name: str):
         self.name = name
-        self._done = threading.Event()
+        # held until the result is set: a bare lock is ~20x cheaper to make than an Event, and
+        # a gradient list makes one handle per tensor per step
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._is_done = False
         self._result = None
         self._error: Optional[BaseException] = None
 
     def _set(self, result=None, error=None):
+        if self._is_done:
+            return
         self._result, self._error = result, error
-        self._done.set()
+        self._is_done = True
+        self._lock.release()
 
     def done(self) -> bool:
         """True once the result (or error) is available; never blocks."""
-        return self._done.is_set()
+        return self._is_done
 
     def wait(self, timeout: Optional[float] = None):
         """Block until done and return the result (numpy array, or tuple for alltoall).
 
         Raises the collective's error (e.g. :class:`TensorMismatchError`, :class:`PeerLostError`),
         or :class:`CollectiveTimeoutError` if ``timeout`` seconds pass first."""
-        if not self._done.wait(timeout):
-            raise errors.CollectiveTimeoutError(f"'{self.name}' did not complete within {timeout} s")
+        if not self._is_done:
+            if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+                raise errors.CollectiveTimeoutError(f"'{self.name}' did not complete within {timeout} s")
+            self._lock.release()  # let other waiters of this handle through too
         if self._error is not None:
             raise self._error
         return self._result
@@ -108,7 +121,8 @@ class Runtime:
         self.rank, self.size = topology.rank, topology.size
         self.mesh = Mesh(topology, timeout_s=self.config.timeout_s,
                          start_timeout_s=self.config.start_timeout_s,
-                         shm_slab_bytes=self.config.shm_slab_bytes)
+                         shm_slab_bytes=self.config.shm_slab_bytes,
+                         shm_pool_bytes=self.config.shm_pool_bytes)
         self._fusion = fusion.FusionBuffer(min(self.config.fusion_threshold, 64 << 20))
         self._queue = collections.deque()
         self._queue_lock = threading.Lock()
@@ -142,8 +156,10 @@ class Runtime:
         if self._stop.is_set():
             raise errors.NotInitializedError(f"'{reqs[0].name}' ({reqs[0].kind}) after shutdown()")
         with self._queue_lock:
+            wake = not self._queue  # else the engine has been woken and not yet taken the queue
             self._queue.extend(reqs)
-        os.write(self._wake_w, b"x")
+        if wake:
+            os.write(self._wake_w, b"x")
         return [r.handle for r in reqs]
 
     def shutdown(self) -> None:
@@ -306,9 +322,20 @@ class Runtime:
         self._seq += 1
         return self._seq
 
-    def _reduce(self, inp: np.ndarray, out: np.ndarray, req: Request) -> None:
+    def _result_array(self, dtype: np.dtype, count: int):
+        """``(array, offset)``: a new 1-D result array, from the shared-memory result pool when
+        there is room (``offset``: its byte offset in this rank's segment; peers then write
+        into it directly), else from the heap (``offset`` None)."""
+        pool = self.mesh.shm.pool if self.mesh.shm is not None else None
+        got = pool.alloc(dtype, count) if pool is not None else None
+        if got is None:
+            return np.empty(count, dtype), None
+        return got[1], got[0]
+
+    def _reduce(self, inp: np.ndarray, out: np.ndarray, req: Request, out_offset=None) -> None:
         """Prescale, allreduce ``inp`` into ``out`` (1-D; may be the same array), then
-        postscale/average.  ``inp`` is left unchanged unless it is ``out``."""
+        postscale/average.  ``inp`` is left unchanged unless it is ``out``.  ``out_offset``: see
+        :meth:`_result_array`."""
         seq = self._next_seq()
         if req.prescale != 1.0:
             if inp is not out:
@@ -316,7 +343,7 @@ class Runtime:
                 inp = out
             np.multiply(inp, req.prescale, out=inp, casting="unsafe")
         collectives.allreduce(self.mesh, inp, out, UFUNCS[req.op], seq, self.config.segment_bytes,
-                              accumulation_dtype(out.dtype), self._float_scale(req, out.dtype))
+                              accumulation_dtype(out.dtype), self._float_scale(req, out.dtype), out_offset)
         self._int_scale(out, req)
 
     def _float_scale(self, req: Request, dtype: np.dtype) -> Optional[float]:
@@ -339,38 +366,42 @@ class Runtime:
     def _allreduce_bucket(self, reqs: List[Request]) -> None:
         """One collective for ``reqs`` (same dtype/op/scales).  A fused bucket is packed straight
         into this rank's shared-memory half when it fits (else into the fusion buffer) and
-        reduced into one new result array; each request gets a view of its part (no unpack copy)."""
+        reduced into one new result array (see :meth:`_result_array`); each request gets a view of
+        its part (no unpack copy)."""
         tl, names, first = self.timeline, [r.name for r in reqs], reqs[0]
         dtype = first.array.dtype
         if len(reqs) == 1:
-            out = first.out if first.out is not None else np.empty(first.array.shape, dtype)
+            if first.out is not None:
+                out, where = first.out, None
+            else:
+                out, where = self._result_array(dtype, first.array.size)
             with timeline.span(tl, names, "ALLREDUCE"):
-                self._reduce(first.array.reshape(-1), out.reshape(-1), first)
-            self._complete(first, out)
+                self._reduce(first.array.reshape(-1), out.reshape(-1), first, where)
+            self._complete(first, out if first.out is not None else out.reshape(first.array.shape))
             return
         arrays = [r.array for r in reqs]
         offs = fusion.offsets(arrays)
         total = offs[-1]
-        result = np.empty(total, dtype)
+        result, where = self._result_array(dtype, total)
         seg = self.mesh.shm
         if (collectives.uses_shm(self.mesh, total * dtype.itemsize, total) and total * dtype.itemsize <= seg.slab_bytes
                 and first.prescale == 1.0):
             # pack straight into shared memory, all but the chunk this rank reduces from the inputs
             half = seg.claim()
-            lo, hi = collectives.own_chunk(self.mesh, total)
+            lo, hi = collectives.own_chunk(self.mesh, total, dtype)
             with timeline.span(tl, names, "FUSE"):
                 fusion.pack(seg.half(self.rank, half, dtype, total), arrays, offs, skip=(lo, hi))
             with timeline.span(tl, names, "ALLREDUCE"):
                 collectives.allreduce_staged(self.mesh, half, fusion.pieces(arrays, offs, lo, hi), result,
                                              UFUNCS[first.op], self._next_seq(), accumulation_dtype(dtype),
-                                             self._float_scale(first, dtype))
+                                             self._float_scale(first, dtype), where)
                 self._int_scale(result, first)
         else:
             buf = self._fusion.view(dtype, total)
             with timeline.span(tl, names, "FUSE"):
                 fusion.pack(buf, arrays, offs)
             with timeline.span(tl, names, "ALLREDUCE"):
-                self._reduce(buf, result, first)
+                self._reduce(buf, result, first, where)
         with timeline.span(tl, names, "UNPACK"):
             for i, r in enumerate(reqs):
                 view = result[offs[i]:offs[i + 1]].reshape(r.array.shape)

@@ -1,14 +1,21 @@
 """Shared-memory segments for ranks on the same host.
 
-Each rank creates one file in ``/dev/shm`` of ``2 * slab_bytes`` bytes (two halves, used
-alternately so one barrier per slab is enough between reuse), advertises its path at rendezvous,
-and maps every same-host peer's file.  Files are unlinked as soon as every peer has mapped them,
-so nothing is left behind even if a process is killed.  ZeroMQ stays the control path: the
-barriers between phases are ZeroMQ messages.
+Each rank creates one file in ``/dev/shm`` of ``2 * slab_bytes + pool_bytes`` bytes, advertises
+its path at rendezvous, and maps every same-host peer's file.  Files are unlinked as soon as every
+peer has mapped them, so nothing is left behind even if a process is killed.  ZeroMQ stays the
+control path: the barriers between phases are ZeroMQ messages.
+
+Layout of a segment: two staging halves of ``slab_bytes`` (used alternately, so one barrier per
+slab is enough between reuse), then a :class:`ResultPool` of ``pool_bytes``: result arrays that
+peers write reduced chunks into directly, handed to the caller without a copy-out.
 """
+import bisect
 import logging
 import mmap
 import os
+import threading
+import weakref
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -34,22 +41,76 @@ def _map(path: str, nbytes: int, create: bool) -> np.ndarray:
     return np.frombuffer(mm, dtype=np.uint8)
 
 
+class ResultPool:
+    """First-fit allocator of result arrays in this rank's segment, ``[base, base + nbytes)``.
+
+    :meth:`alloc` hands out a numpy array backed by the segment; its block returns to the pool
+    when that array (and every view of it) is garbage collected, so a result stays valid, and is
+    never written by a peer again, for as long as the caller holds it.  Thread-safe: arrays may
+    die on any thread."""
+
+    ALIGN = 4096  # bytes: blocks never share a cache line (or a page) with one another
+
+    def __init__(self, mm: mmap.mmap, base: int, nbytes: int):
+        self._mm, self._lock = mm, threading.Lock()
+        self._free = [(base, base + nbytes)] if nbytes > 0 else []  # sorted, coalesced [start, end)
+
+    def alloc(self, dtype, count: int) -> Optional[Tuple[int, np.ndarray]]:
+        """``(offset, array)``: a 1-D array of ``count`` elements of ``dtype`` at byte ``offset``
+        of the segment, or ``None`` when no free block is large enough."""
+        dtype = np.dtype(dtype)
+        size = -(-max(count * dtype.itemsize, 1) // self.ALIGN) * self.ALIGN
+        with self._lock:
+            for i, (start, end) in enumerate(self._free):
+                if end - start >= size:
+                    self._free[i:i + 1] = [(start + size, end)] if end - start > size else []
+                    break
+            else:
+                return None
+        arr = np.frombuffer(self._mm, dtype=dtype, count=count, offset=start)  # base: the mmap
+        weakref.finalize(arr, self._release, start, start + size).atexit = False
+        return start, arr
+
+    def _release(self, start: int, end: int) -> None:
+        with self._lock:
+            i = bisect.bisect(self._free, (start, end))
+            if i < len(self._free) and self._free[i][0] == end:  # merge with the next block
+                end = self._free.pop(i)[1]
+            if i > 0 and self._free[i - 1][1] == start:  # and with the previous one
+                start = self._free[i - 1][0]
+                i -= 1
+                self._free.pop(i)
+            self._free.insert(i, (start, end))
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(end - start for start, end in self._free)
+
+
 class SharedSegments:
     """This rank's segment (``mine``) and views of same-host peers' segments (``peers[rank]``)."""
 
-    def __init__(self, job: str, rank: int, slab_bytes: int):
-        """Create this rank's segment.  Raises ``OSError`` (e.g. ENOSPC when /dev/shm is small)."""
+    def __init__(self, job: str, rank: int, slab_bytes: int, pool_bytes: int = 0):
+        """Create this rank's segment: two halves of ``slab_bytes`` and a result pool of
+        ``pool_bytes`` (dropped, with a warning, if /dev/shm has no room for it).  Raises
+        ``OSError`` (e.g. ENOSPC when /dev/shm is small) if even the halves do not fit."""
         self.slab_bytes = slab_bytes
-        self.nbytes = 2 * slab_bytes
         self.path = os.path.join(SHM_DIR, f"sdp-{job}-{rank}-{os.getpid()}")
-        try:
-            self.mine = _map(self.path, self.nbytes, create=True)
-        except OSError:
+        for pool in ((pool_bytes, 0) if pool_bytes > 0 else (0,)):
+            self.nbytes = 2 * slab_bytes + pool
             try:
-                os.unlink(self.path)
-            except OSError:
-                pass
-            raise
+                self.mine = _map(self.path, self.nbytes, create=True)
+                break
+            except OSError as e:
+                try:
+                    os.unlink(self.path)
+                except OSError:
+                    pass
+                if pool == 0:
+                    raise
+                log.warning("rank %d: no room for a %d-byte result pool in %s (%s); results are "
+                            "copied out of shared memory", rank, pool, SHM_DIR, e)
+        self.pool = ResultPool(self.mine.base, 2 * slab_bytes, pool) if pool else None
         self.peers = {rank: self.mine}
         self._unlinked = False
         self._uses = 0
@@ -73,5 +134,8 @@ class SharedSegments:
 
     def half(self, rank: int, which: int, dtype, count: int) -> np.ndarray:
         """``count`` elements of ``dtype`` in half ``which`` (0/1) of ``rank``'s segment."""
-        base = which * self.slab_bytes
-        return self.peers[rank][base:base + count * np.dtype(dtype).itemsize].view(dtype)
+        return self.at(rank, which * self.slab_bytes, dtype, count)
+
+    def at(self, rank: int, offset: int, dtype, count: int) -> np.ndarray:
+        """``count`` elements of ``dtype`` at byte ``offset`` of ``rank``'s segment."""
+        return self.peers[rank][offset:offset + count * np.dtype(dtype).itemsize].view(dtype)

@@ -56,7 +56,7 @@ class Mesh:
     """
 
     def __init__(self, topology, timeout_s: float = 300.0, start_timeout_s: float = 60.0,
-                 shm_slab_bytes: int = 32 << 20):
+                 shm_slab_bytes: int = 32 << 20, shm_pool_bytes: int = 0):
         self.rank = topology.rank
         self.size = topology.size
         self.timeout_s = timeout_s
@@ -90,7 +90,7 @@ class Mesh:
             own = None
             if shm_slab_bytes > 0 and shm.available():
                 try:
-                    own = self.shm = shm.SharedSegments(job, self.rank, shm_slab_bytes)
+                    own = self.shm = shm.SharedSegments(job, self.rank, shm_slab_bytes, shm_pool_bytes)
                 except OSError as e:
                     log.warning("rank %d: no shared memory (%s); same-host traffic goes over ZeroMQ",
                                 self.rank, e)
