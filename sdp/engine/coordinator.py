@@ -127,6 +127,7 @@ class Coordinator:
         self.cache_ids: Dict[str, int] = {}  # signature -> id
         self.cache_meta: List[dict] = []  # id -> meta
         self._cid_of: Dict[int, int] = {}  # id() of a meta in cache_meta -> its cache id
+        self._fusion_infos: Dict[int, tuple] = {}  # cache id -> _fusion_info()
         self._warned: Dict[str, float] = {}
         self.joined: List[int] = []  # ranks that called join(), in order
 
@@ -171,13 +172,13 @@ class Coordinator:
         joined = set(self.joined)
         for name in self.order:
             entry = self.table[name]
-            if len(set(entry) | joined) < self.size:
+            if len(entry) < self.size and len(set(entry) | joined) < self.size:
                 keep.append(name)
                 continue
             del self.table[name]
             self.first_seen.pop(name, None)
             self._warned.pop(name, None)
-            absent = sorted(set(range(self.size)) - set(entry))
+            absent = [] if len(entry) == self.size else sorted(set(range(self.size)) - set(entry))
             err = check(entry, self.size)
             first = entry[min(entry)]
             if not err and absent and not (first["k"] == "allreduce" and first["o"] in (0, 1)):
@@ -214,15 +215,23 @@ class Coordinator:
 
     def _plan_fusion(self, items: List[dict]) -> None:
         """Give each allreduce item its bucket index ``b`` (same plan for every rank)."""
-        metas = {it["n"]: self.cache_meta[it["id"]] for it in items if "id" in it}
-        ars = [it for it in items if it["n"] in metas and metas[it["n"]]["k"] == "allreduce"]
+        ars = [it for it in items if "id" in it and self._fusion_info(it["id"])[0]]
         if not ars:
             return
-        nbytes = {n: math.prod(m["s"]) * wire_dtype(m["d"]).itemsize for n, m in metas.items()}
-        key = lambda it: tuple(metas[it["n"]][k] for k in ("d", "o", "pre", "post"))
+        nbytes = {it["n"]: self._fusion_info(it["id"])[1] for it in ars}
+        key = lambda it: self._fusion_info(it["id"])[2]
         for b, bucket in enumerate(plan_buckets(ars, nbytes, key, self.fusion_threshold)):
             for it in bucket:
                 it["b"] = b
+
+    def _fusion_info(self, cid: int) -> tuple:
+        """``(is allreduce, bytes, fusion key)`` of cached meta ``cid`` (computed once)."""
+        info = self._fusion_infos.get(cid)
+        if info is None:
+            m = self.cache_meta[cid]
+            info = self._fusion_infos[cid] = (m["k"] == "allreduce", math.prod(m["s"]) * wire_dtype(m["d"]).itemsize,
+                                              (m["d"], m["o"], m["pre"], m["post"]))
+        return info
 
     def stalls(self, now: Optional[float] = None) -> Tuple[List[str], Optional[str]]:
         """Return (warnings to log, fatal message or None) for names waiting on some ranks."""
