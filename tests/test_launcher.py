@@ -334,3 +334,15 @@ def test_sdp_worker_that_raises_stops_job_fast(tmp_path):
     assert p.returncode == 1
     assert "[1]<stderr>:RuntimeError: boom from rank 1" in p.stderr
     assert time.monotonic() - t0 < 10
+
+
+def test_segments_left_by_killed_workers_are_removed():
+    """A rank SIGKILLed before every peer mapped its /dev/shm segment cannot unlink it; sdprun
+    removes the job's segment files when the job ends."""
+    leak = ("import os; open('/dev/shm/sdp-' + os.environ['SDP_JOB_ID'] + '-' + os.environ['SDP_RANK'] + '-1', 'w')"
+            ".write('x'); print(os.environ['SDP_JOB_ID'])")
+    res = _sdprun("-np", "2", "--no-prefix", "python", "-c", leak)
+    assert res.returncode == 0, res.stderr
+    job = res.stdout.split()[0]
+    assert len(job) == 16
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"sdp-{job}-")]

@@ -259,6 +259,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if elastic is not None:
             elastic.stop()
         server.stop()
+        from sdp.transport import shm
+        if shm.remove_job_files(job_id):
+            log.debug("removed shared-memory segments that killed workers left behind")
         for s, h in previous.items():
             signal.signal(s, h)
 

@@ -10,6 +10,7 @@ slab is enough between reuse), then a :class:`ResultPool` of ``pool_bytes``: res
 peers write reduced chunks into directly, handed to the caller without a copy-out.
 """
 import bisect
+import glob
 import logging
 import mmap
 import os
@@ -40,6 +41,19 @@ def _map(path: str, nbytes: int, create: bool) -> np.ndarray:
     finally:
         os.close(fd)
     return np.frombuffer(mm, dtype=np.uint8)
+
+
+def remove_job_files(job: str) -> int:
+    """Unlink every segment file of job ``job`` still in /dev/shm (a rank killed between
+    creating its segment and every peer mapping it leaves one behind); returns how many."""
+    removed = 0
+    for path in glob.glob(os.path.join(SHM_DIR, f"sdp-{glob.escape(job)}-*")):
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+    return removed
 
 
 class ResultPool:
