@@ -78,15 +78,14 @@ def _bounds(n_elems, parts, unit=1):
     return edges
 
 
-def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, out_offset=None):
+def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None):
     """Reduce ``inp`` across all ranks with ``ufunc`` into ``out`` (both 1-D, contiguous, same
     size/dtype; ``out`` may be ``inp``).  ``inp`` is not modified unless it is ``out``.
 
     ``acc`` is an optional accumulation dtype (float32 for float16/bfloat16 payloads); ``scale``
     an optional factor for the result (AVERAGE's 1/n), applied before 16-bit rounding where the
     algorithm allows (shared memory), so an average of large float16 values does not overflow.
-    ``out_offset``: the byte offset of ``out`` in this rank's shared-memory segment when ``out``
-    came from its result pool (peers then write their reduced chunks straight into it)."""
+    An ``out`` from this rank's shared-memory result pool is written by the peers directly."""
     n = mesh.size
     shm = uses_shm(mesh, inp.nbytes, inp.size)
     if not shm and out is not inp:
@@ -96,7 +95,7 @@ def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, o
             np.multiply(out, scale, out=out, casting="unsafe")
         return
     if shm:
-        _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale, out_offset=out_offset)
+        _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale)
         return
     if inp.nbytes <= SMALL_BYTES or inp.size < n:
         _recursive_doubling(mesh, out, ufunc, seq, acc)
@@ -126,13 +125,12 @@ def own_chunk(mesh, count, dtype):
     return edges[mesh.rank], edges[mesh.rank + 1]
 
 
-def allreduce_staged(mesh, half, pieces, out, ufunc, seq, acc=None, scale=None, out_offset=None):
+def allreduce_staged(mesh, half, pieces, out, ufunc, seq, acc=None, scale=None):
     """Allreduce a fusion bucket already packed into this rank's shared-memory half ``half``
     (from ``mesh.shm.claim()``; at most one slab; ``out.size`` elements) except for its
-    :func:`own_chunk`, which ``pieces`` (``(offset, array)`` pairs) supply; result into ``out``
-    (``out_offset`` as in :func:`allreduce`)."""
+    :func:`own_chunk`, which ``pieces`` (``(offset, array)`` pairs) supply; result into ``out``."""
     inp = mesh.shm.half(mesh.rank, half, out.dtype, out.size)
-    _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale, staged=(half, pieces), out_offset=out_offset)
+    _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale, staged=(half, pieces))
 
 
 _OFFSET = struct.Struct("<q")
@@ -155,7 +153,7 @@ def _sync(mesh, seq, step, value=None):
     return values
 
 
-def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None, staged=None, out_offset=None):
+def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None, staged=None):
     """Same-host allreduce through shared memory, one slab (<= half a segment) at a time.
 
     Per slab: (1) copy the chunks peers will reduce into my segment; barrier, which also tells
@@ -173,6 +171,7 @@ def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None, staged=None, out
     ``pieces``: ``(offset, array)`` pairs covering :func:`own_chunk` (never copied at all)."""
     seg, n, r = mesh.shm, mesh.size, mesh.rank
     slab = max(n, seg.slab_bytes // inp.dtype.itemsize)
+    out_offset = seg.pool_offset(out)
     for k, start in enumerate(range(0, inp.size, slab)):
         m = min(slab, inp.size - start)
         edges = _shm_bounds(m, n, inp.dtype)

@@ -56,7 +56,10 @@ class Handle:
             return
         self._result, self._error = result, error
         self._is_done = True
-        self._lock.release()
+        try:
+            self._lock.release()
+        except RuntimeError:  # a racing second _set (shutdown failing what just completed)
+            pass
 
     def done(self) -> bool:
         """True once the result (or error) is available; never blocks."""
@@ -322,20 +325,16 @@ class Runtime:
         self._seq += 1
         return self._seq
 
-    def _result_array(self, dtype: np.dtype, count: int):
-        """``(array, offset)``: a new 1-D result array, from the shared-memory result pool when
-        there is room (``offset``: its byte offset in this rank's segment; peers then write
-        into it directly), else from the heap (``offset`` None)."""
+    def _result_array(self, dtype: np.dtype, count: int) -> np.ndarray:
+        """A new 1-D result array: from the shared-memory result pool when there is room (peers
+        then write into it directly), else from the heap."""
         pool = self.mesh.shm.pool if self.mesh.shm is not None else None
         got = pool.alloc(dtype, count) if pool is not None else None
-        if got is None:
-            return np.empty(count, dtype), None
-        return got[1], got[0]
+        return np.empty(count, dtype) if got is None else got[1]
 
-    def _reduce(self, inp: np.ndarray, out: np.ndarray, req: Request, out_offset=None) -> None:
+    def _reduce(self, inp: np.ndarray, out: np.ndarray, req: Request) -> None:
         """Prescale, allreduce ``inp`` into ``out`` (1-D; may be the same array), then
-        postscale/average.  ``inp`` is left unchanged unless it is ``out``.  ``out_offset``: see
-        :meth:`_result_array`."""
+        postscale/average.  ``inp`` is left unchanged unless it is ``out``."""
         seq = self._next_seq()
         if req.prescale != 1.0:
             if inp is not out:
@@ -343,7 +342,7 @@ class Runtime:
                 inp = out
             np.multiply(inp, req.prescale, out=inp, casting="unsafe")
         collectives.allreduce(self.mesh, inp, out, UFUNCS[req.op], seq, self.config.segment_bytes,
-                              accumulation_dtype(out.dtype), self._float_scale(req, out.dtype), out_offset)
+                              accumulation_dtype(out.dtype), self._float_scale(req, out.dtype))
         self._int_scale(out, req)
 
     def _float_scale(self, req: Request, dtype: np.dtype) -> Optional[float]:
@@ -371,18 +370,17 @@ class Runtime:
         tl, names, first = self.timeline, [r.name for r in reqs], reqs[0]
         dtype = first.array.dtype
         if len(reqs) == 1:
-            if first.out is not None:
-                out, where = first.out, None
-            else:
-                out, where = self._result_array(dtype, first.array.size)
+            out = first.out
+            if out is None:
+                out = self._result_array(dtype, first.array.size).reshape(first.array.shape)
             with timeline.span(tl, names, "ALLREDUCE"):
-                self._reduce(first.array.reshape(-1), out.reshape(-1), first, where)
-            self._complete(first, out if first.out is not None else out.reshape(first.array.shape))
+                self._reduce(first.array.reshape(-1), out.reshape(-1), first)
+            self._complete(first, out)
             return
         arrays = [r.array for r in reqs]
         offs = fusion.offsets(arrays)
         total = offs[-1]
-        result, where = self._result_array(dtype, total)
+        result = self._result_array(dtype, total)
         seg = self.mesh.shm
         if (collectives.uses_shm(self.mesh, total * dtype.itemsize, total) and total * dtype.itemsize <= seg.slab_bytes
                 and first.prescale == 1.0):
@@ -394,14 +392,14 @@ class Runtime:
             with timeline.span(tl, names, "ALLREDUCE"):
                 collectives.allreduce_staged(self.mesh, half, fusion.pieces(arrays, offs, lo, hi), result,
                                              UFUNCS[first.op], self._next_seq(), accumulation_dtype(dtype),
-                                             self._float_scale(first, dtype), where)
+                                             self._float_scale(first, dtype))
                 self._int_scale(result, first)
         else:
             buf = self._fusion.view(dtype, total)
             with timeline.span(tl, names, "FUSE"):
                 fusion.pack(buf, arrays, offs)
             with timeline.span(tl, names, "ALLREDUCE"):
-                self._reduce(buf, result, first, where)
+                self._reduce(buf, result, first)
         with timeline.span(tl, names, "UNPACK"):
             for i, r in enumerate(reqs):
                 view = result[offs[i]:offs[i + 1]].reshape(r.array.shape)

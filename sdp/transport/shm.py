@@ -151,6 +151,13 @@ class SharedSegments:
         """``count`` elements of ``dtype`` in half ``which`` (0/1) of ``rank``'s segment."""
         return self.at(rank, which * self.slab_bytes, dtype, count)
 
+    def pool_offset(self, arr: np.ndarray) -> Optional[int]:
+        """Byte offset of ``arr`` in this rank's segment if it lies in the result pool, else None."""
+        if self.pool is None:
+            return None
+        off = arr.__array_interface__["data"][0] - self.mine.__array_interface__["data"][0]
+        return off if 2 * self.slab_bytes <= off and off + arr.nbytes <= self.nbytes else None
+
     def at(self, rank: int, offset: int, dtype, count: int) -> np.ndarray:
         """``count`` elements of ``dtype`` at byte ``offset`` of ``rank``'s segment."""
         return self.peers[rank][offset:offset + count * np.dtype(dtype).itemsize].view(dtype)
