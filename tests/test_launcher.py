@@ -91,6 +91,26 @@ def test_rank_env():
                    "SDP_CROSS_RANK": "0", "SDP_CROSS_SIZE": "1", "SDP_HOSTNAME": "a"}
 
 
+def test_streaming_copies_tunable_added_kept_or_merged():
+    key = cli.NON_TEMPORAL_TUNABLE
+    assert cli.with_streaming_copies({})["GLIBC_TUNABLES"] == f"{key}=131072"
+    merged = cli.with_streaming_copies({"GLIBC_TUNABLES": "glibc.malloc.check=0"})
+    assert merged["GLIBC_TUNABLES"] == f"glibc.malloc.check=0:{key}=131072"
+    mine = {"GLIBC_TUNABLES": f"{key}=99999999", "X": "1"}
+    assert cli.with_streaming_copies(mine) == mine  # the user's own value wins
+
+
+@pytest.mark.skipif(not os.path.exists("/lib64/ld-linux-x86-64.so.2"), reason="needs x86-64 glibc")
+def test_workers_get_glibc_non_temporal_threshold():
+    """glibc in the workers really parses the value sdprun sets (ld.so lists its tunables)."""
+    probe = ("import os, subprocess; print(subprocess.run(['/lib64/ld-linux-x86-64.so.2', "
+             "'--list-tunables'], capture_output=True, text=True).stdout)")
+    res = _sdprun("-np", "1", "--no-prefix", "python", "-c", probe)
+    assert res.returncode == 0, res.stderr
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith(cli.NON_TEMPORAL_TUNABLE)]
+    assert line and line[0].split()[1] == hex(cli.NON_TEMPORAL_BYTES), res.stdout
+
+
 def test_is_local():
     assert hosts.is_local("localhost") and hosts.is_local("127.0.0.1")
     import socket
