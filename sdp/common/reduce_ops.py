@@ -40,6 +40,8 @@ def resolve_op(op=None, average=None) -> ReduceOp:
     ``op=None`` and ``average=None`` mean AVERAGE (Horovod's and SMDDP's default).
     Raises ``ValueError`` when both are given or ``op`` is unknown.
     """
+    if type(op) is ReduceOp and average is None:
+        return op
     if average is not None:
         if op is not None:
             raise ValueError("The op parameter supersedes average. Please provide only one of them.")

@@ -172,12 +172,18 @@ class Coordinator:
         joined = set(self.joined)
         for name in self.order:
             entry = self.table[name]
-            if len(entry) < self.size and len(set(entry) | joined) < self.size:
+            if len(entry) < self.size and (not joined or len(set(entry) | joined) < self.size):
                 keep.append(name)
                 continue
             del self.table[name]
             self.first_seen.pop(name, None)
-            self._warned.pop(name, None)
+            if self._warned:
+                self._warned.pop(name, None)
+            first = entry.get(0)
+            cid = self._cid_of.get(id(first))
+            if cid is not None and len(entry) == self.size and all(m is first for m in entry.values()):
+                items.append({"n": name, "id": cid})  # steady state: every rank sent the same cache id
+                continue
             absent = [] if len(entry) == self.size else sorted(set(range(self.size)) - set(entry))
             err = check(entry, self.size)
             first = entry[min(entry)]
