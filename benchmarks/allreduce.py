@@ -36,6 +36,7 @@ import numpy as np
 
 import sdp
 from sdp.common.config import Config
+from sdp.launcher.cli import NON_TEMPORAL_BYTES, NON_TEMPORAL_TUNABLE
 
 # ---- targets (issue 3, item 9); checked for 2 ranks, float32 -------------------------------------
 TARGET_BUSBW_64M_GBPS = 1.5        # sdp busbw at 64 MB, 2 ranks, float32
@@ -154,7 +155,8 @@ def summary_line(n: int, dtype: str) -> str:
     return (f"env: host={platform.node()} cores={os.cpu_count()} (affinity {aff}) load=[{load}] "
             f"python={platform.python_version()} numpy={np.__version__} pyzmq={zmq.pyzmq_version()} "
             f"libzmq={zmq.zmq_version()} sdp={sdp.__version__} world_size={n} dtype={dtype} "
-            f"fusion={cfg.fusion_threshold}B cycle={cfg.cycle_time_ms}ms segment={cfg.segment_bytes}B")
+            f"fusion={cfg.fusion_threshold}B cycle={cfg.cycle_time_ms}ms segment={cfg.segment_bytes}B "
+            f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(unset)')}")
 
 
 # ---- baselines -------------------------------------------------------------------------------------
@@ -183,6 +185,11 @@ def run_tf_baseline(args, sizes, info):
         cmd += ["--iters", str(args.iters)]
     env = dict(os.environ)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # TF runs as a user would start it: without the glibc tunable sdprun adds for sdp's workers
+    ours = f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_BYTES}"
+    tunables = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and t != ours]
+    if tunables:
+        env["GLIBC_TUNABLES"] = ":".join(tunables)
     logpath = os.path.join(outdir, f"tf_{r}.log")
     try:
         with open(logpath, "w") as logf:
