@@ -36,7 +36,7 @@ import numpy as np
 
 import sdp
 from sdp.common.config import Config
-from sdp.launcher.cli import NON_TEMPORAL_BYTES, NON_TEMPORAL_TUNABLE
+from sdp.launcher.cli import STREAMING_COPIES
 
 # ---- targets (issue 3, item 9); checked for 2 ranks, float32 -------------------------------------
 TARGET_BUSBW_64M_GBPS = 1.5        # sdp busbw at 64 MB, 2 ranks, float32
@@ -187,8 +187,7 @@ def run_tf_baseline(args, sizes, info):
     env = dict(os.environ)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # TF runs as a user would start it: without the glibc tunable sdprun adds for sdp's workers
-    ours = f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_BYTES}"
-    tunables = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and t != ours]
+    tunables = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and t != STREAMING_COPIES]
     if tunables:
         env["GLIBC_TUNABLES"] = ":".join(tunables)
     logpath = os.path.join(outdir, f"tf_{r}.log")

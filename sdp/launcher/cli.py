@@ -163,6 +163,7 @@ def resolve_hosts(args, allow_fake: bool) -> List[hostlib.HostSlots]:
 # 7.1-8.0 -> 6.1-6.9 ms (benchmarks/README.md).
 NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 NON_TEMPORAL_BYTES = 128 * 1024
+STREAMING_COPIES = f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_BYTES}"  # the GLIBC_TUNABLES entry sdprun adds
 
 
 def with_streaming_copies(env: dict) -> dict:
@@ -173,8 +174,7 @@ def with_streaming_copies(env: dict) -> dict:
     tunables = env.get("GLIBC_TUNABLES", "")
     if NON_TEMPORAL_TUNABLE + "=" in tunables:
         return env
-    ours = f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_BYTES}"
-    return dict(env, GLIBC_TUNABLES=f"{tunables}:{ours}" if tunables else ours)
+    return dict(env, GLIBC_TUNABLES=f"{tunables}:{STREAMING_COPIES}" if tunables else STREAMING_COPIES)
 
 
 def worker_envs(ranks: List[hostlib.RankInfo], rendezvous_addr: str, job_id: str, args,
