@@ -143,6 +143,7 @@ def _sync(mesh, seq, step, value=None):
     body = None if value is None else _OFFSET.pack(value)
     for q in peers:
         mesh.send(q, SYNC, seq, step, payload=body)
+    mesh.hand_off()
     values = [value] * mesh.size
     for q in peers:
         frames = mesh.recv(q, SYNC, seq=seq, aux=step)

@@ -159,6 +159,16 @@ class Mesh:
 
     def send_ctrl(self, dst: int, body: bytes) -> None:
         self.send(dst, CTRL, payload=body)
+        self.hand_off()
+
+    @staticmethod
+    def hand_off() -> None:
+        """Yield this thread's core so ZeroMQ's I/O thread moves what was just queued now.
+        Without it, the scheduler often wakes the I/O thread on this very core, where it waits
+        behind the numpy work this thread does next: a control message sent before packing a
+        12.8 MB fusion bucket then reached its peer only after the packing (~1 ms late) in
+        40-70% of gradient lists on a 2-core host.  Costs one system call."""
+        os.sched_yield()
 
     # -- receiving -------------------------------------------------------------------------
     def _drain_monitors(self, ready) -> None:
