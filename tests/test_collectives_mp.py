@@ -73,6 +73,12 @@ def test_fused_buckets_on_shared_memory(n):
         assert all(oks), oks
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_steady_state_lists_through_the_batch_cache(n):
+    for ok, batches in check_ok(run_workers(n, "workers_collectives:steady_state_lists", [12])):
+        assert ok and batches >= 1, (ok, batches)
+
+
 @pytest.mark.parametrize("pool", ["134217728", "2097152", "0"])
 def test_results_held_by_one_rank_stay_exact(pool):
     """Default pool (never full here), a 2 MB pool that rank 0 exhausts after a few steps (the

@@ -1,4 +1,6 @@
 """Negotiation logic (no sockets): ordering, mismatch messages, response cache, stalls."""
+import time
+
 from sdp.engine.coordinator import Coordinator, check
 
 
@@ -78,3 +80,54 @@ def test_coordinator_plans_fusion_buckets_by_threshold_and_key():
     for r in (0, 1):
         c.add(r, {"ids": [0, 1]})
     assert len({i["b"] for i in c.ready()}) == 2  # no fusion
+
+
+def cached(c, names, size=2, shape=(10,)):
+    """Agree ``names`` once (normal path) so that they have cache ids 0, 1, ..."""
+    ms = [meta(n, shape=shape) for n in names]
+    for r in range(size):
+        c.add(r, {"new": ms})
+    c.ready()
+
+
+def test_batch_cache_reuses_the_response_of_an_identical_id_list():
+    c = Coordinator(2, fusion_threshold=100)
+    cached(c, ["g0", "g1", "g2"])
+    c.add(0, {"ids": [0, 1, 2]})
+    assert c.ready() == []
+    c.add(1, {"ids": [0, 1, 2]})
+    first = c.ready()
+    assert [(i["n"], i["b"]) for i in first] == [("g0", 0), ("g1", 0), ("g2", 1)]
+    assert first.bid == 0
+    c.add(1, {"ids": [0, 1, 2]})  # arrival order does not matter
+    c.add(0, {"ids": [0, 1, 2]})
+    assert c.ready() is first
+    c.fusion_threshold = 0  # a new plan: a new batch
+    for r in (0, 1):
+        c.add(r, {"ids": [0, 1, 2]})
+    again = c.ready()
+    assert again.bid == 1 and len({i["b"] for i in again}) == 3
+
+
+def test_differing_id_lists_take_the_normal_path_in_first_seen_order():
+    c = Coordinator(2)
+    cached(c, ["a", "b"])
+    c.add(0, {"ids": [0, 1]})  # held for the batch cache ...
+    c.add(1, {"ids": [1]})  # ... then released: rank 1 sent another list
+    items = c.ready()
+    assert [i["n"] for i in items] == ["b"] and not hasattr(items, "bid")
+    c.add(1, {"ids": [0]})
+    assert [i["n"] for i in c.ready()] == ["a"]
+
+
+def test_held_batch_still_reports_the_missing_rank_and_repeated_ids():
+    c = Coordinator(3, stall_check_s=1.0)
+    cached(c, ["x"], size=3)
+    c.add(0, {"ids": [0]})
+    c.add(2, {"ids": [0]})
+    warnings, _ = c.stalls(time.monotonic() + 2)
+    assert len(warnings) == 1 and "'x'" in warnings[0] and "missing ranks [1]" in warnings[0]
+    c2 = Coordinator(2)
+    cached(c2, ["y"])
+    errs = c2.add(0, {"ids": [0, 0]})
+    assert errs and "submitted 'y' twice" in errs[0]["err"]

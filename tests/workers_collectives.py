@@ -248,3 +248,23 @@ def held_results(steps):
         ok = ok and all(bool(np.all(g == e)) for e, g in zip(expect, got))
     pool = sdp.api.runtime().mesh.shm.pool if sdp.api.runtime().mesh.shm is not None else None
     return [ok, None if pool is None else pool.free_bytes()]
+
+
+def steady_state_lists(steps):
+    """A gradient list submitted step after step with new values: in the same order on every
+    rank (the coordinator's batch cache: announced once, then sent by number) and, every third
+    step, in a per-rank random order (the normal path).  Returns (all exact, batches known)."""
+    import random
+    n, r = sdp.size(), sdp.rank()
+    rng = random.Random(r)
+    sizes = [100_000, 5, 70_000, 300, 20_000]
+    ok = True
+    for step in range(steps):
+        order = list(range(len(sizes)))
+        if step % 3 == 2:
+            rng.shuffle(order)
+        hs = {i: sdp.allreduce_async(np.full(sizes[i], float(step * 100 + i * 10 + r), np.float32),
+                                     name=f"t{i}", op=sdp.Sum) for i in order}
+        for i, h in hs.items():
+            ok = ok and bool(np.all(h.wait() == sum(step * 100 + i * 10 + q for q in range(n))))
+    return [ok, len(sdp.api.runtime()._batches)]

@@ -17,7 +17,11 @@ key    meaning
 =====  =====================================================================
 
 A **response cache** keeps steady state cheap: the first time a meta is agreed it gets an integer
-id, sent once to all ranks; afterwards a rank submits just the id.
+id, sent once to all ranks; afterwards a rank submits just the id.  A **batch cache** goes one
+step further for the steady state of a training step: when every rank sends the very same list
+of cached ids while nothing else is waiting, the response (items and fusion plan) is the one
+computed the first time that list was seen, returned as a :class:`Batch` whose ``bid`` lets the
+engine send ranks only that number.
 """
 import json
 import logging
@@ -46,6 +50,7 @@ def wire_dtype(code: str) -> np.dtype:
 
 
 JOIN = "__join__"  # the reserved name of join() requests
+MAX_BATCHES = 1024  # distinct id lists kept in the batch cache (later ones take the normal path)
 
 
 def signature(meta: dict) -> str:
@@ -112,6 +117,15 @@ def check(metas: Dict[int, dict], size: int) -> Optional[str]:
     return None
 
 
+class Batch(list):
+    """The response items of a cached batch (every rank sent the same list of cached ids);
+    ``bid`` numbers it, the same on all ranks once announced.  Never modified after caching."""
+
+    def __init__(self, items, bid: int):
+        super().__init__(items)
+        self.bid = bid
+
+
 class Coordinator:
     """Collects requests from all ranks and decides what runs, in which order."""
 
@@ -130,11 +144,44 @@ class Coordinator:
         self._fusion_infos: Dict[int, tuple] = {}  # cache id -> _fusion_info()
         self._warned: Dict[str, float] = {}
         self.joined: List[int] = []  # ranks that called join(), in order
+        self._held: Dict[int, list] = {}  # rank -> ids: same-list requests held for the batch cache
+        self._held_since = 0.0
+        self._batches: Dict[tuple, Batch] = {}  # (ids, fusion threshold) -> cached response
+
+    def _can_hold(self, rank: int, request: dict) -> bool:
+        """Whether ``request`` may wait in the batch-cache fast path: cached ids only, nothing
+        else waiting, and the same id list as the ranks already held.  (A list with an unknown
+        or repeated id takes the normal path, which reports it.)"""
+        ids = request.get("ids")
+        if request.get("new") or not ids or self.table or self.joined or rank in self._held:
+            return False
+        if self._held:
+            return ids == next(iter(self._held.values()))
+        n = len(self.cache_meta)
+        return (isinstance(ids, list) and all(type(c) is int and 0 <= c < n for c in ids)
+                and len(set(ids)) == len(ids))
+
+    def _release_held(self) -> List[dict]:
+        """Move held requests into the table, in arrival order (as if added normally)."""
+        held, self._held = self._held, {}
+        errors = []
+        for r, ids in held.items():
+            errors += self._add(r, {"ids": ids}, self._held_since)
+        return errors
 
     def add(self, rank: int, request: dict) -> List[dict]:
         """Record ``request`` (``{"new": [meta...], "ids": [int...]}``) from ``rank``.
 
         Returns error items for requests that are malformed (unknown cache id, duplicate name)."""
+        now = time.monotonic()
+        if self._can_hold(rank, request):
+            if not self._held:
+                self._held_since = now
+            self._held[rank] = request["ids"]
+            return []
+        return self._release_held() + self._add(rank, request, now)
+
+    def _add(self, rank: int, request: dict, now: float) -> List[dict]:
         errors = []
         metas = list(request.get("new", []))
         for cid in request.get("ids", []):
@@ -142,7 +189,6 @@ class Coordinator:
                 log.warning("coordinator: rank %d sent unknown cache id %r; dropped", rank, cid)
                 continue
             metas.append(self.cache_meta[cid])
-        now = time.monotonic()
         for meta in metas:
             name = meta["n"]
             if meta.get("k") == "join":
@@ -168,6 +214,20 @@ class Coordinator:
         time a signature is agreed, ``jm`` (the meta) when joined ranks must contribute zeros —
         or, when the ranks disagree, ``{"n", "err", "ranks"}``.  Once every rank has joined, the
         last item is ``{"n": JOIN, "last": rank that joined last}``."""
+        if self._held and len(self._held) == self.size:  # every rank sent the same cached ids
+            key = (tuple(next(iter(self._held.values()))), self.fusion_threshold)
+            batch = self._batches.get(key)
+            if batch is not None:
+                self._held = {}
+                return batch
+            items = self._release_held() + self._ready()
+            if (len(self._batches) < MAX_BATCHES and len(items) == len(key[0])
+                    and all(it.keys() <= {"n", "id", "b"} for it in items)):
+                items = self._batches[key] = Batch(items, len(self._batches))
+            return items
+        return self._ready()
+
+    def _ready(self) -> List[dict]:
         items, keep = [], []
         joined = set(self.joined)
         for name in self.order:
@@ -242,6 +302,8 @@ class Coordinator:
     def stalls(self, now: Optional[float] = None) -> Tuple[List[str], Optional[str]]:
         """Return (warnings to log, fatal message or None) for names waiting on some ranks."""
         now = time.monotonic() if now is None else now
+        if self._held and now - self._held_since >= min(self.stall_check_s, self.stall_shutdown_s or math.inf):
+            self._release_held()  # some rank is late: name it like any other stalled tensor
         warnings, fatal = [], None
         late = {}
         for name in self.order:

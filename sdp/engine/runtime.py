@@ -134,6 +134,7 @@ class Runtime:
         self.mesh.poller.register(self._wake_r, 1)  # zmq.POLLIN
         self._pending: Dict[str, Request] = {}
         self._cache: Dict[tuple, int] = {}  # Request.key() -> response-cache id (same on all ranks)
+        self._batches: Dict[int, List[dict]] = {}  # batch-cache id -> response items (announced once)
         self._coord = Coordinator(self.size, self.config.stall_check_s, self.config.stall_shutdown_s,
                                   self.config.fusion_threshold) if self.rank == 0 else None
         self._seq = 0
@@ -252,12 +253,23 @@ class Runtime:
                 if kind == "req" and self._coord is not None:
                     self._coordinate(src, msg)
                 elif kind == "resp" and src == 0:
-                    self._execute(msg["items"])
+                    self._execute(self._response_items(msg))
                 elif kind == "abort" and src == 0:
                     raise errors.StallError(msg["err"])
                 else:
                     log.warning("rank %d: dropping unexpected control message %r from rank %d",
                                 self.rank, kind, src)
+
+    def _response_items(self, msg: dict) -> List[dict]:
+        """The items of a response: sent in full, or (a cached batch) by its ``bid`` alone."""
+        items, bid = msg.get("items"), msg.get("bid")
+        if bid is None:
+            return items
+        if items is not None:
+            self._batches[bid] = items
+        elif not isinstance(bid, int) or bid not in self._batches:
+            raise errors.ProtocolError(f"rank {self.rank}: response names unknown batch {bid!r}")
+        return self._batches[bid]
 
     def _broadcast_ctrl(self, msg: dict) -> None:
         body = json.dumps(msg).encode()
@@ -265,11 +277,21 @@ class Runtime:
             self.mesh.send_ctrl(r, body)
 
     def _coordinate(self, src: int, msg: dict) -> None:
-        items = self._coord.add(src, msg)
-        items += self._coord.ready()
-        if items:
+        errs = self._coord.add(src, msg)
+        items = self._coord.ready()
+        bid = getattr(items, "bid", None)  # a cached batch: after the first time, send just its id
+        if errs:
+            items, bid = errs + items, None
+        if not items:
+            return
+        if bid is None:
             self._broadcast_ctrl({"t": "resp", "items": items})
-            self._execute(items)
+        elif bid in self._batches:
+            self._broadcast_ctrl({"t": "resp", "bid": bid})
+        else:
+            self._batches[bid] = items
+            self._broadcast_ctrl({"t": "resp", "bid": bid, "items": items})
+        self._execute(items)
 
     def _check_stalls(self) -> None:
         warnings, fatal = self._coord.stalls()
