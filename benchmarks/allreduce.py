@@ -46,7 +46,9 @@ TARGET_FUSED_SPEEDUP = 5.0         # unfused / fused time for 100 x 256 KB
 
 DEFAULT_SIZES = "1K,16K,256K,1M,4M,16M,64M,256M"
 GRAD_COUNT, GRAD_BYTES = 100, 256 * 1024
-GRAD_WARMUP = 10  # untimed gradient lists before each mode, the same for all (the first 5-10 fused lists ran ~15% slower)
+GRAD_WARMUP = 10  # untimed gradient lists before the gradient-list table (the first 5-10 fused lists ran ~15% slower)
+GRAD_ROUNDS = 5  # the gradient-list modes run interleaved, in this many rounds
+GRAD_WARMUP_SWITCH = 3  # untimed lists after each switch of mode
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -133,6 +135,31 @@ def time_grad_list(grads, mode: str, iters: int):
         times.append(time.perf_counter() - t0)
         colls.append(collectives_done() - c0)
     return times, colls
+
+
+def measure_grad_modes(grads, iters: int, grouped: bool, rounds: int = GRAD_ROUNDS):
+    """Times of every gradient-list mode, interleaved: ``rounds`` rounds, each running every mode
+    in turn (``iters / rounds`` lists of the fused modes, a third of that of the slow unfused
+    ones, each after :data:`GRAD_WARMUP_SWITCH` untimed lists), so that a slow stretch of the
+    machine hits every mode alike instead of one block.  Unfused = fusion threshold 0, set with
+    ``set_fusion_threshold`` (rank 0's value plans every rank's buckets).  Returns
+    ``{mode: (times, collectives per list)}``; modes: async, grouped, sequential, unfused."""
+    threshold = sdp.api.fusion_threshold()
+    modes = [("async", "async", threshold, 1), ("sequential", "sequential", threshold, 3),
+             ("unfused", "async", 0, 3)]
+    if grouped:
+        modes.insert(1, ("grouped", "grouped", threshold, 1))
+    per_round = max(1, -(-iters // rounds))
+    out = {key: ([], []) for key, *_ in modes}
+    for _ in range(rounds):
+        for key, mode, fusion, div in modes:
+            sdp.api.set_fusion_threshold(fusion)
+            time_grad_list(grads, mode, GRAD_WARMUP_SWITCH)
+            t, c = time_grad_list(grads, mode, max(1, per_round // div))
+            out[key][0].extend(t)
+            out[key][1].extend(c)
+    sdp.api.set_fusion_threshold(threshold)
+    return out
 
 
 @dataclasses.dataclass
@@ -281,18 +308,11 @@ def main(argv=None) -> int:
         time_grad_list(grads, "async", GRAD_WARMUP)  # warm up (response cache, result pool pages)
         est, _ = time_grad_list(grads, "async", 1)
         iters = args.fused_iters or plan_iters(max_over_ranks(est[0], "fused.plan"), 2.0, 5, 50)
-        f_t, f_c = time_grad_list(grads, "async", iters)
-        g_t = g_c = None
-        if hasattr(sdp.api, "grouped_allreduce_async"):
-            time_grad_list(grads, "grouped", GRAD_WARMUP)
-            g_t, g_c = time_grad_list(grads, "grouped", iters)
-        time_grad_list(grads, "sequential", GRAD_WARMUP)
-        s_t, s_c = time_grad_list(grads, "sequential", max(3, iters // 3))
-        # unfused (fusion threshold 0): re-initialize the engine with fusion disabled
-        sdp.shutdown()
-        sdp.init(dataclasses.replace(Config.from_env(), fusion_threshold=0))
-        time_grad_list(grads, "async", GRAD_WARMUP)
-        u_t, u_c = time_grad_list(grads, "async", max(3, iters // 3))
+        times = measure_grad_modes(grads, iters, hasattr(sdp.api, "grouped_allreduce_async"))
+        f_t, f_c = times["async"]
+        g_t, g_c = times.get("grouped", (None, None))
+        s_t, s_c = times["sequential"]
+        u_t, u_c = times["unfused"]
         fused = {k: (max_over_ranks(statistics.median(v), f"gl.{k}"), int(statistics.median(c)), len(v))
                  for k, v, c in (("fused", f_t, f_c), ("grouped", g_t, g_c), ("unfused", u_t, u_c),
                                  ("sequential", s_t, s_c)) if v}
