@@ -118,22 +118,64 @@ def _shm_bounds(count, parts, dtype):
     return _bounds(count, parts, max(1, 64 // np.dtype(dtype).itemsize))
 
 
-def own_chunk(mesh, count, dtype):
-    """``(lo, hi)``: the elements of a one-slab shared-memory allreduce of ``count`` elements that
-    this rank reduces (and so never needs to copy into shared memory)."""
-    edges = _shm_bounds(count, mesh.size, dtype)
-    return edges[mesh.rank], edges[mesh.rank + 1]
+STAGED_PARTS = 2  # a fused bucket is packed (and announced) in this many parts per peer chunk
 
 
-def allreduce_staged(mesh, half, pieces, out, ufunc, seq, acc=None, scale=None):
-    """Allreduce a fusion bucket already packed into this rank's shared-memory half ``half``
-    (from ``mesh.shm.claim()``; at most one slab; ``out.size`` elements) except for its
-    :func:`own_chunk`, which ``pieces`` (``(offset, array)`` pairs) supply; result into ``out``."""
-    inp = mesh.shm.half(mesh.rank, half, out.dtype, out.size)
-    _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale, staged=(half, pieces))
+def allreduce_staged(mesh, count, pack, own, out, ufunc, seq, acc=None, scale=None, parts=STAGED_PARTS):
+    """Allreduce a fusion bucket of ``count`` elements (at most one slab) through shared memory,
+    packing it on the way: ``pack(dst, ranges)`` copies the bucket's element ``ranges`` into
+    ``dst`` (this rank's staging half), ``own(lo, hi)`` returns ``(offset, array)`` pieces of the
+    bucket's elements ``[lo, hi)``, read in place (this rank's own chunk is never copied).
+
+    Each peer's chunk is packed in ``parts`` parts, each announced to the peers as soon as it is in
+    shared memory (with this rank's ``out`` offset, as the first barrier of
+    :func:`_shm_allreduce` does); each rank reduces its own chunk part by part as the peers'
+    parts arrive.  A rank that packed first thus starts reducing while a slower one still packs,
+    and the first barrier's message latency hides behind packing.  Then as
+    :func:`_shm_allreduce`: push into the peers' ``out`` (or copy out after the barrier)."""
+    seg, n, r = mesh.shm, mesh.size, mesh.rank
+    dtype = out.dtype
+    half = seg.claim()
+    edges = _shm_bounds(count, n, dtype)
+    cuts = [[edges[q] + c for c in _shm_bounds(edges[q + 1] - edges[q], parts, dtype)] for q in range(n)]
+    halves = [seg.half(q, half, dtype, count) for q in range(n)]
+    peers = [q for q in range(n) if q != r]
+    off = seg.pool_offset(out)
+    body = _OFFSET.pack(-1 if off is None else off)
+    for j in range(parts):
+        pack(halves[r], [(cuts[q][j], cuts[q][j + 1]) for q in peers])
+        for q in peers:
+            mesh.send(q, SYNC, seq, _PACKED + j, payload=body)
+        mesh.hand_off()
+    lo, hi = edges[r], edges[r + 1]
+    size, target, pushes = dtype.itemsize, None, []
+    for j in range(parts):
+        where = _recv_offsets(mesh, peers, seq, _PACKED + j, off)
+        if j == 0:
+            direct = min(where) >= 0
+            target = out[lo:hi] if direct else halves[r][lo:hi]
+            pushes = [seg.at(q, where[q] + lo * size, dtype, hi - lo) for q in peers] if direct else []
+        _reduce_chunk(ufunc, own(cuts[r][j], cuts[r][j + 1]), lo, halves, peers, target, pushes, acc, scale)
+    _sync(mesh, seq, 1)
+    if not direct:
+        for q in range(n):
+            np.copyto(out[edges[q]:edges[q + 1]], halves[q][edges[q]:edges[q + 1]])
 
 
 _OFFSET = struct.Struct("<q")
+_PACKED = 1 << 16  # barrier steps of allreduce_staged's parts: _PACKED + part
+
+
+def _recv_offsets(mesh, peers, seq, step, value):
+    """Every rank's barrier value (an int) for phase ``step`` of collective ``seq``, by rank; this
+    rank's is ``value`` (None: -1)."""
+    values = [-1 if value is None else value] * mesh.size
+    for q in peers:
+        frames = mesh.recv(q, SYNC, seq=seq, aux=step)
+        if len(frames) != 1 or len(frames[0].bytes) != _OFFSET.size:
+            raise ProtocolError(f"rank {mesh.rank}: malformed barrier message from rank {q}")
+        values[q] = _OFFSET.unpack(frames[0].bytes)[0]
+    return values
 
 
 def _sync(mesh, seq, step, value=None):
@@ -144,17 +186,14 @@ def _sync(mesh, seq, step, value=None):
     for q in peers:
         mesh.send(q, SYNC, seq, step, payload=body)
     mesh.hand_off()
-    values = [value] * mesh.size
+    if value is not None:
+        return _recv_offsets(mesh, peers, seq, step, value)
     for q in peers:
-        frames = mesh.recv(q, SYNC, seq=seq, aux=step)
-        if value is not None:
-            if len(frames) != 1 or len(frames[0].bytes) != _OFFSET.size:
-                raise ProtocolError(f"rank {mesh.rank}: malformed barrier message from rank {q}")
-            values[q] = _OFFSET.unpack(frames[0].bytes)[0]
-    return values
+        mesh.recv(q, SYNC, seq=seq, aux=step)
+    return None
 
 
-def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None, staged=None):
+def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None):
     """Same-host allreduce through shared memory, one slab (<= half a segment) at a time.
 
     Per slab: (1) copy the chunks peers will reduce into my segment; barrier, which also tells
@@ -165,54 +204,54 @@ def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None, staged=None):
     into ``out``.  Successive slabs (across calls too) alternate between the two halves of every
     segment, so slab g's first barrier proves every rank finished reading the half that slab
     g-2 used before anyone overwrites it.  A peer writes into my ``out`` only between the two
-    barriers of a collective this rank is running, so a result is final once it is returned.
-
-    ``staged``: ``(half, pieces)`` when the caller already packed a one-slab fusion bucket into
-    this rank's half (step (1) done) except for this rank's own chunk, whose values are given as
-    ``pieces``: ``(offset, array)`` pairs covering :func:`own_chunk` (never copied at all)."""
+    barriers of a collective this rank is running, so a result is final once it is returned."""
     seg, n, r = mesh.shm, mesh.size, mesh.rank
     slab = max(n, seg.slab_bytes // inp.dtype.itemsize)
     out_offset = seg.pool_offset(out)
+    size = inp.dtype.itemsize
+    peers = [q for q in range(n) if q != r]
     for k, start in enumerate(range(0, inp.size, slab)):
         m = min(slab, inp.size - start)
         edges = _shm_bounds(m, n, inp.dtype)
         lo, hi = edges[r], edges[r + 1]
         src = inp[start:start + m]
-        half = staged[0] if staged is not None else seg.claim()
+        half = seg.claim()
         halves = [seg.half(q, half, inp.dtype, m) for q in range(n)]
         mine = halves[r]
-        if staged is None:
-            for q in range(n):
-                if q != r:
-                    np.copyto(mine[edges[q]:edges[q + 1]], src[edges[q]:edges[q + 1]])
-        pieces = staged[1] if staged is not None else [(lo, src[lo:hi])]
-        size = inp.dtype.itemsize
+        for q in peers:
+            np.copyto(mine[edges[q]:edges[q + 1]], src[edges[q]:edges[q + 1]])
         where = _sync(mesh, seq, 2 * k, -1 if out_offset is None else out_offset + start * size)
         direct = min(where) >= 0
         dst = out[start:start + m]
         target = dst[lo:hi] if direct else mine[lo:hi]
-        peers = [q for q in range(n) if q != r]
         pushes = [seg.at(q, where[q] + lo * size, inp.dtype, hi - lo) for q in peers] if direct else []
-        # reduce my chunk block by block (so pushing a block to the peers reads it from cache);
-        # 16-bit floats accumulate and scale in float32 and round once
-        tmp = None if acc is None else np.empty(min(hi - lo, _BLOCK), acc)
-        for off, piece in _blocks(pieces):
-            a, b = off - lo, off - lo + piece.size
-            t = target[a:b] if acc is None else tmp[:b - a]
-            ufunc(piece, halves[peers[0]][off:off + piece.size], out=t, dtype=acc)
-            for q in peers[1:]:
-                ufunc(t, halves[q][off:off + piece.size], out=t, dtype=acc)
-            if scale is not None:
-                np.multiply(t, scale, out=t, casting="unsafe")
-            if acc is not None:
-                target[a:b] = t
-            for p in pushes:
-                np.copyto(p[a:b], target[a:b])
+        _reduce_chunk(ufunc, [(lo, src[lo:hi])], lo, halves, peers, target, pushes, acc, scale)
         _sync(mesh, seq, 2 * k + 1)
         if direct:
             continue
         for q in range(n):
             np.copyto(dst[edges[q]:edges[q + 1]], halves[q][edges[q]:edges[q + 1]])
+
+
+def _reduce_chunk(ufunc, pieces, lo, halves, peers, target, pushes, acc, scale):
+    """Reduce the ``(offset, array)`` ``pieces`` of this rank's chunk (which starts at element
+    ``lo`` of the slab) with the peers' ``halves`` into ``target`` and copy each block into every
+    array in ``pushes`` (``target`` and ``pushes`` are indexed from ``lo``).  Block by block, so a
+    block pushed to the peers is read from cache; 16-bit floats accumulate and scale in float32
+    (``acc``) and round once."""
+    tmp = None if acc is None else np.empty(min(sum(p.size for _, p in pieces), _BLOCK), acc)
+    for off, piece in _blocks(pieces):
+        a, b = off - lo, off - lo + piece.size
+        t = target[a:b] if acc is None else tmp[:b - a]
+        ufunc(piece, halves[peers[0]][off:off + piece.size], out=t, dtype=acc)
+        for q in peers[1:]:
+            ufunc(t, halves[q][off:off + piece.size], out=t, dtype=acc)
+        if scale is not None:
+            np.multiply(t, scale, out=t, casting="unsafe")
+        if acc is not None:
+            target[a:b] = t
+        for p in pushes:
+            np.copyto(p[a:b], target[a:b])
 
 
 _BLOCK = 128 * 1024  # elements reduced (and pushed to the peers) at a time: stays in L2 cache

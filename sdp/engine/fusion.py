@@ -52,15 +52,12 @@ def offsets(arrays: List[np.ndarray]) -> List[int]:
     return out
 
 
-def pack(buf: np.ndarray, arrays: List[np.ndarray], offs: List[int], skip=(0, 0)) -> None:
-    """Copy each array into ``buf`` at its offset, leaving out the element range ``skip``
-    (``[lo, hi)``: the part this rank reduces straight from the arrays)."""
-    lo, hi = skip
-    for a, start, end in zip(arrays, offs, offs[1:]):
-        flat = a.reshape(-1)
-        for s, e in ((start, min(end, lo)), (max(start, hi), end)) if hi > lo else ((start, end),):
-            if s < e:
-                np.copyto(buf[s:e], flat[s - start:e - start])
+def pack(buf: np.ndarray, arrays: List[np.ndarray], offs: List[int], ranges=None) -> None:
+    """Copy the arrays into ``buf`` at their offsets: all of them, or only the element ranges
+    ``ranges`` (``[(start, end), ...]`` of the packed layout)."""
+    for lo, hi in ranges if ranges is not None else [(0, offs[-1])]:
+        for off, view in pieces(arrays, offs, lo, hi):
+            np.copyto(buf[off:off + view.size], view)
 
 
 def pieces(arrays: List[np.ndarray], offs: List[int], lo: int, hi: int):

@@ -403,18 +403,18 @@ class Runtime:
         offs = fusion.offsets(arrays)
         total = offs[-1]
         result = self._result_array(dtype, total)
-        seg = self.mesh.shm
-        if (collectives.uses_shm(self.mesh, total * dtype.itemsize, total) and total * dtype.itemsize <= seg.slab_bytes
-                and first.prescale == 1.0):
-            # pack straight into shared memory, all but the chunk this rank reduces from the inputs
-            half = seg.claim()
-            lo, hi = collectives.own_chunk(self.mesh, total, dtype)
-            with timeline.span(tl, names, "FUSE"):
-                fusion.pack(seg.half(self.rank, half, dtype, total), arrays, offs, skip=(lo, hi))
+        if (collectives.uses_shm(self.mesh, total * dtype.itemsize, total)
+                and total * dtype.itemsize <= self.mesh.shm.slab_bytes and first.prescale == 1.0):
+            # packed straight into shared memory as the collective goes (all but this rank's own
+            # chunk, which is reduced from the arrays themselves)
+            def pack(dst, ranges):
+                with timeline.span(tl, names, "FUSE"):
+                    fusion.pack(dst, arrays, offs, ranges)
+
             with timeline.span(tl, names, "ALLREDUCE"):
-                collectives.allreduce_staged(self.mesh, half, fusion.pieces(arrays, offs, lo, hi), result,
-                                             UFUNCS[first.op], self._next_seq(), accumulation_dtype(dtype),
-                                             self._float_scale(first, dtype))
+                collectives.allreduce_staged(self.mesh, total, pack, functools.partial(fusion.pieces, arrays, offs),
+                                             result, UFUNCS[first.op], self._next_seq(),
+                                             accumulation_dtype(dtype), self._float_scale(first, dtype))
                 self._int_scale(result, first)
         else:
             buf = self._fusion.view(dtype, total)
