@@ -24,8 +24,9 @@ def test_mismatch_raises_on_every_rank(kind, expect):
         assert still_works, rank
 
 
-def test_killed_worker_makes_others_raise_peer_lost():
-    results = run_workers(3, "workers_errors:die_or_wait", [1], timeout=60)
+@pytest.mark.parametrize("fused", [False, True])
+def test_killed_worker_makes_others_raise_peer_lost(fused):
+    results = run_workers(3, "workers_errors:die_or_wait", [1, fused], timeout=60)
     assert results[1].returncode == -9
     for r in (0, 2):
         assert results[r].ok, results[r].stderr[-2000:]

@@ -2,6 +2,7 @@
 import os
 import random
 import signal
+import threading
 import time
 
 import numpy as np
@@ -39,17 +40,26 @@ def mismatch(kind):
     return res + [ok]
 
 
-def die_or_wait(victim):
-    """Rank ``victim`` kills itself mid-training; the others keep allreducing."""
-    a = np.ones(1000, np.float32)
-    for step in range(3):
-        sdp.allreduce(a, name=f"s{step}")
+def die_or_wait(victim, fused=False):
+    """Rank ``victim`` kills itself mid-training; the others keep allreducing.  ``fused``: each
+    step is a fused 8 MB gradient list (the shared-memory path, where most time is inside the
+    collective) and the victim dies from a timer thread, at whatever point it has reached."""
+    grads = [np.ones(262_144 if fused else 1000, np.float32) for _ in range(8 if fused else 1)]
+
+    def step(k):
+        for h in sdp.grouped_allreduce_async(grads, [f"s{k}.{i}" for i in range(len(grads))]):
+            h.wait()
+
+    for k in range(3):
+        step(k)
     if sdp.rank() == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
+        if not fused:
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
     t0 = time.monotonic()
     try:
-        for step in range(3, 100000):
-            sdp.allreduce(a, name=f"s{step}")
+        for k in range(3, 100000):
+            step(k)
     except errors.PeerLostError as e:
         return [type(e).__name__, str(e), e.rank, time.monotonic() - t0]
     return ["none", "", -1, time.monotonic() - t0]
@@ -110,7 +120,6 @@ def threads_submit(n_threads, per_thread):
     """Several threads per rank each allreduce their own sequence of tensors (the same sequence
     on every rank, as any blocking per-thread program must), with rank-dependent timing, so the
     threads' submissions interleave differently on every rank."""
-    import threading
     results, r = {}, sdp.rank()
 
     def work(t):
