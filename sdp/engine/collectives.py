@@ -7,20 +7,19 @@ agreed collective number), so that messages can be checked against what is expec
   (reduce-scatter + allgather, ``segment_bytes`` frames) for large ones (bandwidth: each rank
   sends 2(n-1)/n of the buffer).  Every rank ends with bit-identical results.
 * ``allreduce`` when every rank is on one host: through shared memory (:func:`_shm_allreduce`),
-  ZeroMQ carrying only the barriers; each rank reduces its 1/n of every slab straight out of the
-  peers' segments and, when every rank's output lives in its result pool, writes it straight
-  into every rank's output (no copy-out).
+  with :mod:`sdp.engine.barrier` between phases (shared-memory flags, or ZeroMQ messages); each
+  rank reduces its 1/n of every slab straight out of the peers' segments and, when every rank's
+  output lives in its result pool, writes it straight into every rank's output (no copy-out).
 * ``broadcast``: binomial tree from ``root``.
 * ``allgatherv``: ring over variable-size blocks.
 * ``alltoallv``: pairwise exchange.
 * ``reducescatter``: the reduce-scatter half of the ring.
 """
-import struct
-
 import numpy as np
 
 from sdp.common.errors import ProtocolError
-from sdp.transport.zmq_mesh import DATA, SYNC
+from sdp.engine import barrier
+from sdp.transport.zmq_mesh import DATA
 
 SMALL_BYTES = 64 * 1024  # at or below this, allreduce uses recursive doubling
 
@@ -109,7 +108,8 @@ def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None):
 
 def uses_shm(mesh, nbytes, count) -> bool:
     """Whether :func:`allreduce` takes the shared-memory path for this buffer."""
-    return mesh.shm is not None and mesh.size > 1 and nbytes > SMALL_BYTES and count >= mesh.size
+    return (mesh.shm is not None and mesh.size > 1 and count >= mesh.size
+            and (nbytes > SMALL_BYTES or barrier.uses_flags(mesh)))
 
 
 def _shm_bounds(count, parts, dtype):
@@ -131,7 +131,7 @@ def allreduce_staged(mesh, count, pack, own, out, ufunc, seq, acc=None, scale=No
     shared memory (with this rank's ``out`` offset, as the first barrier of
     :func:`_shm_allreduce` does); each rank reduces its own chunk part by part as the peers'
     parts arrive.  A rank that packed first thus starts reducing while a slower one still packs,
-    and the first barrier's message latency hides behind packing.  Then as
+    and the first barrier's latency hides behind packing.  Then as
     :func:`_shm_allreduce`: push into the peers' ``out`` (or copy out after the barrier)."""
     seg, n, r = mesh.shm, mesh.size, mesh.rank
     dtype = out.dtype
@@ -141,56 +141,26 @@ def allreduce_staged(mesh, count, pack, own, out, ufunc, seq, acc=None, scale=No
     halves = [seg.half(q, half, dtype, count) for q in range(n)]
     peers = [q for q in range(n) if q != r]
     off = seg.pool_offset(out)
-    body = _OFFSET.pack(-1 if off is None else off)
+    tickets = []
     for j in range(parts):
         pack(halves[r], [(cuts[q][j], cuts[q][j + 1]) for q in peers])
-        for q in peers:
-            mesh.send(q, SYNC, seq, _PACKED + j, payload=body)
-        mesh.hand_off()
+        tickets.append(barrier.post(mesh, seq, _PACKED + j, -1 if off is None else off))
     lo, hi = edges[r], edges[r + 1]
     size, target, pushes = dtype.itemsize, None, []
     for j in range(parts):
-        where = _recv_offsets(mesh, peers, seq, _PACKED + j, off)
+        where = barrier.wait(mesh, tickets[j])
         if j == 0:
             direct = min(where) >= 0
             target = out[lo:hi] if direct else halves[r][lo:hi]
             pushes = [seg.at(q, where[q] + lo * size, dtype, hi - lo) for q in peers] if direct else []
         _reduce_chunk(ufunc, own(cuts[r][j], cuts[r][j + 1]), lo, halves, peers, target, pushes, acc, scale)
-    _sync(mesh, seq, 1)
+    barrier.sync(mesh, seq, 1)
     if not direct:
         for q in range(n):
             np.copyto(out[edges[q]:edges[q + 1]], halves[q][edges[q]:edges[q + 1]])
 
 
-_OFFSET = struct.Struct("<q")
 _PACKED = 1 << 16  # barrier steps of allreduce_staged's parts: _PACKED + part
-
-
-def _recv_offsets(mesh, peers, seq, step, value):
-    """Every rank's barrier value (an int) for phase ``step`` of collective ``seq``, by rank; this
-    rank's is ``value`` (None: -1)."""
-    values = [-1 if value is None else value] * mesh.size
-    for q in peers:
-        frames = mesh.recv(q, SYNC, seq=seq, aux=step)
-        if len(frames) != 1 or len(frames[0].bytes) != _OFFSET.size:
-            raise ProtocolError(f"rank {mesh.rank}: malformed barrier message from rank {q}")
-        values[q] = _OFFSET.unpack(frames[0].bytes)[0]
-    return values
-
-
-def _sync(mesh, seq, step, value=None):
-    """Barrier among all ranks for phase ``step`` of collective ``seq`` (ZeroMQ messages).  With
-    ``value`` (an int), the barrier also exchanges it: returns every rank's value, by rank."""
-    peers = [q for q in range(mesh.size) if q != mesh.rank]
-    body = None if value is None else _OFFSET.pack(value)
-    for q in peers:
-        mesh.send(q, SYNC, seq, step, payload=body)
-    mesh.hand_off()
-    if value is not None:
-        return _recv_offsets(mesh, peers, seq, step, value)
-    for q in peers:
-        mesh.recv(q, SYNC, seq=seq, aux=step)
-    return None
 
 
 def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None):
@@ -220,13 +190,13 @@ def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None):
         mine = halves[r]
         for q in peers:
             np.copyto(mine[edges[q]:edges[q + 1]], src[edges[q]:edges[q + 1]])
-        where = _sync(mesh, seq, 2 * k, -1 if out_offset is None else out_offset + start * size)
+        where = barrier.sync(mesh, seq, 2 * k, -1 if out_offset is None else out_offset + start * size)
         direct = min(where) >= 0
         dst = out[start:start + m]
         target = dst[lo:hi] if direct else mine[lo:hi]
         pushes = [seg.at(q, where[q] + lo * size, inp.dtype, hi - lo) for q in peers] if direct else []
         _reduce_chunk(ufunc, [(lo, src[lo:hi])], lo, halves, peers, target, pushes, acc, scale)
-        _sync(mesh, seq, 2 * k + 1)
+        barrier.sync(mesh, seq, 2 * k + 1)
         if direct:
             continue
         for q in range(n):

@@ -1,13 +1,14 @@
 """Shared-memory segments for ranks on the same host.
 
-Each rank creates one file in ``/dev/shm`` of ``2 * slab_bytes + pool_bytes`` bytes, advertises
+Each rank creates one file in ``/dev/shm`` of ``2 * slab_bytes + pool_bytes + 4096`` bytes, advertises
 its path at rendezvous, and maps every same-host peer's file.  Files are unlinked as soon as every
 peer has mapped them, so nothing is left behind even if a process is killed.  ZeroMQ stays the
 control path: the barriers between phases are ZeroMQ messages.
 
 Layout of a segment: two staging halves of ``slab_bytes`` (used alternately, so one barrier per
 slab is enough between reuse), then a :class:`ResultPool` of ``pool_bytes``: result arrays that
-peers write reduced chunks into directly, handed to the caller without a copy-out.
+peers write reduced chunks into directly, handed to the caller without a copy-out; then one page
+of barrier flags (:meth:`SharedSegments.flags`).
 """
 import bisect
 import glob
@@ -23,6 +24,7 @@ import numpy as np
 log = logging.getLogger("sdp.transport")
 
 SHM_DIR = "/dev/shm"
+FLAGS_BYTES = 4096  # the barrier-flag page at the end of every segment
 
 
 def available() -> bool:
@@ -112,7 +114,7 @@ class SharedSegments:
         self.slab_bytes = slab_bytes
         self.path = os.path.join(SHM_DIR, f"sdp-{job}-{rank}-{os.getpid()}")
         for pool in ((pool_bytes, 0) if pool_bytes > 0 else (0,)):
-            self.nbytes = 2 * slab_bytes + pool
+            self.nbytes = 2 * slab_bytes + pool + FLAGS_BYTES
             try:
                 self.mine = _map(self.path, self.nbytes, create=True)
                 break
@@ -129,6 +131,7 @@ class SharedSegments:
         self.peers = {rank: self.mine}
         self._unlinked = False
         self._uses = 0
+        self.barriers = 0  # flag barriers this rank has posted (sdp.engine.barrier)
 
     def claim(self) -> int:
         """The half (0/1) the next slab must use: halves alternate over the whole job, the same
@@ -156,7 +159,12 @@ class SharedSegments:
         if self.pool is None:
             return None
         off = arr.__array_interface__["data"][0] - self.mine.__array_interface__["data"][0]
-        return off if 2 * self.slab_bytes <= off and off + arr.nbytes <= self.nbytes else None
+        return off if 2 * self.slab_bytes <= off and off + arr.nbytes <= self.nbytes - FLAGS_BYTES else None
+
+    def flags(self, rank: int) -> np.ndarray:
+        """``rank``'s barrier flags: 8 int64 slots in its segment's last page, written only by
+        ``rank`` (see :func:`sdp.engine.collectives._flag_barrier`)."""
+        return self.at(rank, self.nbytes - FLAGS_BYTES, np.int64, 8)
 
     def at(self, rank: int, offset: int, dtype, count: int) -> np.ndarray:
         """``count`` elements of ``dtype`` at byte ``offset`` of ``rank``'s segment."""
