@@ -6,10 +6,10 @@ Each rank submits ``--count`` tensors of ``--kb`` KB float32 with ``allreduce_as
 for all of them, ``--lists`` times after 20 untimed lists (the response and batch caches are warm,
 as in a training step).  The engine's steps are wrapped with time stamps (CLOCK_MONOTONIC, one
 clock for every process on the host): taking the queue and sending the request, running the
-response, packing the fusion bucket, and each barrier of the shared-memory allreduce (entry and
-exit).  Rank 0 prints, per event, its median time since rank 0 started submitting the list,
-sorted by time, so the gaps show what each part costs: e.g. a barrier's exit minus the later of
-the ranks' entries is its latency.  A diagnostic: it wraps engine internals, so it follows them.
+response, packing the fusion bucket, and posting and waiting at each barrier of the
+shared-memory allreduce (entry and exit).  Rank 0 prints, per event, its median time since rank 0 started submitting the list,
+sorted by time, so the gaps show what each part costs: e.g. a barrier wait's exit minus the later
+of the ranks' posts is its latency.  A diagnostic: it wraps engine internals, so it follows them.
 """
 import argparse
 import collections
@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 import sdp
-from sdp.engine import collectives, fusion
+from sdp.engine import barrier, fusion
 from sdp.engine import runtime as engine_runtime
 
 EVENTS = []  # (label, time.monotonic())
@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     p.add_argument("--kb", type=int, default=256, help="KB per tensor (float32)")
     args = p.parse_args(argv)
     wrap(fusion, "pack", "pack")
-    wrap(collectives, "_sync", "barrier")
+    wrap(barrier, "post", "barrier post")
+    wrap(barrier, "wait", "barrier wait")
     wrap(engine_runtime.Runtime, "_send_requests", "request")
     wrap(engine_runtime.Runtime, "_execute", "run")
     sdp.init()
