@@ -24,6 +24,10 @@ from sdp.transport.zmq_mesh import CTRL, Mesh
 
 log = logging.getLogger("sdp.engine")
 
+# seconds the engine keeps polling without blocking (yielding the core between polls) after it
+# sent its requests: the answer usually comes within a millisecond, and a thread blocked in poll()
+# takes ~0.1 ms more to wake on a small VM
+RESPONSE_SPIN_S = 0.002
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "join")
 
 
@@ -200,7 +204,13 @@ class Runtime:
         wait_ms = 1000.0
         if self._queue:
             wait_ms = max(0.0, (self._last_request_at + cycle_s - time.monotonic()) * 1000)
+        spin = (self._pending and not self._queue
+                and time.monotonic() - self._last_request_at < RESPONSE_SPIN_S)
+        if spin:
+            wait_ms = 0.0
         self.mesh.pump(wait_ms)
+        if spin:
+            os.sched_yield()
         try:
             while os.read(self._wake_r, 4096):
                 pass
