@@ -119,6 +119,7 @@ def _shm_bounds(count, parts, dtype):
 
 
 STAGED_PARTS = 2  # a fused bucket is packed (and announced) in this many parts per peer chunk
+_PACKED = 1 << 16  # barrier steps of allreduce_staged's parts: _PACKED + part
 
 
 def allreduce_staged(mesh, count, pack, own, out, ufunc, seq, acc=None, scale=None, parts=STAGED_PARTS):
@@ -158,9 +159,6 @@ def allreduce_staged(mesh, count, pack, own, out, ufunc, seq, acc=None, scale=No
     if not direct:
         for q in range(n):
             np.copyto(out[edges[q]:edges[q + 1]], halves[q][edges[q]:edges[q + 1]])
-
-
-_PACKED = 1 << 16  # barrier steps of allreduce_staged's parts: _PACKED + part
 
 
 def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None):

@@ -3,7 +3,8 @@
 Each rank creates one file in ``/dev/shm`` of ``2 * slab_bytes + pool_bytes + 4096`` bytes, advertises
 its path at rendezvous, and maps every same-host peer's file.  Files are unlinked as soon as every
 peer has mapped them, so nothing is left behind even if a process is killed.  ZeroMQ stays the
-control path: the barriers between phases are ZeroMQ messages.
+control path (negotiation, lost peers); the barriers between a collective's phases are flags in
+the segments' last page where the CPU allows it (:mod:`sdp.engine.barrier`).
 
 Layout of a segment: two staging halves of ``slab_bytes`` (used alternately, so one barrier per
 slab is enough between reuse), then a :class:`ResultPool` of ``pool_bytes``: result arrays that
@@ -132,6 +133,7 @@ class SharedSegments:
         self._unlinked = False
         self._uses = 0
         self.barriers = 0  # flag barriers this rank has posted (sdp.engine.barrier)
+        self._flags = {}  # rank -> flags() view
 
     def claim(self) -> int:
         """The half (0/1) the next slab must use: halves alternate over the whole job, the same
@@ -141,6 +143,7 @@ class SharedSegments:
 
     def attach(self, rank: int, path: str) -> None:
         self.peers[rank] = _map(path, self.nbytes, create=False)
+        self._flags.pop(rank, None)
 
     def unlink(self) -> None:
         if not self._unlinked:
@@ -163,8 +166,12 @@ class SharedSegments:
 
     def flags(self, rank: int) -> np.ndarray:
         """``rank``'s barrier flags: 8 int64 slots in its segment's last page, written only by
-        ``rank`` (see :func:`sdp.engine.collectives._flag_barrier`)."""
-        return self.at(rank, self.nbytes - FLAGS_BYTES, np.int64, 8)
+        ``rank`` (see :mod:`sdp.engine.barrier`).  One view per rank, made on first use: every
+        barrier reads them."""
+        view = self._flags.get(rank)
+        if view is None:
+            view = self._flags[rank] = self.at(rank, self.nbytes - FLAGS_BYTES, np.int64, 8)
+        return view
 
     def at(self, rank: int, offset: int, dtype, count: int) -> np.ndarray:
         """``count`` elements of ``dtype`` at byte ``offset`` of ``rank``'s segment."""
