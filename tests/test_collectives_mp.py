@@ -67,9 +67,12 @@ def test_float16_average_accumulates_in_float32():
         assert abs(small - 6e-5) < 1e-6
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_fused_buckets_on_shared_memory(n):
-    for oks in check_ok(run_workers(n, "workers_collectives:fused_buckets", [5])):
+@pytest.mark.parametrize("n, slab", [(2, None), (3, None), (3, "0"), (2, "65536")])
+def test_fused_buckets(n, slab):
+    """Packed as the shared-memory collective goes; or (slab 0: the ZeroMQ ring; a slab smaller
+    than the bucket: several shared-memory slabs) packed into the result and reduced in place."""
+    env = None if slab is None else {"SDP_SHM_SLAB_BYTES": slab}
+    for oks in check_ok(run_workers(n, "workers_collectives:fused_buckets", [5], env=env)):
         assert all(oks), oks
 
 

@@ -211,8 +211,8 @@ def fp16_average_no_overflow():
 
 
 def fused_buckets(seed):
-    """Gradient-list style fused allreduces large enough for the shared-memory path, with tensor
-    boundaries falling inside each rank's own chunk; float32 SUM, float16 AVERAGE, prescaled."""
+    """Gradient-list style fused allreduces (83 KB to 666 KB) with tensor boundaries falling
+    inside each rank's own chunk; float32 SUM, float16 AVERAGE, float64 prescaled."""
     n, r = sdp.size(), sdp.rank()
     sizes = [1, 30_001, 7, 12_345, 0, 40_000, 3]
     oks = []

@@ -31,19 +31,6 @@ def plan_buckets(items: List[dict], nbytes: Dict[str, int], key, threshold: int)
     return buckets
 
 
-class FusionBuffer:
-    """A preallocated byte buffer reused for every fused bucket (grown only if the threshold grows)."""
-
-    def __init__(self, nbytes: int):
-        self._raw = np.empty(max(nbytes, 0), dtype=np.uint8)
-
-    def view(self, dtype, count: int) -> np.ndarray:
-        need = count * np.dtype(dtype).itemsize
-        if need > self._raw.nbytes:
-            self._raw = np.empty(need, dtype=np.uint8)
-        return self._raw[:need].view(dtype)
-
-
 def offsets(arrays: List[np.ndarray]) -> List[int]:
     """Element offsets of ``arrays`` laid end to end (len(arrays) + 1 entries)."""
     out = [0]

@@ -131,7 +131,6 @@ class Runtime:
                          start_timeout_s=self.config.start_timeout_s,
                          shm_slab_bytes=self.config.shm_slab_bytes,
                          shm_pool_bytes=self.config.shm_pool_bytes)
-        self._fusion = fusion.FusionBuffer(min(self.config.fusion_threshold, 64 << 20))
         self._queue = collections.deque()
         self._queue_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -398,10 +397,10 @@ class Runtime:
             np.multiply(buf, req.postscale, out=buf, casting="unsafe")
 
     def _allreduce_bucket(self, reqs: List[Request]) -> None:
-        """One collective for ``reqs`` (same dtype/op/scales).  A fused bucket is packed straight
-        into this rank's shared-memory half when it fits (else into the fusion buffer) and
-        reduced into one new result array (see :meth:`_result_array`); each request gets a view of
-        its part (no unpack copy)."""
+        """One collective for ``reqs`` (same dtype/op/scales).  A fused bucket's fusion buffer is
+        one new result array (see :meth:`_result_array`): the bucket is packed straight into this
+        rank's shared-memory half when it fits and reduced into the result, else packed into the
+        result and reduced in place; each request gets a view of its part (no unpack copy)."""
         tl, names, first = self.timeline, [r.name for r in reqs], reqs[0]
         dtype = first.array.dtype
         if len(reqs) == 1:
@@ -429,12 +428,11 @@ class Runtime:
                                              result, UFUNCS[first.op], self._next_seq(),
                                              accumulation_dtype(dtype), self._float_scale(first, dtype))
                 self._int_scale(result, first)
-        else:
-            buf = self._fusion.view(dtype, total)
+        else:  # packed into the result array itself and reduced in place: one copy, no unpack
             with timeline.span(tl, names, "FUSE"):
-                fusion.pack(buf, arrays, offs)
+                fusion.pack(result, arrays, offs)
             with timeline.span(tl, names, "ALLREDUCE"):
-                self._reduce(buf, result, first)
+                self._reduce(result, result, first)
         with timeline.span(tl, names, "UNPACK"):
             for i, r in enumerate(reqs):
                 view = result[offs[i]:offs[i + 1]].reshape(r.array.shape)
