@@ -9,6 +9,8 @@ timeline's span (first to last event), i.e. the fraction of training time spent 
 import argparse
 import json
 
+WAITING = ("NEGOTIATE", "QUEUE")  # phases in which a tensor waits for other ranks or collectives
+
 
 def intervals(events):
     """{phase: [(start_us, end_us), ...]} from B/E pairs per (tid, phase)."""
@@ -52,10 +54,10 @@ def main(argv=None):
     for phase, spans in sorted(intervals(events).items()):
         length = union_length(spans)
         print(f"{phase:<12}{length / 1e6:>10.3f}{100 * length / span:>8.1f}%")
-        if phase != "NEGOTIATE":
+        if phase not in WAITING:
             comm += spans
     share = union_length(comm) / span
-    print(f"{'engine work (all but NEGOTIATE)':<32}{100 * share:>8.1f}% of wall time")
+    print(f"{'engine work (all but NEGOTIATE, QUEUE)':<40}{100 * share:>8.1f}% of wall time")
     return share
 
 

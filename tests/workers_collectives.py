@@ -77,7 +77,13 @@ def timeline_run(path):
         return None
     with open(path) as f:
         events = json.load(f)
-    return sorted({(e["name"], e["ph"]) for e in events if e["ph"] in "BE"})
+    depth = {}  # (row, phase) -> begins minus ends: 0 for every pair when each B has its E
+    for e in events:
+        if e["ph"] in "BE":
+            key = (e["tid"], e["name"])
+            depth[key] = depth.get(key, 0) + (1 if e["ph"] == "B" else -1)
+    return [sorted({(e["name"], e["ph"]) for e in events if e["ph"] in "BE"}),
+            sorted({f"{k[1]}@{k[0]}:{v}" for k, v in depth.items() if v})]
 
 
 def _np_dtype(name):

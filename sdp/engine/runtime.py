@@ -320,12 +320,15 @@ class Runtime:
             if "err" in item:
                 req = self._pending.pop(item["n"], None)
                 if req is not None:
+                    self._timeline_mark(req.name, "NEGOTIATE", None)
                     req.handle._set(error=errors.TensorMismatchError(item["err"]))
                 continue
             if item["n"] == JOIN:
+                self._timeline_mark(JOIN, "NEGOTIATE", None)
                 self._complete(self._pending[JOIN], int(item["last"]))
                 continue
             req = self._pending.get(item["n"])
+            submitted = req is not None
             if req is None and "jm" in item and JOIN in self._pending:
                 req = self._zeros_for_join(item["jm"])
             if req is None:
@@ -335,8 +338,7 @@ class Runtime:
                 # (allgather/alltoall metas differ per rank in the first dimension / splits, so
                 # rank 0's agreed meta would be wrong for the others: those always travel in full)
                 self._cache[req.key()] = item["id"]
-            if self.timeline:
-                self.timeline.end(req.name, "NEGOTIATE")
+            self._timeline_mark(req.name, "NEGOTIATE" if submitted else None, "QUEUE")
             if req.kind == "allreduce":
                 reduce_items.append(item)
             else:
@@ -346,6 +348,14 @@ class Runtime:
             buckets.setdefault(item["b"], []).append(self._pending[item["n"]])
         for bucket in buckets.values():
             self._allreduce_bucket(bucket)
+
+    def _timeline_mark(self, name: str, ends: Optional[str], begins: Optional[str]) -> None:
+        """Timeline: phase ``ends`` of tensor ``name`` is over, phase ``begins`` starts."""
+        if self.timeline:
+            if ends:
+                self.timeline.end(name, ends)
+            if begins:
+                self.timeline.begin(name, begins)
 
     def _zeros_for_join(self, meta: dict) -> Request:
         """A rank that has joined contributes zeros to the allreduces the others still run."""
@@ -402,6 +412,8 @@ class Runtime:
         rank's shared-memory half when it fits and reduced into the result, else packed into the
         result and reduced in place; each request gets a view of its part (no unpack copy)."""
         tl, names, first = self.timeline, [r.name for r in reqs], reqs[0]
+        for name in names:
+            self._timeline_mark(name, "QUEUE", None)
         dtype = first.array.dtype
         if len(reqs) == 1:
             out = first.out
@@ -446,6 +458,7 @@ class Runtime:
         req.handle._set(result=result)
 
     def _run_single(self, req: Request, item: dict) -> None:
+        self._timeline_mark(req.name, "QUEUE", None)
         with timeline.span(self.timeline, [req.name], req.kind.upper()):
             self._complete(req, self._single_result(req, item))
 

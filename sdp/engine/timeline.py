@@ -3,8 +3,9 @@
 Enabled with ``SDP_TIMELINE=path.json`` (rank 0 writes ``path.json``; other ranks write
 ``path.json.rank<N>`` only if ``SDP_TIMELINE_ALL_RANKS=1``) or ``start_timeline(path)``.
 Each tensor name is one row (``tid``); its phases are duration events: ``NEGOTIATE`` (submitted
-until every rank agreed), ``FUSE`` (packing into the fusion buffer), ``ALLREDUCE`` /
-``BROADCAST`` / ... (communication), ``UNPACK`` (copying results out).  Timestamps are
+until every rank agreed), ``QUEUE`` (agreed, waiting for the collectives scheduled before it),
+``FUSE`` (packing into the fusion buffer), ``ALLREDUCE`` / ``BROADCAST`` / ... (communication),
+``UNPACK`` (copying results out).  Timestamps are
 microseconds since the timeline started.  Written only by the engine thread.
 """
 import contextlib
