@@ -77,16 +77,24 @@ def _bounds(n_elems, parts, unit=1):
     return edges
 
 
-def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None):
+def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, fill=None):
     """Reduce ``inp`` across all ranks with ``ufunc`` into ``out`` (both 1-D, contiguous, same
     size/dtype; ``out`` may be ``inp``).  ``inp`` is not modified unless it is ``out``.
 
     ``acc`` is an optional accumulation dtype (float32 for float16/bfloat16 payloads); ``scale``
     an optional factor for the result (AVERAGE's 1/n), applied before 16-bit rounding where the
     algorithm allows (shared memory), so an average of large float16 values does not overflow.
-    An ``out`` from this rank's shared-memory result pool is written by the peers directly."""
+    An ``out`` from this rank's shared-memory result pool is written by the peers directly.
+
+    ``fill(lo, hi)``, when given, writes elements ``[lo, hi)`` of ``inp`` (which must then be
+    ``out``): a fusion bucket packed on demand.  Every element is filled before it is read; the
+    ring fills the chunk it sends first segment by segment, each sent as soon as it is filled, so
+    packing overlaps the first sends."""
     n = mesh.size
     shm = uses_shm(mesh, inp.nbytes, inp.size)
+    ring = not shm and n > 1 and inp.nbytes > SMALL_BYTES and inp.size >= n
+    if fill is not None and not ring:
+        fill(0, inp.size)
     if not shm and out is not inp:
         np.copyto(out, inp)
     if n == 1 or inp.size == 0:
@@ -100,7 +108,7 @@ def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None):
         _recursive_doubling(mesh, out, ufunc, seq, acc)
     else:
         edges = _bounds(out.size, n)
-        _ring_reduce_scatter(mesh, out, ufunc, seq, segment_bytes, edges, acc)
+        _ring_reduce_scatter(mesh, out, ufunc, seq, segment_bytes, edges, acc, fill)
         _ring_allgather(mesh, out, seq, segment_bytes, edges)
     if scale is not None:
         np.multiply(out, scale, out=out, casting="unsafe")
@@ -270,14 +278,24 @@ def _recursive_doubling(mesh, buf, ufunc, seq, acc):
     w.finish()
 
 
-def _ring_reduce_scatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc):
-    """After this, rank r holds the full reduction of chunk r (``edges[r]:edges[r+1]``)."""
+def _ring_reduce_scatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc, fill=None):
+    """After this, rank r holds the full reduction of chunk r (``edges[r]:edges[r+1]``).
+    ``fill``: see :func:`allreduce` (the first chunk sent is filled and sent segment by segment,
+    then the rest of ``buf`` is filled)."""
     n, r = mesh.size, mesh.rank
     right, left = (r + 1) % n, (r - 1) % n
     w = _Wire(mesh, seq, segment_bytes, buf.dtype)
     for step in range(n - 1):
         si, ri = (r - step - 1) % n, (r - step - 2) % n
-        w.send(right, buf[edges[si]:edges[si + 1]])
+        lo, hi = edges[si], edges[si + 1]
+        if step == 0 and fill is not None:
+            for s in range(lo, hi, w.seg):
+                fill(s, min(s + w.seg, hi))
+                w.send(right, buf[s:min(s + w.seg, hi)])
+            fill(0, lo)
+            fill(hi, buf.size)
+        else:
+            w.send(right, buf[lo:hi])
         chunk = buf[edges[ri]:edges[ri + 1]]
         for s, seg in w.recv_each(left, chunk.size):
             _combine(ufunc, chunk[s:s + seg.size], seg, acc)

@@ -376,18 +376,24 @@ class Runtime:
         got = pool.alloc(dtype, count) if pool is not None else None
         return np.empty(count, dtype) if got is None else got[1]
 
-    def _reduce(self, inp: np.ndarray, out: np.ndarray, req: Request) -> None:
+    def _reduce(self, inp: np.ndarray, out: np.ndarray, req: Request, fill=None) -> None:
         """Prescale, allreduce ``inp`` into ``out`` (1-D; may be the same array), then
-        postscale/average.  ``inp`` is left unchanged unless it is ``out``."""
+        postscale/average.  ``inp`` is left unchanged unless it is ``out``.  ``fill``: packs
+        (and prescales) ``out`` on demand, see :func:`collectives.allreduce`."""
         seq = self._next_seq()
-        if req.prescale != 1.0:
+        if req.prescale != 1.0 and fill is None:
             if inp is not out:
                 np.copyto(out, inp)
                 inp = out
-            np.multiply(inp, req.prescale, out=inp, casting="unsafe")
+            self._prescale(inp, req)
         collectives.allreduce(self.mesh, inp, out, UFUNCS[req.op], seq, self.config.segment_bytes,
-                              accumulation_dtype(out.dtype), self._float_scale(req, out.dtype))
+                              accumulation_dtype(out.dtype), self._float_scale(req, out.dtype), fill)
         self._int_scale(out, req)
+
+    @staticmethod
+    def _prescale(buf: np.ndarray, req: Request) -> None:
+        if req.prescale != 1.0:
+            np.multiply(buf, req.prescale, out=buf, casting="unsafe")
 
     def _float_scale(self, req: Request, dtype: np.dtype) -> Optional[float]:
         """The factor (postscale, / size for AVERAGE) for float results, applied inside the
@@ -440,11 +446,15 @@ class Runtime:
                                              result, UFUNCS[first.op], self._next_seq(),
                                              accumulation_dtype(dtype), self._float_scale(first, dtype))
                 self._int_scale(result, first)
-        else:  # packed into the result array itself and reduced in place: one copy, no unpack
-            with timeline.span(tl, names, "FUSE"):
-                fusion.pack(result, arrays, offs)
+        else:  # packed into the result array itself as the ring sends it, reduced in place
+            def fill(lo, hi):
+                with timeline.span(tl, [names[i] for i in range(len(reqs)) if offs[i] < hi and offs[i + 1] > lo]
+                                   if tl else (), "FUSE"):
+                    fusion.pack(result, arrays, offs, [(lo, hi)])
+                    self._prescale(result[lo:hi], first)
+
             with timeline.span(tl, names, "ALLREDUCE"):
-                self._reduce(result, result, first)
+                self._reduce(result, result, first, fill)
         with timeline.span(tl, names, "UNPACK"):
             for i, r in enumerate(reqs):
                 view = result[offs[i]:offs[i + 1]].reshape(r.array.shape)
