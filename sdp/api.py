@@ -256,7 +256,7 @@ def alltoall(tensor, splits=None, name: Optional[str] = None):
     ``splits`` defaults to an equal split of the first dimension (which must then divide by
     size).  Mirrors ``horovod.tensorflow.alltoall``."""
     arr = np.asarray(tensor)
-    n = size()
+    n = runtime("alltoall()").size
     if splits is None:
         dim0 = arr.shape[0] if arr.ndim else 0
         splits = [dim0 // n] * n if dim0 % n == 0 else None
@@ -291,12 +291,13 @@ def barrier() -> None:
 def broadcast_object(obj, root_rank: int = 0, name: Optional[str] = None):
     """Pickle ``obj`` on ``root_rank`` and return it on every rank.
     Mirrors ``horovod.tensorflow.broadcast_object``."""
+    me = runtime("broadcast_object()").rank
     base = name or auto_name("broadcast_object")
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if rank() == root_rank else np.zeros(0, np.uint8)
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if me == root_rank else np.zeros(0, np.uint8)
     length = broadcast(np.array([payload.size], np.int64), root_rank, f"{base}.len")
-    buf = payload if rank() == root_rank else np.zeros(int(length[0]), np.uint8)
+    buf = payload if me == root_rank else np.zeros(int(length[0]), np.uint8)
     data = broadcast(buf, root_rank, f"{base}.data")
-    return obj if rank() == root_rank else pickle.load(io.BytesIO(data.tobytes()))
+    return obj if me == root_rank else pickle.load(io.BytesIO(data.tobytes()))
 
 
 def allgather_object(obj, name: Optional[str] = None) -> list:

@@ -14,6 +14,12 @@ from harness import check_ok, run_workers
     ("prescale", "allreduce of 'grad_3': prescale factor mismatch, rank 0 has 1.0, rank 1 has 2.0"),
     ("allgather", "allgather of 'grad_3': shape (all but the first dimension) mismatch, rank 0 has [3], "
                   "rank 1 has [4]"),
+    ("postscale", "allreduce of 'grad_3': postscale factor mismatch, rank 0 has 1.0, rank 1 has 0.5"),
+    ("allgather_dtype", "allgather of 'grad_3': dtype mismatch, rank 0 has int64, rank 1 has int32"),
+    ("broadcast_shape", "broadcast of 'grad_3': shape mismatch, rank 0 has [4], rank 1 has [5]"),
+    ("reducescatter_shape", "reducescatter of 'grad_3': shape mismatch, rank 0 has [4, 2], rank 1 has [4, 3]"),
+    ("alltoall_splits", "alltoall of 'grad_3': rank 1 has splits [1, 2] for first dimension 4; splits must be "
+                        "2 non-negative ints summing to the first dimension"),
 ])
 def test_mismatch_raises_on_every_rank(kind, expect):
     values = check_ok(run_workers(2, "workers_errors:mismatch", [kind], timeout=60))
@@ -62,8 +68,18 @@ def test_calls_before_init_and_init_twice():
     values = check_ok(run_workers(1, "workers_errors:before_init_and_twice", [None], init=False))[0]
     assert values[0][0] == "NotInitializedError" and "sdp.init()" in values[0][1]
     assert values[1][0] == "NotInitializedError"
-    assert values[2][0] == "AlreadyInitializedError"
-    assert "init() called more than once" in values[2][1]
+    assert values[2][0] == "NotInitializedError" and "before alltoall()" in values[2][1]
+    assert values[3][0] == "NotInitializedError" and "before broadcast_object()" in values[3][1]
+    assert values[4][0] == "AlreadyInitializedError"
+    assert "init() called more than once" in values[4][1]
+
+
+def test_bool_average_or_scaling_is_refused_and_the_engine_goes_on():
+    for errs, any_, all_ in check_ok(run_workers(2, "workers_errors:bool_average", [])):
+        assert [e.split(":")[0] for e in errs] == ["allreduce of 'avg'", "allreduce of 'pre'", "reducescatter of 'rs'"]
+        assert all("bool tensors take SUM/MAX (logical or) or MIN/PRODUCT (logical and)" in e for e in errs), errs
+        assert "got AVERAGE" in errs[0] and "prescale 2" in errs[1]
+        assert any_ == [True, False, True] and all_ == [True, False, False]
 
 
 def test_join_fills_zeros_for_ranks_out_of_data():

@@ -33,6 +33,11 @@ def mismatch(kind):
         "bad_root": lambda: sdp.broadcast(np.zeros(4), root_rank=5, name="grad_3"),
         "prescale": lambda: sdp.allreduce(np.zeros(4), name="grad_3", prescale_factor=1.0 + r),
         "allgather": lambda: sdp.allgather(np.zeros([2, 3 + r]), name="grad_3"),
+        "postscale": lambda: sdp.allreduce(np.zeros(4), name="grad_3", postscale_factor=0.5 if r else 1.0),
+        "allgather_dtype": lambda: sdp.allgather(np.zeros([2, 3], np.int32 if r else np.int64), name="grad_3"),
+        "broadcast_shape": lambda: sdp.broadcast(np.zeros([4 + r]), 0, name="grad_3"),
+        "reducescatter_shape": lambda: sdp.reducescatter(np.zeros([4, 2 + r]), name="grad_3"),
+        "alltoall_splits": lambda: sdp.alltoall(np.zeros([4, 2]), splits=[1, 2] if r else [2, 2], name="grad_3"),
     }
     res = _expect(cases[kind])
     # the engine keeps working after a mismatch
@@ -101,6 +106,8 @@ def foreign_message(_):
 def before_init_and_twice(_):
     res = [_expect(lambda: sdp.allreduce(np.ones(2)))]
     res.append(_expect(lambda: sdp.rank()))
+    res.append(_expect(lambda: sdp.alltoall(np.ones(2))))
+    res.append(_expect(lambda: sdp.broadcast_object({"a": 1})))
     sdp.init()
     res.append(_expect(sdp.init))
     return res
@@ -139,3 +146,21 @@ def threads_submit(n_threads, per_thread):
     n = sdp.size()
     return all(results.get((t, i)) == sum(t + i + q for q in range(n))
                for t in range(n_threads) for i in range(per_thread))
+
+
+def bool_average():
+    """AVERAGE (or a scale factor) of a bool tensor is refused at once on the calling rank; the
+    engine keeps working and bool SUM / MIN reduce as logical or / and."""
+    flags = np.array([True, False, sdp.rank() == 0])
+    errs = []
+    for call in (lambda: sdp.allreduce(flags, name="avg"),
+                 lambda: sdp.allreduce(flags, name="pre", op=sdp.Sum, prescale_factor=2.0),
+                 lambda: sdp.reducescatter(np.ones([2, 2], bool), name="rs")):
+        try:
+            call()
+            errs.append("none")
+        except ValueError as e:
+            errs.append(str(e))
+    any_ = sdp.allreduce(flags, name="or", op=sdp.Sum).tolist()
+    all_ = sdp.allreduce(flags, name="and", op=sdp.Min).tolist()
+    return [errs, any_, all_]

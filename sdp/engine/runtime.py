@@ -99,6 +99,11 @@ class Request:
         self.name, self.kind, self.array = name, kind, array
         self.op, self.root, self.splits = op, root, splits
         self.prescale, self.postscale = float(prescale), float(postscale)
+        if (kind in ("allreduce", "reducescatter") and array.dtype == np.bool_
+                and (op == ReduceOp.AVERAGE or self.prescale != 1.0 or self.postscale != 1.0)):
+            raise ValueError(f"{kind} of '{name}': bool tensors take SUM/MAX (logical or) or MIN/PRODUCT "
+                             f"(logical and) without scale factors; got {ReduceOp(op).name}, "
+                             f"prescale {self.prescale:g}, postscale {self.postscale:g}")
         if out is not None and (kind != "allreduce" or out.shape != array.shape or out.dtype != array.dtype
                                 or not out.flags.c_contiguous or not out.flags.writeable):
             raise ValueError(f"out= for '{name}' must be a writable C-contiguous {array.dtype} array of shape "
