@@ -212,6 +212,8 @@ def fp16_average_no_overflow():
     does not; the engine accumulates and scales in float32, so AVERAGE stays finite."""
     big = np.full(100_000, 40000.0 + sdp.rank(), np.float16)
     avg = sdp.allreduce(big, name="big", op=sdp.Average)
+    few = sdp.allreduce(big[:1000], name="few", op=sdp.Average)  # recursive doubling off shared memory
+    avg = np.concatenate([avg, few])
     small = sdp.allreduce(np.full(1000, 3e-5, np.float16), name="small", op=sdp.Sum)
     return [float(avg.min()), float(avg.max()), bool(np.isfinite(avg).all()), float(small[0])]
 

@@ -105,13 +105,11 @@ def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, f
         _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale)
         return
     if inp.nbytes <= SMALL_BYTES or inp.size < n:
-        _recursive_doubling(mesh, out, ufunc, seq, acc)
+        _recursive_doubling(mesh, out, ufunc, seq, acc, scale)
     else:
         edges = _bounds(out.size, n)
-        _ring_reduce_scatter(mesh, out, ufunc, seq, segment_bytes, edges, acc, fill)
+        _ring_reduce_scatter(mesh, out, ufunc, seq, segment_bytes, edges, acc, fill, scale)
         _ring_allgather(mesh, out, seq, segment_bytes, edges)
-    if scale is not None:
-        np.multiply(out, scale, out=out, casting="unsafe")
 
 
 def uses_shm(mesh, nbytes, count) -> bool:
@@ -240,16 +238,22 @@ def _blocks(pieces):
             yield off + s, piece[s:s + _BLOCK]
 
 
-def _combine(ufunc, mine, theirs, acc):
+def _combine(ufunc, mine, theirs, acc, scale=None):
+    """``mine = ufunc(mine, theirs)``, then times ``scale`` if given (the last step of a
+    reduction); 16-bit floats are computed in ``acc`` (float32) and rounded once, after scaling."""
     if acc is None:
         ufunc(mine, theirs, out=mine)
-    else:  # 16-bit floats: compute in float32 (the ufunc casts in buffered blocks, ~2.5x faster than astype)
+        if scale is not None:
+            np.multiply(mine, scale, out=mine, casting="unsafe")
+    else:  # the ufunc casts in buffered blocks, ~2.5x faster than astype
         tmp = np.empty(mine.shape, acc)
         ufunc(mine, theirs, out=tmp, dtype=acc)
+        if scale is not None:
+            np.multiply(tmp, scale, out=tmp)
         mine[...] = tmp
 
 
-def _recursive_doubling(mesh, buf, ufunc, seq, acc):
+def _recursive_doubling(mesh, buf, ufunc, seq, acc, scale=None):
     n, r = mesh.size, mesh.rank
     p = 1 << (n.bit_length() - 1)  # largest power of two <= n
     w = _Wire(mesh, seq, max(buf.nbytes, 1), buf.dtype)
@@ -268,7 +272,7 @@ def _recursive_doubling(mesh, buf, ufunc, seq, acc):
                 w.finish()  # our send must have left ``buf`` before we overwrite it
                 # both partners compute a op b with a, b swapped: IEEE add/mul/min/max are
                 # commutative, so every rank ends with identical bits
-                _combine(ufunc, buf, seg, acc)
+                _combine(ufunc, buf, seg, acc, scale if mask << 1 == p else None)
             mask <<= 1
         if r + p < n:
             w.send(r + p, buf)
@@ -278,8 +282,10 @@ def _recursive_doubling(mesh, buf, ufunc, seq, acc):
     w.finish()
 
 
-def _ring_reduce_scatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc, fill=None):
-    """After this, rank r holds the full reduction of chunk r (``edges[r]:edges[r+1]``).
+def _ring_reduce_scatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc, fill=None, scale=None):
+    """After this, rank r holds the full reduction of chunk r (``edges[r]:edges[r+1]``), times
+    ``scale`` if given (applied in the last step, before 16-bit floats are rounded; the partial
+    sums of earlier steps, with more than 2 ranks, travel rounded to 16 bits).
     ``fill``: see :func:`allreduce` (the first chunk sent is filled and sent segment by segment,
     then the rest of ``buf`` is filled)."""
     n, r = mesh.size, mesh.rank
@@ -298,7 +304,7 @@ def _ring_reduce_scatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc, fill=
             w.send(right, buf[lo:hi])
         chunk = buf[edges[ri]:edges[ri + 1]]
         for s, seg in w.recv_each(left, chunk.size):
-            _combine(ufunc, chunk[s:s + seg.size], seg, acc)
+            _combine(ufunc, chunk[s:s + seg.size], seg, acc, scale if step == n - 2 else None)
     w.finish()
 
 
