@@ -64,6 +64,17 @@ def test_foreign_messages_are_dropped_and_logged():
     assert "foreign/malformed" in results[0].stderr
 
 
+def test_malformed_control_messages_are_dropped_and_logged():
+    results = run_workers(2, "workers_errors:malformed_control", [])
+    assert check_ok(results) == [[2.0, 4.0, 6.0]] * 2
+    err = results[0].stderr
+    for why in ("bad or missing 'k'", "unknown dtype 'float99'", "bad or missing 'o': 99"):
+        assert f"malformed tensor request ({why}" in err, err[-3000:]
+    assert err.count("unknown cache id") == 2 and err.count("dropping malformed request") == 2
+    assert "dropping malformed control message" in err  # a list, not an object
+    assert results[1].stderr.count("dropping malformed response") == 5, results[1].stderr[-3000:]
+
+
 def test_calls_before_init_and_init_twice():
     values = check_ok(run_workers(1, "workers_errors:before_init_and_twice", [None], init=False))[0]
     assert values[0][0] == "NotInitializedError" and "sdp.init()" in values[0][1]

@@ -164,3 +164,37 @@ def bool_average():
     any_ = sdp.allreduce(flags, name="or", op=sdp.Sum).tolist()
     all_ = sdp.allreduce(flags, name="and", op=sdp.Min).tolist()
     return [errs, any_, all_]
+
+
+MALFORMED_REQUESTS = [  # well framed (a peer's control message) but not a valid request
+    {"t": "req", "new": "abc", "ids": []},
+    {"t": "req", "new": [{"n": "x"}], "ids": []},
+    {"t": "req", "new": [{"n": "x", "k": "allreduce", "d": "float99", "s": [2], "o": 1, "r": None,
+                          "pre": 1.0, "post": 1.0, "sp": None}], "ids": []},
+    {"t": "req", "new": [{"n": "x", "k": "allreduce", "d": "<f4", "s": [2], "o": 99, "r": None,
+                          "pre": 1.0, "post": 1.0, "sp": None}], "ids": ["7", -1]},
+    {"t": "req", "new": [None, 3], "ids": {"a": 1}},
+    ["t", "req"],
+]
+MALFORMED_RESPONSES = [{"t": "resp"}, {"t": "resp", "items": "x"}, {"t": "resp", "items": [{"x": 1}]},
+                       {"t": "resp", "bid": [1], "items": []}, {"t": "resp", "bid": 12345}]
+
+
+def malformed_control():
+    """Each rank's engine thread sends malformed control messages over its real sockets just
+    before its real requests (rank 1: requests to the coordinator, rank 0: responses to rank 1);
+    they are logged and dropped, and the allreduces that follow are exact."""
+    import json
+    rt = sdp.api.runtime()
+    bad = MALFORMED_REQUESTS if rt.rank == 1 else MALFORMED_RESPONSES
+    inner = rt._send_requests
+
+    def send_bad_then_requests():
+        while bad:
+            rt.mesh.send_ctrl(0 if rt.rank == 1 else 1, json.dumps(bad.pop(0)).encode())
+        inner()
+
+    rt._send_requests = send_bad_then_requests
+    time.sleep(0.2 * rt.rank)  # rank 0's responses first arrive before any real one
+    out = [float(sdp.allreduce(np.full(3, 1.0 + k), name=f"ok{k}", op=sdp.Sum)[0]) for k in range(3)]
+    return out

@@ -49,8 +49,33 @@ def wire_dtype(code: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, code))
 
 
+KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "join")
 JOIN = "__join__"  # the reserved name of join() requests
 MAX_BATCHES = 1024  # distinct id lists kept in the batch cache (later ones take the normal path)
+
+
+def malformed(meta) -> Optional[str]:
+    """Why ``meta`` (from a peer's request) is not a well-formed meta, or None if it is: every
+    key of the table above present with the right type, a known kind, dtype and reduce op."""
+    if not isinstance(meta, dict):
+        return f"not an object: {meta!r:.80}"
+    ints = (lambda v: isinstance(v, list) and all(type(x) is int and x >= 0 for x in v))
+    number = (lambda v: type(v) in (int, float))
+    checks = (("n", lambda v: isinstance(v, str)), ("k", lambda v: v in KINDS),
+              ("d", lambda v: isinstance(v, str)), ("s", ints),
+              ("o", lambda v: v is None or (type(v) is int and v in ReduceOp._value2member_map_)),
+              ("r", lambda v: v is None or type(v) is int), ("pre", number), ("post", number),
+              ("sp", lambda v: v is None or ints(v)))
+    for key, ok in checks:
+        if key not in meta or not ok(meta[key]):
+            return f"bad or missing {key!r}: {meta.get(key)!r:.80}"
+    if meta["k"] in ("allreduce", "reducescatter") and meta["o"] is None:
+        return f"{meta['k']} without a reduce op"
+    try:
+        wire_dtype(meta["d"])
+    except (TypeError, ValueError, AttributeError, ImportError):
+        return f"unknown dtype {meta['d']!r:.80}"
+    return None
 
 
 def signature(meta: dict) -> str:
@@ -182,10 +207,19 @@ class Coordinator:
         return self._release_held() + self._add(rank, request, now)
 
     def _add(self, rank: int, request: dict, now: float) -> List[dict]:
-        errors = []
-        metas = list(request.get("new", []))
-        for cid in request.get("ids", []):
-            if not isinstance(cid, int) or not 0 <= cid < len(self.cache_meta):
+        errors, metas = [], []
+        new, ids = request.get("new", []), request.get("ids", [])
+        if not isinstance(new, list) or not isinstance(ids, list):
+            log.warning("coordinator: dropping malformed request from rank %d: %.200r", rank, request)
+            return errors
+        for meta in new:
+            why = malformed(meta)
+            if why is None:
+                metas.append(meta)
+            else:
+                log.warning("coordinator: rank %d sent a malformed tensor request (%s); dropped", rank, why)
+        for cid in ids:
+            if type(cid) is not int or not 0 <= cid < len(self.cache_meta):
                 log.warning("coordinator: rank %d sent unknown cache id %r; dropped", rank, cid)
                 continue
             metas.append(self.cache_meta[cid])

@@ -19,7 +19,7 @@ from sdp.common import errors
 from sdp.common.config import Config
 from sdp.common.reduce_ops import UFUNCS, ReduceOp
 from sdp.engine import collectives, fusion, timeline
-from sdp.engine.coordinator import JOIN, Coordinator, wire_dtype
+from sdp.engine.coordinator import JOIN, KINDS, Coordinator, wire_dtype
 from sdp.transport.zmq_mesh import CTRL, Mesh
 
 log = logging.getLogger("sdp.engine")
@@ -29,7 +29,6 @@ log = logging.getLogger("sdp.engine")
 # takes ~0.1 ms more to wake on a small VM.  Only when this host has a core per local rank: with
 # 4 ranks on 2 cores, the spinning engines slowed a 1 KB allreduce from 0.84 to 1.42 ms.
 RESPONSE_SPIN_S = 0.002
-KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "join")
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,23 +269,31 @@ class Runtime:
                 if kind == "req" and self._coord is not None:
                     self._coordinate(src, msg)
                 elif kind == "resp" and src == 0:
-                    self._execute(self._response_items(msg))
+                    items = self._response_items(msg)
+                    if items is None:
+                        log.warning("rank %d: dropping malformed response %.200r", self.rank, msg)
+                        continue
+                    self._execute(items)
                 elif kind == "abort" and src == 0:
-                    raise errors.StallError(msg["err"])
+                    raise errors.StallError(str(msg.get("err", "rank 0 aborted the job")))
                 else:
                     log.warning("rank %d: dropping unexpected control message %r from rank %d",
                                 self.rank, kind, src)
 
-    def _response_items(self, msg: dict) -> List[dict]:
-        """The items of a response: sent in full, or (a cached batch) by its ``bid`` alone."""
+    def _response_items(self, msg: dict) -> Optional[List[dict]]:
+        """The items of a response: sent in full, or (a cached batch) by its ``bid`` alone; None
+        if ``msg`` is malformed (no items, items that are not named objects, an unknown batch)."""
         items, bid = msg.get("items"), msg.get("bid")
+        if bid is not None and type(bid) is not int:
+            return None
+        if items is not None and not (isinstance(items, list)
+                                      and all(isinstance(i, dict) and isinstance(i.get("n"), str) for i in items)):
+            return None
         if bid is None:
             return items
         if items is not None:
             self._batches[bid] = items
-        elif not isinstance(bid, int) or bid not in self._batches:
-            raise errors.ProtocolError(f"rank {self.rank}: response names unknown batch {bid!r}")
-        return self._batches[bid]
+        return self._batches.get(bid)
 
     def _broadcast_ctrl(self, msg: dict) -> None:
         body = json.dumps(msg).encode()
