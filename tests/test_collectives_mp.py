@@ -23,17 +23,23 @@ def make_cases(seed=1234):
         for kind in ["allgather", "broadcast", "alltoall"]:
             s += 1
             cases.append([kind, dtype, None, [rng.randint(6, 60), rng.randint(1, 3)], s])
+        for op in ops:
+            s += 1
+            cases.append(["reducescatter", dtype, op, [rng.randint(1, 30), 2], s])
+        s += 1
+        cases.append(["grouped_allgather", dtype, None, [rng.randint(1, 5), 2], s])
         if dtype != "bool":
             s += 1
-            cases.append(["reducescatter", dtype, "SUM" if dtype not in ("int8", "uint8") else "MAX",
-                          [rng.randint(1, 30), 2], s])
+            cases.append(["allreduce_scaled", dtype, "SUM", [rng.randint(1, 40)], s])
     return cases
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_every_collective_dtype_and_op(n):
+@pytest.mark.parametrize("n, slab", [(1, None), (2, None), (3, None), (4, None), (2, "0"), (3, "0")])
+def test_every_collective_dtype_and_op(n, slab):
+    """Shared memory where the ranks share a host, and (slab 0) ZeroMQ only, as between hosts."""
     cases = make_cases()
-    values = check_ok(run_workers(n, "workers_collectives:every_collective", [cases], timeout=180))
+    env = None if slab is None else {"SDP_SHM_SLAB_BYTES": slab}
+    values = check_ok(run_workers(n, "workers_collectives:every_collective", [cases], timeout=180, env=env))
     for rank, oks in enumerate(values):
         bad = [c for c, ok in zip(cases, oks) if not ok]
         assert not bad, f"rank {rank} wrong for {bad}"

@@ -86,6 +86,9 @@ def timeline_run(path):
             sorted({f"{k[1]}@{k[0]}:{v}" for k, v in depth.items() if v})]
 
 
+INT_NAMES = ("int8", "int16", "int32", "int64", "uint8")
+
+
 def _np_dtype(name):
     if name == "bfloat16":
         import ml_dtypes
@@ -115,11 +118,11 @@ def every_collective(cases):
     for kind, dtype, op, shape, seed in cases:
         mine = _arr(r, shape, dtype, seed)
         allx = [_arr(q, shape, dtype, seed) for q in range(n)]
+        wide = [a.astype(np.float64) if dtype == "bfloat16" else a for a in allx]  # numpy references
         name = f"{kind}.{seed}"
         if kind == "allreduce":
             out = sdp.allreduce(mine, name=name, op=getattr(sdp.ReduceOp, op))
-            ref = reference(op, [a.astype(np.float64) if dtype == "bfloat16" else a for a in allx])
-            ok = _close(out, ref, dtype)
+            ok = _close(out, reference(op, wide), dtype)
         elif kind == "allgather":
             mine = _arr(r, [r + 1] + shape[1:], dtype, seed)  # first dimension differs per rank
             out = sdp.allgather(mine, name=name)
@@ -141,12 +144,23 @@ def every_collective(cases):
             ok = np.array_equal(got, np.concatenate(expect)) and list(recv_splits) == [len(e) for e in expect]
         elif kind == "reducescatter":
             out = sdp.reducescatter(mine, name=name, op=getattr(sdp.ReduceOp, op))
-            full = reference(op, allx)
+            full = reference(op, wide)
             base, extra = divmod(shape[0], n)
             lo = r * base + min(r, extra)
             hi = lo + base + (r < extra)
             ref = full[lo:hi]
             ok = _close(out, ref, dtype)
+        elif kind == "grouped_allgather":  # three arrays, first dimensions differing per rank
+            rows = [shape[0] + r + k for k in range(3)]
+            outs = sdp.grouped_allgather([_arr(r, [rows[k]] + shape[1:], dtype, seed + k) for k in range(3)],
+                                         name=name)
+            ok = all(np.array_equal(outs[k], np.concatenate(
+                [_arr(q, [shape[0] + q + k] + shape[1:], dtype, seed + k) for q in range(n)])) for k in range(3))
+        elif kind == "allreduce_scaled":  # integer factors keep integer results exact
+            pre, post = (2, 3) if dtype in INT_NAMES else (0.5, 3.0)
+            out = sdp.allreduce(mine, name=name, op=sdp.ReduceOp.SUM, prescale_factor=pre, postscale_factor=post)
+            wide = np.int64 if dtype in INT_NAMES else np.float64
+            ok = _close(out, sum(a.astype(wide) * pre for a in allx) * post, dtype)
         else:
             raise ValueError(kind)
         oks.append(bool(ok))
