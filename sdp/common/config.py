@@ -17,9 +17,12 @@
 | SDP_LOG_LEVEL             | WARNING      | level of the ``sdp`` logger                                |
 
 Horovod spellings (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``, ``HOROVOD_TIMELINE``,
-``HOROVOD_STALL_CHECK_TIME_SECONDS``, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``) are read as fallbacks.
+``HOROVOD_START_TIMEOUT``, ``HOROVOD_STALL_CHECK_TIME_SECONDS``, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``)
+are read as fallbacks; an empty value counts as unset.  A value that does not parse, or a negative
+(or NaN) byte count or time, raises ``ValueError`` naming the variable and its value.
 """
 import dataclasses
+import math
 import os
 from typing import Mapping, Optional
 
@@ -31,9 +34,12 @@ def _get(env, names, default, cast):
         value = env.get(name)
         if value not in (None, ""):
             try:
-                return cast(value)
+                out = cast(value)
             except ValueError:
                 raise ValueError(f"environment variable {name}={value!r} is not a valid {cast.__name__}") from None
+            if cast is not str and not out >= 0:  # every number here is a byte count or a time
+                raise ValueError(f"environment variable {name}={value!r} must be >= 0")
+            return out
     return default
 
 
@@ -73,10 +79,10 @@ def bucket_cap_mb_to_bytes(bucket_cap_mb) -> int:
     """Convert SMDDP's ``bucket_cap_mb`` to bytes.
 
     Raises ``ValueError`` unless ``bucket_cap_mb * 1024 * 1024`` is a non-negative multiple of 128,
-    as SMDDP documents.
+    as SMDDP documents (so NaN and infinity raise too).  0 gives 0 bytes: no fusion.
     """
     nbytes = bucket_cap_mb * 1024 * 1024
-    if nbytes < 0 or int(nbytes) != nbytes or int(nbytes) % 128:
+    if not 0 <= nbytes < math.inf or int(nbytes) != nbytes or int(nbytes) % 128:
         raise ValueError(
             f"bucket_cap_mb={bucket_cap_mb!r} gives {nbytes} bytes; bucket_cap_mb * 1024 * 1024 must be "
             "a non-negative whole multiple of 128")

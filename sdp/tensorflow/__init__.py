@@ -10,8 +10,13 @@ Horovod's ``average``), ``DistributedOptimizer(optimizer, name, use_locking, dev
 device_sparse, compression, sparse_as_dense, op, bucket_cap_mb)`` (``backward_passes_per_step``
 and Horovod's later arguments are keyword-only).
 
-Not available: ``join()`` (raises ``NotImplementedError``), process sets other than the global one,
-Adasum, ``tf.estimator`` (removed from TensorFlow 2.16; ``BroadcastGlobalVariablesHook`` works with
+``join()`` mirrors ``horovod.tensorflow.join`` (eager only): a rank out of data calls it and
+contributes zeros to the Sum/Average allreduces the other ranks still run (Average still divides by
+``size()``); it blocks until every rank has joined and returns the rank that joined last, as an
+int32 scalar tensor.  Other collectives that involve a joined rank raise ``TensorMismatchError``.
+
+Not available: process sets other than the global one, Adasum, ``tf.estimator`` (removed from
+TensorFlow 2.16; ``BroadcastGlobalVariablesHook`` works with
 ``tf.compat.v1.train.MonitoredTrainingSession``), XLA (collectives are ``tf.py_function`` ops;
 building one under ``jit_compile=True`` raises :class:`XlaNotSupportedError`).
 """
