@@ -30,15 +30,20 @@ def test_mismatch_raises_on_every_rank(kind, expect):
         assert still_works, rank
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_killed_worker_makes_others_raise_peer_lost(fused):
-    results = run_workers(3, "workers_errors:die_or_wait", [1, fused], timeout=60)
-    assert results[1].returncode == -9
-    for r in (0, 2):
+@pytest.mark.parametrize("victim, fused, tcp", [(1, False, False), (1, True, False), (0, False, False),
+                                               (0, True, False), (2, True, False), (1, True, True), (0, False, True)])
+def test_killed_worker_makes_others_raise_peer_lost(victim, fused, tcp):
+    """Any rank, the coordinator (rank 0) included, killed between or inside collectives; on one
+    host (shared memory, ipc://) or (tcp: a host name per rank) over TCP, as between hosts."""
+    hosts = (lambda r: {"SDP_HOSTNAME": f"host{r}"}) if tcp else None
+    results = run_workers(3, "workers_errors:die_or_wait", [victim, fused], timeout=60, per_rank_env=hosts)
+    assert results[victim].returncode == -9
+    for r in {0, 1, 2} - {victim}:
         assert results[r].ok, results[r].stderr[-2000:]
-        etype, msg, lost, seconds = results[r].value
-        assert etype == "PeerLostError" and lost == 1, (r, etype, msg)
-        assert "rank 1" in msg
+        etype, msg, lost, seconds, wire = results[r].value
+        assert wire == tcp  # no shared memory between "hosts"
+        assert etype == "PeerLostError" and lost == victim, (r, etype, msg)
+        assert f"rank {victim}" in msg
         assert seconds < 10, seconds
 
 
