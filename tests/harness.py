@@ -70,8 +70,9 @@ def run_workers(n: int, target: str, args=(), env=None, timeout: float = 120, in
     try:
         for r in range(n):
             e = worker_env(r, n, srv.address, env)
-            if per_rank_env:
+            if per_rank_env:  # (a value of None removes the variable)
                 e.update(per_rank_env(r))
+                e = {k: v for k, v in e.items() if v is not None}
             procs.append(subprocess.Popen(
                 [sys.executable, "-c", BOOT, target, json.dumps(list(args)), "1" if init else "0"],
                 env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

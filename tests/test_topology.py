@@ -427,3 +427,53 @@ def test_topology_is_frozen():
     t = from_env({})
     with pytest.raises(Exception):
         t.rank = 3  # type: ignore[misc]
+
+
+# -- values computed from the host names met at rendezvous ------------------------------------
+
+def test_assumed_values_are_recorded():
+    assert from_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
+                     "MASTER_ADDR": "h"}).assumed == ("local", "cross")
+    assert from_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                     "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "h"}).assumed == ("cross",)
+    assert from_env({"SDP_RANK": "1", "SDP_SIZE": "4", "SDP_RENDEZVOUS_ADDR": "tcp://h:1"}).assumed == ()
+
+
+@pytest.mark.parametrize("hosts, rank, expect", [
+    (["a", "b", "a", "b"], 2, (1, 2, 0, 2)),  # round robin: rank 2 is a's second process
+    (["a", "b", "a", "b"], 1, (0, 2, 1, 2)),
+    (["a", "a", "a", "b"], 3, (0, 1, 1, 2)),  # uneven: local rank 0 exists on both hosts
+    (["a", "a", "a", "b"], 2, (2, 3, 0, 1)),  # local rank 2 only on host a
+    (["x", "y", "z"], 2, (0, 1, 2, 3)),
+])
+def test_with_hosts_computes_local_and_cross(hosts, rank, expect):
+    topo = from_env({"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(len(hosts)),
+                     "MASTER_ADDR": "h"}).with_hosts(hosts)
+    assert (topo.local_rank, topo.local_size, topo.cross_rank, topo.cross_size) == expect
+    assert topo.assumed == ()
+
+
+def test_with_hosts_keeps_what_the_launcher_gave():
+    env = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "h"}
+    topo = from_env(env)
+    assert (topo.cross_rank, topo.cross_size) == (1, 2)  # contiguous placement assumed
+    placed = topo.with_hosts(["a", "b", "b", "a"])  # rank 2 is b's second process...
+    assert (placed.local_rank, placed.local_size) == (0, 2)  # ...but the launcher said local rank 0
+    assert (placed.cross_rank, placed.cross_size) == (0, 2)  # by host, ranks 2 and 3 are local rank 1
+    sdp_topo = from_env({"SDP_RANK": "1", "SDP_SIZE": "2", "SDP_RENDEZVOUS_ADDR": "tcp://h:1"})
+    assert sdp_topo.with_hosts(["a", "b"]) is sdp_topo
+
+
+def test_mpirun_style_round_robin_placement_gets_local_and_cross_from_hosts():
+    """4 ranks from Open MPI variables alone (no local/cross), placed round robin on two
+    "hosts" (SDP_HOSTNAME): init() computes the values from the host names at rendezvous."""
+    from harness import check_ok, run_workers
+    sdp_vars = ["SDP_RANK", "SDP_SIZE", "SDP_LOCAL_RANK", "SDP_LOCAL_SIZE", "SDP_CROSS_RANK", "SDP_CROSS_SIZE"]
+
+    def env(r):
+        return dict({k: None for k in sdp_vars}, OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE="4",
+                    SDP_HOSTNAME="ab"[r % 2])
+
+    values = check_ok(run_workers(4, "workers_collectives:topology_values", [], per_rank_env=env))
+    assert values == [[0, 2, 0, 2, 4.0], [0, 2, 1, 2, 4.0], [1, 2, 0, 2, 4.0], [1, 2, 1, 2, 4.0]]

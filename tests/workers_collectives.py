@@ -296,3 +296,9 @@ def steady_state_lists(steps):
         for i, h in hs.items():
             ok = ok and bool(np.all(h.wait() == sum(step * 100 + i * 10 + q for q in range(n))))
     return [ok, len(sdp.api.runtime()._batches)]
+
+
+def topology_values():
+    """(local rank, local size, cross rank, cross size) as sdp reports them, and a SUM check."""
+    total = float(sdp.allreduce(np.ones(4), name="topo", op=sdp.Sum)[0])
+    return [sdp.local_rank(), sdp.local_size(), sdp.cross_rank(), sdp.cross_size(), total]

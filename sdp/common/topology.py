@@ -44,7 +44,10 @@ The SDP source is taken literally (missing local/cross values are 0/1; the rende
   assuming *contiguous placement* (ranks ``k*local_size ... (k+1)*local_size-1`` on host ``k``,
   which is what ``mpirun``'s default by-slot/by-core mapping and ``torchrun`` produce):
   ``cross_size = size // local_size`` and ``cross_rank = rank // local_size``.  When they cannot
-  be derived (non-uniform placement), they are 0 and 1: treat them as unknown then.
+  be derived (non-uniform placement), they are 0 and 1 until rendezvous.
+* After rendezvous (``sdp.init()``), every value that was assumed or derived above (not given by
+  the launcher; :attr:`Topology.assumed`) is recomputed from the host names all ranks registered
+  (:meth:`Topology.with_hosts`), so round-robin placement and uneven hosts get the right values.
 * ``hostname`` is ``SDP_HOSTNAME`` if set, else :func:`socket.gethostname`.
 * A value that is not an integer raises :class:`TopologyError` naming the variable; so does an
   impossible topology (rank >= size, local rank >= local size, ...).
@@ -75,6 +78,28 @@ class Topology:
     rendezvous_addr: Optional[str] = None  # tcp://host:port
     serve_rendezvous: bool = False  # true: rank 0 hosts the rendezvous server itself
     source: str = "default"  # which environment family the values came from
+    assumed: Tuple[str, ...] = ()  # "local" / "cross": values not given by the launcher
+
+    def with_hosts(self, hosts: List[str]) -> "Topology":
+        """This topology with its :attr:`assumed` values computed from every rank's host name
+        (``hosts[r]``, as registered at rendezvous).  Local rank/size: this rank's index among
+        the ranks on its host (in rank order) and their number.  Cross rank/size: this rank's
+        index among the ranks with the same local rank (one per host, in rank order) and their
+        number.  Returns ``self`` when nothing was assumed or ``hosts`` is not one per rank."""
+        if not self.assumed or len(hosts) != self.size:
+            return self
+        count: dict = {}
+        local = []  # local rank of every rank
+        for host in hosts:
+            local.append(count.get(host, 0))
+            count[host] = local[-1] + 1
+        values = {"assumed": ()}
+        if "local" in self.assumed:
+            values.update(local_rank=local[self.rank], local_size=count[hosts[self.rank]])
+        if "cross" in self.assumed:
+            peers = [r for r in range(self.size) if local[r] == local[self.rank]]
+            values.update(cross_rank=peers.index(self.rank), cross_size=len(peers))
+        return dataclasses.replace(self, **values)
 
     def __post_init__(self):
         checks = [
@@ -358,11 +383,14 @@ def _from_source(env, src: _Source, raw: _Raw) -> Topology:
             f"exceeds world size {raw.size}")
     cross_rank, cross_size = _complete_cross(raw, local_size)
     addr, serve = _rendezvous(env, src.name, raw)
+    assumed = tuple(what for what, given in (("local", raw.local_rank is not None or raw.local_size is not None),
+                                             ("cross", raw.cross_rank is not None and raw.cross_size is not None))
+                    if raw.size > 1 and not given)
     return Topology(
         rank=raw.rank, size=raw.size, local_rank=local_rank, local_size=local_size,
         cross_rank=cross_rank, cross_size=cross_size,
         hostname=env.get("SDP_HOSTNAME") or socket.gethostname(),
-        rendezvous_addr=addr, serve_rendezvous=serve, source=src.name)
+        rendezvous_addr=addr, serve_rendezvous=serve, source=src.name, assumed=assumed)
 
 
 def from_env(env: Optional[Mapping[str, str]] = None) -> Topology:

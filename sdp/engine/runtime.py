@@ -135,6 +135,8 @@ class Runtime:
                          start_timeout_s=self.config.start_timeout_s,
                          shm_slab_bytes=self.config.shm_slab_bytes,
                          shm_pool_bytes=self.config.shm_pool_bytes)
+        # local/cross values the launcher did not give, from the host names met at rendezvous
+        self.topology = topology = topology.with_hosts([p["host"] for p in self.mesh.peers])
         self._queue = collections.deque()
         self._queue_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
