@@ -302,3 +302,18 @@ def topology_values():
     """(local rank, local size, cross rank, cross size) as sdp reports them, and a SUM check."""
     total = float(sdp.allreduce(np.ones(4), name="topo", op=sdp.Sum)[0])
     return [sdp.local_rank(), sdp.local_size(), sdp.cross_rank(), sdp.cross_size(), total]
+
+
+def timeline_from_env():
+    """With SDP_TIMELINE set before init(): a fused list, then shutdown() finishes the file."""
+    import json
+    import os
+    hs = sdp.grouped_allreduce_async([np.ones(10, np.float32) * i for i in range(4)], [f"e{i}" for i in range(4)])
+    [h.wait() for h in hs]
+    sdp.shutdown()
+    if os.environ["SDP_RANK"] != "0":
+        return []
+    with open(os.environ["SDP_TIMELINE"]) as f:
+        events = json.load(f)
+    return sorted({e["args"]["name"] for e in events if e["ph"] == "M"} |
+                  {e["name"] for e in events if e["ph"] == "B"})
