@@ -1,6 +1,9 @@
 """Negotiation logic (no sockets): ordering, mismatch messages, response cache, stalls."""
 import time
 
+import numpy as np
+import pytest
+
 from sdp.engine.coordinator import Coordinator, check
 
 
@@ -131,3 +134,24 @@ def test_held_batch_still_reports_the_missing_rank_and_repeated_ids():
     cached(c2, ["y"])
     errs = c2.add(0, {"ids": [0, 0]})
     assert errs and "submitted 'y' twice" in errs[0]["err"]
+
+
+def test_stall_check_zero_is_off_and_shutdown_may_come_first():
+    c = Coordinator(2, stall_check_s=0.0, stall_shutdown_s=0.0)
+    c.add(0, {"new": [meta("lonely")]})
+    assert c.stalls(time.monotonic() + 1e6) == ([], None)  # neither warns nor aborts
+    c = Coordinator(2, stall_check_s=60.0, stall_shutdown_s=5.0)
+    t0 = time.monotonic()
+    c.add(0, {"new": [meta("lonely")]})
+    warnings, fatal = c.stalls(t0 + 6)
+    assert warnings == [] and "'lonely' missing ranks [1]" in fatal and "SDP_STALL_SHUTDOWN_TIME=5" in fatal
+
+
+def test_requests_refuse_what_no_rank_could_run():
+    from sdp.common.reduce_ops import ReduceOp
+    from sdp.engine.runtime import Request
+    with pytest.raises(ValueError, match="reducescatter of 'x': needs at least one dimension"):
+        Request("x", "reducescatter", np.float32(1.0))
+    with pytest.raises(ValueError, match="allreduce of 'b': bool tensors take SUM/MAX"):
+        Request("b", "allreduce", np.ones(2, bool), op=ReduceOp.AVERAGE)
+    assert Request("b", "allreduce", np.ones(2, bool), op=ReduceOp.MIN).array.dtype == bool

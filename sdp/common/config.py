@@ -7,7 +7,7 @@
 |                           |              | submitted together (a gradient list) always go together    |
 | SDP_TIMEOUT               | 300 (s)      | deadline of any single receive inside a collective         |
 | SDP_START_TIMEOUT         | 60 (s)       | deadline for all ranks to meet at rendezvous               |
-| SDP_STALL_CHECK_TIME      | 60 (s)       | warn when a tensor waits this long for other ranks         |
+| SDP_STALL_CHECK_TIME      | 60 (s)       | warn when a tensor waits this long for other ranks (0: off)|
 | SDP_STALL_SHUTDOWN_TIME   | 0 (s, off)   | raise StallError after this long                           |
 | SDP_SEGMENT_BYTES         | 1048576 (B)  | size of one pipelined frame on the wire                    |
 | SDP_SHM_SLAB_BYTES        | 33554432 (B) | same-host shared-memory slab (0: no shared memory)         |

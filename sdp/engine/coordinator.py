@@ -334,20 +334,24 @@ class Coordinator:
         return info
 
     def stalls(self, now: Optional[float] = None) -> Tuple[List[str], Optional[str]]:
-        """Return (warnings to log, fatal message or None) for names waiting on some ranks."""
+        """Return (warnings to log, fatal message or None) for names waiting on some ranks:
+        a warning once per ``stall_check_s`` seconds a name waits, fatal once one has waited
+        ``stall_shutdown_s`` (either may come first; 0 turns either off)."""
         now = time.monotonic() if now is None else now
-        if self._held and now - self._held_since >= min(self.stall_check_s, self.stall_shutdown_s or math.inf):
+        check, shutdown = self.stall_check_s or math.inf, self.stall_shutdown_s or math.inf  # 0: off
+        first = min(check, shutdown)
+        if self._held and now - self._held_since >= first:
             self._release_held()  # some rank is late: name it like any other stalled tensor
         warnings, fatal = [], None
         late = {}
         for name in self.order:
             age = now - self.first_seen[name]
-            if age >= self.stall_check_s:
+            if age >= first:
                 missing = sorted(set(range(self.size)) - set(self.table[name]))
                 late[name] = (age, missing)
         if not late:
             return warnings, None
-        fresh = [n for n in late if now - self._warned.get(n, -1e18) >= self.stall_check_s]
+        fresh = [n for n in late if late[n][0] >= check and now - self._warned.get(n, -1e18) >= check]
         if fresh:
             desc = "; ".join(f"'{n}' (waited {late[n][0]:.0f} s, missing ranks {late[n][1]})" for n in fresh)
             warnings.append("stall: some ranks submitted tensors that other ranks have not: " + desc +
@@ -355,8 +359,8 @@ class Coordinator:
                             "in a different set.")
             for n in fresh:
                 self._warned[n] = now
-        if self.stall_shutdown_s > 0:
-            over = [n for n, (age, _) in late.items() if age >= self.stall_shutdown_s]
+        if shutdown < math.inf:
+            over = [n for n, (age, _) in late.items() if age >= shutdown]
             if over:
                 fatal = ("stall: " + "; ".join(f"'{n}' missing ranks {late[n][1]}" for n in over) +
                          f" for more than SDP_STALL_SHUTDOWN_TIME={self.stall_shutdown_s:g} s")

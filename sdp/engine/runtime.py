@@ -98,6 +98,8 @@ class Request:
         self.name, self.kind, self.array = name, kind, array
         self.op, self.root, self.splits = op, root, splits
         self.prescale, self.postscale = float(prescale), float(postscale)
+        if kind == "reducescatter" and array.ndim == 0:
+            raise ValueError(f"reducescatter of '{name}': needs at least one dimension to scatter, got a scalar")
         if (kind in ("allreduce", "reducescatter") and array.dtype == np.bool_
                 and (op == ReduceOp.AVERAGE or self.prescale != 1.0 or self.postscale != 1.0)):
             raise ValueError(f"{kind} of '{name}': bool tensors take SUM/MAX (logical or) or MIN/PRODUCT "
