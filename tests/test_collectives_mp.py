@@ -67,15 +67,16 @@ def test_back_to_back_shared_memory_allreduces_stay_exact():
     assert all(check_ok(run_workers(3, "workers_collectives:back_to_back_shm", [60])))
 
 
-@pytest.mark.parametrize("slab", [None, "0"])
-def test_float16_average_accumulates_in_float32(slab):
+@pytest.mark.parametrize("n, slab", [(2, None), (3, None), (2, "0"), (3, "0")])
+def test_float16_average_accumulates_in_float32(n, slab):
     """Shared memory, and (slab 0) the ZeroMQ ring and recursive doubling, where the last step
-    sums in float32 and scales before rounding."""
+    sums in float32 and scales before rounding (with 3 ranks the contributions are scaled
+    first, so partial sums of large values cannot overflow either)."""
     env = None if slab is None else {"SDP_SHM_SLAB_BYTES": slab}
-    for lo, hi, finite, small in check_ok(run_workers(2, "workers_collectives:fp16_average_no_overflow", [],
+    for lo, hi, finite, small in check_ok(run_workers(n, "workers_collectives:fp16_average_no_overflow", [],
                                                       env=env)):
-        assert finite and lo == hi and abs(lo - 40000.5) <= 32  # float16 spacing at 40000 is 32
-        assert abs(small - 6e-5) < 1e-6
+        assert finite and lo == hi and abs(lo - (40000 + (n - 1) / 2)) <= 32  # float16 spacing at 40000: 32
+        assert abs(small - 3e-5 * n) < 1e-6
 
 
 @pytest.mark.parametrize("n, slab", [(2, None), (3, None), (3, "0"), (2, "65536")])

@@ -104,6 +104,16 @@ def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, f
     if shm:
         _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale)
         return
+    if acc is not None and scale is not None and n > 2 and ufunc is np.add:
+        # 16-bit partial sums of 2..n-1 ranks travel rounded: scale the contributions first, so
+        # that no partial sum of an average can overflow (the last step adds in float32 anyway)
+        if fill is not None:
+            fill(0, out.size)
+            fill = None
+        wide = out.astype(acc)
+        np.multiply(wide, scale, out=wide)
+        out[...] = wide
+        scale = None
     if inp.nbytes <= SMALL_BYTES or inp.size < n:
         _recursive_doubling(mesh, out, ufunc, seq, acc, scale)
     else:
