@@ -90,6 +90,13 @@ def test_calls_before_init_and_init_twice():
     assert "init() called more than once" in values[4][1]
 
 
+def test_unsupported_dtypes_are_refused_and_the_engine_goes_on():
+    for errs, moved, after in check_ok(run_workers(2, "workers_errors:unsupported_dtypes", [])):
+        assert errs == ["allreduce of 'obj': dtype object", "broadcast of 'objb': dtype object",
+                        "allreduce of 'str': dtype <U1", "reducescatter of 'cplx': dtype complex64"], errs
+        assert moved == ["ab", "c", "ab", "c"] and after == 2.0
+
+
 def test_bool_average_or_scaling_is_refused_and_the_engine_goes_on():
     for errs, any_, all_ in check_ok(run_workers(2, "workers_errors:bool_average", [])):
         assert [e.split(":")[0] for e in errs] == ["allreduce of 'avg'", "allreduce of 'pre'", "reducescatter of 'rs'"]

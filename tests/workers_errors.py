@@ -196,3 +196,20 @@ def malformed_control():
     time.sleep(0.2 * rt.rank)  # rank 0's responses first arrive before any real one
     out = [float(sdp.allreduce(np.full(3, 1.0 + k), name=f"ok{k}", op=sdp.Sum)[0]) for k in range(3)]
     return out
+
+
+def unsupported_dtypes():
+    """Arrays no collective can carry (Python objects) or no reduction can add (strings,
+    complex) raise ValueError at once; strings still move through allgather and broadcast."""
+    errs = []
+    for call in (lambda: sdp.allreduce(np.array([{"x": 1}], dtype=object), name="obj", op=sdp.Sum),
+                 lambda: sdp.broadcast(np.array([None, 1], dtype=object), 0, name="objb"),
+                 lambda: sdp.allreduce(np.array(["a", "b"]), name="str", op=sdp.Sum),
+                 lambda: sdp.reducescatter(np.ones([2, 2], np.complex64), name="cplx", op=sdp.Sum)):
+        try:
+            call()
+            errs.append("none")
+        except ValueError as e:
+            errs.append(str(e).split(" is not supported")[0])
+    moved = sdp.allgather(np.array(["ab", "c"]), name="strs").tolist()
+    return [errs, moved, float(sdp.allreduce(np.ones(2), name="after", op=sdp.Sum)[0])]

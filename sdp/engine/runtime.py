@@ -83,6 +83,11 @@ class Handle:
         return self._result
 
 
+def _reducible(dtype: np.dtype) -> bool:
+    """Whether allreduce/reducescatter can reduce ``dtype``: bool, ints, real floats, bfloat16."""
+    return dtype.kind in "biuf" or dtype.name == "bfloat16"
+
+
 class Request:
     """One tensor submitted to one collective (see :mod:`sdp.engine.coordinator` for ``meta``)."""
 
@@ -98,6 +103,11 @@ class Request:
         self.name, self.kind, self.array = name, kind, array
         self.op, self.root, self.splits = op, root, splits
         self.prescale, self.postscale = float(prescale), float(postscale)
+        reduces = kind in ("allreduce", "reducescatter")
+        if array.dtype.hasobject or (reduces and not _reducible(array.dtype)):
+            raise ValueError(f"{kind} of '{name}': dtype {array.dtype} is not supported (reductions take bool, "
+                             "signed/unsigned ints, float16, bfloat16, float32, float64; other collectives "
+                             "any dtype without Python objects)")
         if kind == "reducescatter" and array.ndim == 0:
             raise ValueError(f"reducescatter of '{name}': needs at least one dimension to scatter, got a scalar")
         if (kind in ("allreduce", "reducescatter") and array.dtype == np.bool_
