@@ -7,6 +7,13 @@ other ranks and starts the engine.  Collectives come in ``*_async`` forms return
 Names identify a collective across ranks: ranks may submit in different orders, and the engine
 matches them by name.  Without a ``name``, one is generated from a per-process counter, which
 matches across ranks when every rank makes the same unnamed calls in the same order.
+
+Dtypes: reductions (allreduce, reducescatter) take bool (SUM/MAX: logical or, MIN/PRODUCT:
+logical and; no AVERAGE, no scale factors), int8/16/32/64, uint8-64, float16, bfloat16, float32
+and float64 (16-bit floats are summed and scaled in float32 and rounded once); allgather,
+broadcast and alltoall move any dtype without Python objects.  Anything else raises
+``ValueError`` on the calling rank when submitted, before any other rank is involved; a
+disagreement between ranks raises :class:`~sdp.common.errors.TensorMismatchError` on every rank.
 """
 import atexit
 import io
@@ -175,7 +182,8 @@ def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor
     The result has the shape and dtype of ``tensor``; it is written into ``out`` when given (a
     preallocated array of that shape and dtype, which may be ``tensor`` itself: in place, like
     ``horovod.torch.allreduce_``), else into a new array.
-    Mirrors ``horovod.torch.allreduce_async``.  Raises ``ValueError`` for an unusable ``out``."""
+    Mirrors ``horovod.torch.allreduce_async``.  Raises ``ValueError`` for an unusable ``out`` or
+    an unsupported dtype/op (see the module docstring)."""
     return _submit("allreduce", tensor, name, op=resolve_op(op), prescale=prescale_factor,
                    postscale=postscale_factor, out=out)
 
@@ -268,7 +276,8 @@ def reducescatter(tensor, name: Optional[str] = None, op=None, prescale_factor: 
                   postscale_factor: float = 1.0) -> np.ndarray:
     """Reduce ``tensor`` across ranks and return this rank's share of the first dimension
     (split as evenly as possible, lower ranks get the extra rows).
-    Mirrors ``horovod.tensorflow.reducescatter``."""
+    Mirrors ``horovod.tensorflow.reducescatter``.  Raises ``ValueError`` for a scalar or an
+    unsupported dtype/op (see the module docstring)."""
     op = resolve_op(op)
     return _submit("reducescatter", tensor, name, op=op, prescale=prescale_factor,
                    postscale=postscale_factor).wait()
