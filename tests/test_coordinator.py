@@ -155,3 +155,5 @@ def test_requests_refuse_what_no_rank_could_run():
     with pytest.raises(ValueError, match="allreduce of 'b': bool tensors take SUM/MAX"):
         Request("b", "allreduce", np.ones(2, bool), op=ReduceOp.AVERAGE)
     assert Request("b", "allreduce", np.ones(2, bool), op=ReduceOp.MIN).array.dtype == bool
+    with pytest.raises(TypeError, match="allreduce: name must be a str, got int 5"):
+        Request(5, "allreduce", np.ones(2))

@@ -20,6 +20,8 @@ from harness import check_ok, run_workers
     ("reducescatter_shape", "reducescatter of 'grad_3': shape mismatch, rank 0 has [4, 2], rank 1 has [4, 3]"),
     ("alltoall_splits", "alltoall of 'grad_3': rank 1 has splits [1, 2] for first dimension 4; splits must be "
                         "2 non-negative ints summing to the first dimension"),
+    ("alltoall_negative", "alltoall of 'grad_3': rank 1 has splits [-1, 5] for first dimension 4; splits must "
+                          "be 2 non-negative ints summing to the first dimension"),
 ])
 def test_mismatch_raises_on_every_rank(kind, expect):
     values = check_ok(run_workers(2, "workers_errors:mismatch", [kind], timeout=60))

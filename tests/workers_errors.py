@@ -38,6 +38,7 @@ def mismatch(kind):
         "broadcast_shape": lambda: sdp.broadcast(np.zeros([4 + r]), 0, name="grad_3"),
         "reducescatter_shape": lambda: sdp.reducescatter(np.zeros([4, 2 + r]), name="grad_3"),
         "alltoall_splits": lambda: sdp.alltoall(np.zeros([4, 2]), splits=[1, 2] if r else [2, 2], name="grad_3"),
+        "alltoall_negative": lambda: sdp.alltoall(np.zeros([4, 2]), splits=[-1, 5] if r else [2, 2], name="grad_3"),
     }
     res = _expect(cases[kind])
     # the engine keeps working after a mismatch

@@ -97,6 +97,8 @@ class Request:
                  splits=None, out=None):
         if kind not in KINDS:
             raise ValueError(f"unknown collective kind {kind!r}")
+        if not isinstance(name, str):
+            raise TypeError(f"{kind}: name must be a str, got {type(name).__name__} {name!r}")
         array = np.asarray(array)
         if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array)  # (ascontiguousarray would turn 0-d into 1-d)
