@@ -36,6 +36,10 @@ def _errors(hvd, tf):
     expect("predivide_sum", lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum,
                                                                 gradient_predivide_factor=2.0))
     expect("process_set", lambda: hvd.allreduce(x, process_set=object()))
+    expect("string_allreduce", lambda: hvd.allreduce(tf.constant(["a"])))  # raised before any op runs
+    expect("string_allgather", lambda: hvd.allgather(tf.constant(["a"])))
+    expect("complex_reducescatter", lambda: hvd.reducescatter(tf.constant([1 + 2j, 3j]), op=hvd.Sum))
+    expect("bool_average", lambda: hvd.allreduce(tf.constant([True])))
 
     @tf.function(jit_compile=True)
     def xla(t):

@@ -52,3 +52,20 @@ def resolve_op(op=None, average=None) -> ReduceOp:
         return ReduceOp(int(op))
     except (ValueError, TypeError):
         raise ValueError(f"unknown reduce op {op!r}; expected one of {[o.name for o in ReduceOp]}") from None
+
+
+def check_reduction(kind: str, name: str, dtype: np.dtype, op: ReduceOp, prescale: float = 1.0,
+                    postscale: float = 1.0, shown: str = None) -> None:
+    """Raise ``ValueError`` (naming the collective, the tensor and ``shown`` or the dtype) unless
+    a reduction (allreduce, reducescatter) can take ``dtype`` with ``op`` and the scale factors:
+    bool (SUM/MAX: logical or, MIN/PRODUCT: logical and; no AVERAGE, no scale factors), signed
+    and unsigned ints, float16, bfloat16, float32, float64."""
+    dtype = np.dtype(dtype)
+    if not (dtype.kind in "biuf" or dtype.name == "bfloat16"):
+        raise ValueError(f"{kind} of '{name}': dtype {shown or dtype} is not supported (reductions take bool, "
+                         "signed/unsigned ints, float16, bfloat16, float32, float64; other collectives "
+                         "any dtype without Python objects)")
+    if dtype == np.bool_ and (op == ReduceOp.AVERAGE or prescale != 1.0 or postscale != 1.0):
+        raise ValueError(f"{kind} of '{name}': bool tensors take SUM/MAX (logical or) or MIN/PRODUCT "
+                         f"(logical and) without scale factors; got {ReduceOp(op).name}, "
+                         f"prescale {prescale:g}, postscale {postscale:g}")

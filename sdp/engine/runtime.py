@@ -17,7 +17,7 @@ import numpy as np
 
 from sdp.common import errors
 from sdp.common.config import Config
-from sdp.common.reduce_ops import UFUNCS, ReduceOp
+from sdp.common.reduce_ops import UFUNCS, ReduceOp, check_reduction
 from sdp.engine import collectives, fusion, timeline
 from sdp.engine.coordinator import JOIN, KINDS, Coordinator, wire_dtype
 from sdp.transport.zmq_mesh import CTRL, Mesh
@@ -83,11 +83,6 @@ class Handle:
         return self._result
 
 
-def _reducible(dtype: np.dtype) -> bool:
-    """Whether allreduce/reducescatter can reduce ``dtype``: bool, ints, real floats, bfloat16."""
-    return dtype.kind in "biuf" or dtype.name == "bfloat16"
-
-
 class Request:
     """One tensor submitted to one collective (see :mod:`sdp.engine.coordinator` for ``meta``)."""
 
@@ -105,18 +100,12 @@ class Request:
         self.name, self.kind, self.array = name, kind, array
         self.op, self.root, self.splits = op, root, splits
         self.prescale, self.postscale = float(prescale), float(postscale)
-        reduces = kind in ("allreduce", "reducescatter")
-        if array.dtype.hasobject or (reduces and not _reducible(array.dtype)):
-            raise ValueError(f"{kind} of '{name}': dtype {array.dtype} is not supported (reductions take bool, "
-                             "signed/unsigned ints, float16, bfloat16, float32, float64; other collectives "
-                             "any dtype without Python objects)")
+        if kind in ("allreduce", "reducescatter"):
+            check_reduction(kind, name, array.dtype, op, self.prescale, self.postscale)
+        elif array.dtype.hasobject:
+            raise ValueError(f"{kind} of '{name}': dtype {array.dtype} is not supported (Python objects)")
         if kind == "reducescatter" and array.ndim == 0:
             raise ValueError(f"reducescatter of '{name}': needs at least one dimension to scatter, got a scalar")
-        if (kind in ("allreduce", "reducescatter") and array.dtype == np.bool_
-                and (op == ReduceOp.AVERAGE or self.prescale != 1.0 or self.postscale != 1.0)):
-            raise ValueError(f"{kind} of '{name}': bool tensors take SUM/MAX (logical or) or MIN/PRODUCT "
-                             f"(logical and) without scale factors; got {ReduceOp(op).name}, "
-                             f"prescale {self.prescale:g}, postscale {self.postscale:g}")
         if out is not None and (kind != "allreduce" or out.shape != array.shape or out.dtype != array.dtype
                                 or not out.flags.c_contiguous or not out.flags.writeable):
             raise ValueError(f"out= for '{name}' must be a writable C-contiguous {array.dtype} array of shape "
