@@ -82,8 +82,9 @@ def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, f
     size/dtype; ``out`` may be ``inp``).  ``inp`` is not modified unless it is ``out``.
 
     ``acc`` is an optional accumulation dtype (float32 for float16/bfloat16 payloads); ``scale``
-    an optional factor for the result (AVERAGE's 1/n), applied before 16-bit rounding where the
-    algorithm allows (shared memory), so an average of large float16 values does not overflow.
+    an optional factor for the result (AVERAGE's 1/n), applied in float32 before 16-bit rounding
+    (in the last reduction step; off shared memory with more than 2 ranks, to the contributions
+    before a SUM), so an average of large float16 values does not overflow.
     An ``out`` from this rank's shared-memory result pool is written by the peers directly.
 
     ``fill(lo, hi)``, when given, writes elements ``[lo, hi)`` of ``inp`` (which must then be
