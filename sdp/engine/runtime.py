@@ -355,7 +355,8 @@ class Runtime:
                 # (allgather/alltoall metas differ per rank in the first dimension / splits, so
                 # rank 0's agreed meta would be wrong for the others: those always travel in full)
                 self._cache[req.key()] = item["id"]
-            self._timeline_mark(req.name, "NEGOTIATE" if submitted else None, "QUEUE")
+            if self.timeline:
+                self._timeline_mark(req.name, "NEGOTIATE" if submitted else None, "QUEUE")
             if req.kind == "allreduce":
                 reduce_items.append(item)
             else:
@@ -435,8 +436,9 @@ class Runtime:
         rank's shared-memory half when it fits and reduced into the result, else packed into the
         result and reduced in place; each request gets a view of its part (no unpack copy)."""
         tl, names, first = self.timeline, [r.name for r in reqs], reqs[0]
-        for name in names:
-            self._timeline_mark(name, "QUEUE", None)
+        if tl:
+            for name in names:
+                tl.end(name, "QUEUE")
         dtype = first.array.dtype
         if len(reqs) == 1:
             out = first.out
