@@ -54,13 +54,18 @@ def resolve_op(op=None, average=None) -> ReduceOp:
         raise ValueError(f"unknown reduce op {op!r}; expected one of {[o.name for o in ReduceOp]}") from None
 
 
-def check_reduction(kind: str, name: str, dtype: np.dtype, op: ReduceOp, prescale: float = 1.0,
-                    postscale: float = 1.0, shown: str = None) -> None:
-    """Raise ``ValueError`` (naming the collective, the tensor and ``shown`` or the dtype) unless
-    a reduction (allreduce, reducescatter) can take ``dtype`` with ``op`` and the scale factors:
+def check_dtype(kind: str, name: str, dtype, op: ReduceOp = ReduceOp.SUM, prescale: float = 1.0,
+                postscale: float = 1.0, shown: str = None) -> None:
+    """Raise ``ValueError`` (naming the collective ``kind``, the tensor and ``shown`` or the dtype)
+    unless collective ``kind`` can carry ``dtype``.  Reductions (allreduce, reducescatter) take
     bool (SUM/MAX: logical or, MIN/PRODUCT: logical and; no AVERAGE, no scale factors), signed
-    and unsigned ints, float16, bfloat16, float32, float64."""
+    and unsigned ints, float16, bfloat16, float32, float64; the other collectives any dtype
+    without Python objects."""
     dtype = np.dtype(dtype)
+    if kind not in ("allreduce", "reducescatter"):
+        if dtype.hasobject:
+            raise ValueError(f"{kind} of '{name}': dtype {shown or dtype} is not supported (Python objects)")
+        return
     if not (dtype.kind in "biuf" or dtype.name == "bfloat16"):
         raise ValueError(f"{kind} of '{name}': dtype {shown or dtype} is not supported (reductions take bool, "
                          "signed/unsigned ints, float16, bfloat16, float32, float64; other collectives "

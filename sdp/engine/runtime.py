@@ -17,7 +17,7 @@ import numpy as np
 
 from sdp.common import errors
 from sdp.common.config import Config
-from sdp.common.reduce_ops import UFUNCS, ReduceOp, check_reduction
+from sdp.common.reduce_ops import UFUNCS, ReduceOp, check_dtype
 from sdp.engine import collectives, fusion, timeline
 from sdp.engine.coordinator import JOIN, KINDS, Coordinator, wire_dtype
 from sdp.transport.zmq_mesh import CTRL, Mesh
@@ -100,10 +100,7 @@ class Request:
         self.name, self.kind, self.array = name, kind, array
         self.op, self.root, self.splits = op, root, splits
         self.prescale, self.postscale = float(prescale), float(postscale)
-        if kind in ("allreduce", "reducescatter"):
-            check_reduction(kind, name, array.dtype, op, self.prescale, self.postscale)
-        elif array.dtype.hasobject:
-            raise ValueError(f"{kind} of '{name}': dtype {array.dtype} is not supported (Python objects)")
+        check_dtype(kind, name, array.dtype, op, self.prescale, self.postscale)
         if kind == "reducescatter" and array.ndim == 0:
             raise ValueError(f"reducescatter of '{name}': needs at least one dimension to scatter, got a scalar")
         if out is not None and (kind != "allreduce" or out.shape != array.shape or out.dtype != array.dtype

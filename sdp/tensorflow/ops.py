@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from sdp import api
 from sdp.common.errors import SdpError
-from sdp.common.reduce_ops import ReduceOp, check_reduction
+from sdp.common.reduce_ops import ReduceOp, check_dtype
 
 class XlaNotSupportedError(SdpError, NotImplementedError):
     """An sdp collective was placed in a function compiled with XLA (``jit_compile=True``).
@@ -107,11 +107,10 @@ def _gathered_shape(t) -> tf.TensorShape:
     return tf.TensorShape([None]).concatenate(t.shape[1:]) if t.shape.rank else tf.TensorShape(None)
 
 
-def _check_movable(t, kind: str, name: str) -> None:
-    """``ValueError`` for tensors whose values are Python objects (``tf.string``): no collective
-    carries them (Horovod's ops do not either)."""
-    if np.dtype(t.dtype.as_numpy_dtype).hasobject:
-        raise ValueError(f"{kind} of '{name}': dtype {t.dtype.name} is not supported (Python objects)")
+def _check_dtype(t, kind: str, name: str, *reduction) -> None:
+    """``check_dtype`` for a tensor, showing TensorFlow's dtype name (``tf.string`` holds Python
+    objects: no collective carries it, as with Horovod's ops)."""
+    check_dtype(kind, name, t.dtype.as_numpy_dtype, *reduction, shown=t.dtype.name)
 
 
 class Batch:
@@ -138,21 +137,21 @@ class Batch:
             raise ValueError("all allreduces of one batch must share op and scale factors")
         self._reduce_args = args
         t = _as_tensor(tensor)
-        check_reduction("allreduce", name, t.dtype.as_numpy_dtype, *args, shown=t.dtype.name)
+        _check_dtype(t, "allreduce", name, *args)
         i = self._add(t, t.shape)
         self._reduce.append((i, name))
         return i
 
     def add_allgather(self, tensor, name) -> int:
         t = _as_tensor(tensor)
-        _check_movable(t, "allgather", name)
+        _check_dtype(t, "allgather", name)
         i = self._add(t, _gathered_shape(t))
         self._gather.append((i, name))
         return i
 
     def add_broadcast(self, tensor, name, root_rank) -> int:
         t = _as_tensor(tensor)
-        _check_movable(t, "broadcast", name)
+        _check_dtype(t, "broadcast", name)
         i = self._add(t, t.shape)
         self._bcast.append((i, name, int(root_rank)))
         return i
@@ -252,7 +251,7 @@ def alltoall_tensor(tensor, splits, name):
     api.runtime("alltoall()")
     check_not_xla("alltoall")
     tensor = _as_tensor(tensor)
-    _check_movable(tensor, "alltoall", name)
+    _check_dtype(tensor, "alltoall", name)
     n = api.size()
     if splits is None:
         splits_t = tf.zeros([0], tf.int32)
@@ -277,8 +276,7 @@ def reducescatter_tensor(tensor, name, op, prescale_factor=1.0, postscale_factor
     tensor = _as_tensor(tensor)
     if tensor.shape.rank == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
-    check_reduction("reducescatter", name, tensor.dtype.as_numpy_dtype, ReduceOp(int(op)), float(prescale_factor),
-                    float(postscale_factor), shown=tensor.dtype.name)
+    _check_dtype(tensor, "reducescatter", name, ReduceOp(int(op)), float(prescale_factor), float(postscale_factor))
 
     def fn(arrays):
         return [np.asarray(api.reducescatter(arrays[0], name, op, prescale_factor, postscale_factor),
