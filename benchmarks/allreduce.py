@@ -162,6 +162,26 @@ def measure_grad_modes(grads, iters: int, grouped: bool, rounds: int = GRAD_ROUN
     return out
 
 
+def memory_floor(nbytes: int, n: int, iters: int = 10):
+    """``(floor_s, copy_s)``: the time the memory traffic of a shared-memory allreduce of
+    ``nbytes`` needs on this machine, measured now.  ``copy_s``: every rank copying ``nbytes``
+    (``np.copyto``, out of cache) at the same time, median, max over ranks.  Per rank the
+    shared-memory path reads and writes ``2 * nbytes * (n-1)/n`` packing the peers' chunks and
+    ``2 * nbytes`` reducing its chunk and pushing it to every peer (see
+    ``sdp.engine.collectives.allreduce_staged``), i.e. ``1 + (n-1)/n`` copies of ``nbytes``."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst, spare = np.empty_like(src), np.empty_like(src)  # spare: evicts src/dst from cache between copies
+    times = []
+    for _ in range(iters):
+        np.copyto(spare, 1.0)
+        sdp.barrier()
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    copy_s = max_over_ranks(statistics.median(times), "floor.copy")
+    return copy_s * (1 + (n - 1) / n), copy_s
+
+
 @dataclasses.dataclass
 class Row:
     nbytes: int
@@ -302,7 +322,7 @@ def main(argv=None) -> int:
     lat_min = max_over_ranks(min(lat), "lat.min")
 
     # 3. gradient list: fused vs unfused --------------------------------------------------------
-    fused = None
+    fused, floor = None, None
     if args.fused_table:
         grads = [np.full(GRAD_BYTES // 4, i, np.float32) for i in range(GRAD_COUNT)]
         time_grad_list(grads, "async", GRAD_WARMUP)  # warm up (response cache, result pool pages)
@@ -317,6 +337,9 @@ def main(argv=None) -> int:
                  for k, v, c in (("fused", f_t, f_c), ("grouped", g_t, g_c), ("unfused", u_t, u_c),
                                  ("sequential", s_t, s_c)) if v}
         del grads
+        cfg = Config.from_env()
+        if cfg.shm_slab_bytes >= GRAD_COUNT * GRAD_BYTES and sdp.local_size() == n > 1:
+            floor = memory_floor(GRAD_COUNT * GRAD_BYTES, n)
 
     # 4. baselines (sdp's work is done: the TF workers get both cores) ---------------------------
     tf_note = "tf: not measured (--baseline none)"
@@ -390,6 +413,17 @@ def main(argv=None) -> int:
             t, c, it = fused[k]
             bus = GRAD_COUNT * GRAD_BYTES / t / 1e9 * bf
             print(f"{labels[k]:<46} {it:>5d} {t * 1e3:14.2f} {c:>11d} {bus:12.3f} {t / base:8.2f}x", flush=True)
+        if floor:
+            # unfused does the same memory traffic plus a fixed cost per collective, so with a fused
+            # list at the floor, unfused / fused can be at most (floor + count * cost) / floor
+            per = (fused["unfused"][0] - base) / (GRAD_COUNT - 1)
+            print(f"memory floor (shared memory, {n} ranks): {floor[0] * 1e3:.2f} ms = "
+                  f"{1 + (n - 1) / n:.2f} x {floor[1] * 1e3:.2f} ms (every rank copying "
+                  f"{GRAD_COUNT * GRAD_BYTES / 2**20:.0f} MB at once, "
+                  f"{2 * GRAD_COUNT * GRAD_BYTES / floor[1] / 1e9:.1f} GB/s read+write per rank); "
+                  f"fused = {base / floor[0]:.2f}x the floor; unfused costs {per * 1e6:.1f} us more "
+                  f"per collective, so unfused/fused <= {(floor[0] + GRAD_COUNT * per) / floor[0]:.2f}x "
+                  f"even with a fused list at the floor", flush=True)
 
     # 6. targets ---------------------------------------------------------------------------------
     print("", flush=True)

@@ -1,0 +1,33 @@
+"""The allreduce benchmark runs end to end under sdprun (2 real processes) and prints every table.
+
+Speed is not checked here (benchmarks check speed); this keeps the script from rotting."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_allreduce_benchmark_prints_both_tables_and_the_memory_floor():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable,
+                        "benchmarks/allreduce.py", "--sizes", "1K,64K", "--baseline", "none",
+                        "--fused-iters", "5", "--latency-iters", "200", "--target-s", "0.05"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = p.stdout
+    assert p.returncode == 0, out[-3000:] + p.stderr[-3000:]
+    rows = re.findall(r"\[0\]<stdout>:\s+(1024|65536)\s+\d+\s+\d+\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+) \|", out)
+    assert [r[0] for r in rows] == ["1024", "65536"], out[-3000:]
+    for _, t, alg, bus in rows:  # busbw = algbw * 2(n-1)/n = algbw for 2 ranks
+        assert float(t) > 0 and abs(float(alg) - float(bus)) <= 0.0015, rows
+    for label in ("fused: 100 x allreduce_async", "unfused: allreduce_async, fusion threshold 0",
+                  "unfused+unpipelined", "1 KB latency", "1 KB median <= 1000 us"):
+        assert label in out, (label, out[-3000:])
+    colls = dict(re.findall(r"<stdout>:(fused: 100 x allreduce_async, wait all|unfused: allreduce_async, "
+                            r"fusion threshold 0)\s+\d+\s+[0-9.]+\s+(\d+)", out))
+    assert colls == {"fused: 100 x allreduce_async, wait all": "1",
+                     "unfused: allreduce_async, fusion threshold 0": "100"}, colls
+    floor = re.search(r"memory floor \(shared memory, 2 ranks\): ([0-9.]+) ms = 1.50 x ([0-9.]+) ms", out)
+    assert floor and abs(float(floor.group(1)) - 1.5 * float(floor.group(2))) < 0.011, out[-2000:]
