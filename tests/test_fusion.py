@@ -16,25 +16,45 @@ def test_plan_buckets_caps_bytes_and_splits_by_key():
 
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=8),
-       cuts=st.lists(st.integers(0, 400), max_size=6))
-def test_pack_copies_exactly_the_given_ranges(sizes, cuts):
-    arrays = [np.arange(s, dtype=np.float32) + 1000 * i for i, s in enumerate(sizes)]
+       cuts=st.lists(st.integers(0, 400), max_size=6),
+       dtype=st.sampled_from([np.float32, np.float64, np.int8, np.float16]))
+def test_pack_copies_exactly_the_given_ranges(sizes, cuts, dtype):
+    arrays = [(np.arange(s) % 50 + 60 * i).astype(dtype) for i, s in enumerate(sizes)]
     offs = fusion.offsets(arrays)
+    unit = 64 // np.dtype(dtype).itemsize
+    assert all(o % unit == 0 for o in offs[:-1]), offs  # every tensor starts on 64 bytes
+    assert all(o + a.size <= nxt < o + a.size + unit for a, o, nxt in zip(arrays, offs, offs[1:-1])), offs
     total = offs[-1]
-    flat = np.concatenate(arrays) if total else np.zeros(0, np.float32)
+    assert total == offs[-2] + arrays[-1].size  # no padding after the last tensor
+    flat = np.full(total, -1, dtype)  # the layout: each array at its offset, padding -1
+    covered = np.zeros(total, bool)
+    for a, o in zip(arrays, offs):
+        flat[o:o + a.size] = a
+        covered[o:o + a.size] = True
     edges = sorted({0, total} | {min(c, total) for c in cuts})
     ranges = list(zip(edges[::2], edges[1::2]))  # every other interval
-    buf = np.full(total, -1.0, np.float32)
+    buf = np.full(total, -1, dtype)
     fusion.pack(buf, arrays, offs, ranges)
-    want = np.full(total, -1.0, np.float32)
+    want = np.full(total, -1, dtype)
     for lo, hi in ranges:
         want[lo:hi] = flat[lo:hi]
     assert np.array_equal(buf, want)
-    whole = np.empty(total, np.float32)
+    whole = np.full(total, -1, dtype)
     fusion.pack(whole, arrays, offs)
     assert np.array_equal(whole, flat)
-    for lo, hi in ranges:  # pieces are views of the arrays, covering [lo, hi) in order
+    padded = np.full(total, 7, dtype)
+    fusion.zero_padding(padded, arrays, offs)
+    assert np.array_equal(padded, np.where(covered, 7, 0).astype(dtype))
+    for lo, hi in ranges:  # pieces are views of the arrays, covering their elements in [lo, hi) in order
         got = fusion.pieces(arrays, offs, lo, hi)
         assert all(any(np.shares_memory(v, a) for a in arrays) for _, v in got)
         assert [off for off, _ in got] == sorted(off for off, _ in got)
-        assert np.array_equal(np.concatenate([v for _, v in got]) if got else flat[lo:lo], flat[lo:hi])
+        expect = flat[lo:hi][covered[lo:hi]]
+        assert np.array_equal(np.concatenate([v for _, v in got]) if got else expect[:0], expect)
+
+
+@given(count=st.integers(0, 5000), dtype=st.sampled_from([np.float32, np.float64, np.int8, np.float16]))
+def test_aligned_empty_starts_on_64_bytes(count, dtype):
+    a = fusion.aligned_empty(dtype, count)
+    assert a.shape == (count,) and a.dtype == dtype and a.flags.writeable
+    assert count == 0 or a.ctypes.data % 64 == 0  # (an empty array has no data to align)

@@ -31,27 +31,53 @@ def plan_buckets(items: List[dict], nbytes: Dict[str, int], key, threshold: int)
     return buckets
 
 
-def offsets(arrays: List[np.ndarray]) -> List[int]:
-    """Element offsets of ``arrays`` laid end to end (len(arrays) + 1 entries)."""
+ALIGN_BYTES = 64  # every tensor of a bucket starts on this boundary (TensorFlow's EIGEN_MAX_ALIGN_BYTES)
+
+
+def offsets(arrays: List[np.ndarray], align_bytes: int = ALIGN_BYTES) -> List[int]:
+    """Element offsets of ``arrays`` (one dtype) laid end to end, each start rounded up to a
+    multiple of ``align_bytes`` bytes; ``len(arrays) + 1`` entries, the last one the total size,
+    padding included.  A result array aligned on ``align_bytes`` thus gives every tensor an
+    aligned view (TensorFlow wraps only such memory without a copy, see ``sdp.tensorflow.ops``)."""
+    unit = max(1, align_bytes // arrays[0].dtype.itemsize) if arrays else 1
     out = [0]
     for a in arrays:
-        out.append(out[-1] + a.size)
+        out.append(-(-(out[-1] + a.size) // unit) * unit)
+    if arrays:
+        out[-1] = out[-2] + arrays[-1].size  # no padding after the last one
     return out
 
 
 def pack(buf: np.ndarray, arrays: List[np.ndarray], offs: List[int], ranges=None) -> None:
     """Copy the arrays into ``buf`` at their offsets: all of them, or only the element ranges
-    ``ranges`` (``[(start, end), ...]`` of the packed layout)."""
+    ``ranges`` (``[(start, end), ...]`` of the packed layout).  Padding is left as it is."""
     for lo, hi in ranges if ranges is not None else [(0, offs[-1])]:
         for off, view in pieces(arrays, offs, lo, hi):
             np.copyto(buf[off:off + view.size], view)
 
 
+def zero_padding(buf: np.ndarray, arrays: List[np.ndarray], offs: List[int]) -> None:
+    """Set the padding between the arrays' places in ``buf`` to 0 (so that a reduction over the
+    whole buffer never computes on leftover bytes)."""
+    for a, start, nxt in zip(arrays, offs, offs[1:]):
+        if start + a.size < nxt:
+            buf[start + a.size:nxt] = 0
+
+
 def pieces(arrays: List[np.ndarray], offs: List[int], lo: int, hi: int):
     """``(offset, view)`` pairs of the arrays' elements in ``[lo, hi)`` of the packed layout."""
     out = []
-    for a, start, end in zip(arrays, offs, offs[1:]):
-        s, e = max(start, lo), min(end, hi)
+    for a, start in zip(arrays, offs):
+        s, e = max(start, lo), min(start + a.size, hi)
         if s < e:
             out.append((s, a.reshape(-1)[s - start:e - start]))
     return out
+
+
+def aligned_empty(dtype, count: int, align_bytes: int = ALIGN_BYTES) -> np.ndarray:
+    """A new 1-D array of ``count`` elements of ``dtype`` whose data starts on an ``align_bytes``
+    boundary (numpy's own arrays are only 16-byte aligned)."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(count * dtype.itemsize + align_bytes, np.uint8)
+    skip = -raw.ctypes.data % align_bytes
+    return raw[skip:skip + count * dtype.itemsize].view(dtype)

@@ -389,7 +389,7 @@ class Runtime:
         then write into it directly), else from the heap."""
         pool = self.mesh.shm.pool if self.mesh.shm is not None else None
         got = pool.alloc(dtype, count) if pool is not None else None
-        return np.empty(count, dtype) if got is None else got[1]
+        return fusion.aligned_empty(dtype, count) if got is None else got[1]
 
     def _reduce(self, inp: np.ndarray, out: np.ndarray, req: Request, fill=None) -> None:
         """Prescale, allreduce ``inp`` into ``out`` (1-D; may be the same array), then
@@ -463,6 +463,8 @@ class Runtime:
                                              accumulation_dtype(dtype), self._float_scale(first, dtype))
                 self._int_scale(result, first)
         else:  # packed into the result array itself as the ring sends it, reduced in place
+            fusion.zero_padding(result, arrays, offs)
+
             def fill(lo, hi):
                 with timeline.span(tl, [names[i] for i in range(len(reqs)) if offs[i] < hi and offs[i + 1] > lo]
                                    if tl else (), "FUSE"):
@@ -473,7 +475,7 @@ class Runtime:
                 self._reduce(result, result, first, fill)
         with timeline.span(tl, names, "UNPACK"):
             for i, r in enumerate(reqs):
-                view = result[offs[i]:offs[i + 1]].reshape(r.array.shape)
+                view = result[offs[i]:offs[i] + r.array.size].reshape(r.array.shape)
                 if r.out is not None:
                     np.copyto(r.out, view)
                     view = r.out
@@ -492,15 +494,16 @@ class Runtime:
         seq, seg = self._next_seq(), self.config.segment_bytes
         a = req.array
         if req.kind == "broadcast":
-            out = a.copy().reshape(-1)
+            out = fusion.aligned_empty(a.dtype, a.size)  # aligned: sdp.tensorflow wraps it without a copy
+            np.copyto(out, a.reshape(-1))
             collectives.broadcast(self.mesh, out, req.root, seq, seg)
             result = out.reshape(a.shape)
         elif req.kind == "allgather":
             row = int(np.prod(a.shape[1:], dtype=np.int64))
             dim0 = item["dim0"]
             edges = np.concatenate([[0], np.cumsum(dim0)]) * row
-            out = np.empty((sum(dim0),) + a.shape[1:], dtype=a.dtype)
-            flat = out.reshape(-1)
+            flat = fusion.aligned_empty(a.dtype, sum(dim0) * row)
+            out = flat.reshape((sum(dim0),) + a.shape[1:])
             flat[edges[self.rank]:edges[self.rank + 1]] = a.reshape(-1)
             collectives.allgatherv(self.mesh, flat, [int(e) for e in edges], seq, seg)
             result = out
