@@ -75,6 +75,37 @@ def test_collectives_in_tf_function_match_numpy():
     _check_collectives(check_ok(run_workers(2, "workers_tf_api:collectives", ["graph"], timeout=180)))
 
 
+@pytest.mark.parametrize("threshold,buckets", [(64 << 20, 1), (2048, 4), (0, 6)])
+def test_gradient_buckets_are_submitted_one_by_one_and_match_numpy(threshold, buckets):
+    # variables' bytes, last first (the order buckets are formed in): 48, 16, 2244, 4000, 60, 28
+    values = check_ok(run_workers(2, "workers_tf_api:buckets", [threshold, 2], timeout=180))
+    shapes = [[7], [3, 5], [1000], [33, 17], [4], [2, 2, 3]]
+    want = [(np.arange(np.prod(s), dtype=np.float32).reshape(s) + 1) * 1.5 for s in shapes]  # mean of 1x, 2x
+    for v in values:
+        assert v["submits"] == buckets
+        for mode in ("graph", "eager"):
+            for got, w in zip(v[mode], want):
+                np.testing.assert_allclose(got, w, rtol=1e-6, err_msg=mode)
+
+
+def test_aligned_results_reach_tensorflow_without_a_copy():
+    import tensorflow as tf
+
+    from sdp.engine.fusion import aligned_empty
+    from sdp.tensorflow.ops import _as_output
+    a = aligned_empty(np.float32, 1000)
+    a[:] = np.arange(1000)
+    t = _as_output(a.reshape(10, 100))
+    assert isinstance(t, tf.Tensor) and t.shape == (10, 100) and np.shares_memory(np.asarray(t), a)
+    assert float(tf.reduce_sum(t)) == sum(range(1000))
+    misaligned = a[1:]  # TensorFlow aborts the process on a tensor 4 bytes past a 64-byte boundary
+    assert _as_output(misaligned) is misaligned
+    strided = a[::2]
+    assert _as_output(strided) is strided
+    empty = a[:0]
+    assert _as_output(empty) is empty
+
+
 def _sync_bn_reference():
     import tensorflow as tf
     data = [_data(r, shape=(3, 2)) * (1 + r) for r in range(2)]

@@ -172,3 +172,32 @@ def tapes(steps):
     out["sync_bn"] = {"y": y.numpy().tolist(), "moving_mean": bn.moving_mean.numpy().tolist(),
                       "gx": gx.numpy().tolist()}
     return out
+
+
+def buckets(threshold, steps):
+    """DistributedGradientTape over variables of odd sizes (so a fused bucket needs padding to
+    keep every tensor 64-byte aligned) with the fusion threshold at ``threshold`` bytes: the
+    averaged gradients inside ``tf.function`` and eagerly, and how many submit ops the traced
+    step holds (one per bucket: the tape hands each bucket to the engine on its own)."""
+    import tensorflow as tf
+
+    import sdp.tensorflow as hvd
+    from sdp import api
+    r = hvd.rank()
+    api.set_fusion_threshold(threshold)
+    shapes = [[7], [3, 5], [1000], [33, 17], [4], [2, 2, 3]]
+    coefs = [tf.constant(np.arange(np.prod(s), dtype=np.float32).reshape(s) + 1) for s in shapes]
+    variables = [tf.Variable(np.ones(s, np.float32)) for s in shapes]
+
+    def grads():
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * c * (r + 1.0)) for v, c in zip(variables, coefs)])
+        return hvd.DistributedGradientTape(tape).gradient(loss, variables)
+
+    step = tf.function(grads)
+    for _ in range(steps):
+        graph_grads = step()
+    submits = [op.name for op in step.get_concrete_function().graph.get_operations()
+               if op.type == "EagerPyFunc" and op.name.startswith("submit")]
+    return {"graph": [g.numpy().tolist() for g in graph_grads],
+            "eager": [g.numpy().tolist() for g in grads()], "submits": len(submits)}

@@ -4,7 +4,8 @@ and every ``DistributedOptimizer``.
 Dense gradients are compressed, allreduced (fused by the engine) and decompressed; ``IndexedSlices``
 (e.g. embedding gradients) are allgathered (values and indices), or made dense first with
 ``sparse_as_dense=True``; ``None`` stays ``None``; gradients of variables registered as local are
-not communicated.  Everything of one call runs in a single op.
+not communicated.  The gradients of one call are handed to the engine bucket by bucket as the
+backward pass produces them, and one op waits for all of them (see :class:`sdp.tensorflow.ops.Batch`).
 """
 import warnings
 
