@@ -1,6 +1,6 @@
 """Collectives on ``tf.Tensor``: Horovod's and SageMaker's TensorFlow functions.
 
-Each function builds one op (eagerly it runs at once; in ``tf.function`` / ``tf.compat.v1`` graphs
+Each function builds its ops (eagerly they run at once; in ``tf.function`` / ``tf.compat.v1`` graphs
 it runs when the graph does).  Shapes and dtypes must agree across ranks where stated, otherwise
 every rank raises :class:`sdp.errors.TensorMismatchError`.  A call before ``init()`` raises
 :class:`sdp.errors.NotInitializedError`; inside ``jit_compile=True`` functions

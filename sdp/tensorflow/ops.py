@@ -96,7 +96,8 @@ def _as_tensor(t):
 
 
 def _run_numpy(fn, tensors, out_dtypes, out_shapes, name):
-    """Run ``fn(list of numpy arrays) -> list of numpy arrays`` as one py_function op."""
+    """Run ``fn(list of numpy arrays) -> list of numpy arrays`` as one py_function op (inputs as
+    read-only views, outputs as in :func:`_as_output`)."""
     def body(*ts):
         return [_as_output(a) for a in fn([np.asarray(t) for t in ts])]  # read-only input views
 
@@ -121,8 +122,9 @@ def _check_dtype(t, kind: str, name: str, *reduction) -> None:
 
 
 class Batch:
-    """Several collectives run by one ``py_function``: allreduces (fused together by the engine),
-    allgathers and broadcasts.  ``add_*`` returns the index of the result in :meth:`run`'s list."""
+    """Several collectives built together: allreduces (fused together by the engine), allgathers
+    and broadcasts, started by submit ops and collected by one wait op (see :meth:`run`).
+    ``add_*`` returns the index of the result in :meth:`run`'s list."""
 
     def __init__(self, what: str = "collective"):
         self.what = what
