@@ -92,18 +92,18 @@ def test_aligned_results_reach_tensorflow_without_a_copy():
     import tensorflow as tf
 
     from sdp.engine.fusion import aligned_empty
-    from sdp.tensorflow.ops import _as_output
+    from sdp.tensorflow.ops import as_output
     a = aligned_empty(np.float32, 1000)
     a[:] = np.arange(1000)
-    t = _as_output(a.reshape(10, 100))
+    t = as_output(a.reshape(10, 100))
     assert isinstance(t, tf.Tensor) and t.shape == (10, 100) and np.shares_memory(np.asarray(t), a)
     assert float(tf.reduce_sum(t)) == sum(range(1000))
     misaligned = a[1:]  # TensorFlow aborts the process on a tensor 4 bytes past a 64-byte boundary
-    assert _as_output(misaligned) is misaligned
+    assert as_output(misaligned) is misaligned
     strided = a[::2]
-    assert _as_output(strided) is strided
+    assert as_output(strided) is strided
     empty = a[:0]
-    assert _as_output(empty) is empty
+    assert as_output(empty) is empty
 
 
 def _sync_bn_reference():

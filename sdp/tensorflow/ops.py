@@ -97,9 +97,9 @@ def _as_tensor(t):
 
 def _run_numpy(fn, tensors, out_dtypes, out_shapes, name):
     """Run ``fn(list of numpy arrays) -> list of numpy arrays`` as one py_function op (inputs as
-    read-only views, outputs as in :func:`_as_output`)."""
+    read-only views, outputs as in :func:`as_output`)."""
     def body(*ts):
-        return [_as_output(a) for a in fn([np.asarray(t) for t in ts])]  # read-only input views
+        return [as_output(a) for a in fn([np.asarray(t) for t in ts])]  # read-only input views
 
     outs = tf.py_function(func=body, inp=list(tensors), Tout=list(out_dtypes),
                           name=_sanitize(name)[:100] if name else None)
@@ -246,7 +246,7 @@ def _submit_op(start, tensors, name):
     return tok
 
 
-def _as_output(arr: np.ndarray):
+def as_output(arr: np.ndarray):
     """``arr`` as a py_function output: a tensor sharing its memory (through DLPack) when
     TensorFlow can use that memory as it is (C-contiguous, 64-byte aligned, as the engine's
     results are; TensorFlow aborts on a misaligned one), else ``arr`` itself, which py_function
@@ -266,7 +266,7 @@ def _wait_op(tokens, dtypes, shapes, tensors, order, name):
 
     def body(*toks):
         handles = [h for t in toks for h in _PENDING.pop(int(t))]
-        return [_as_output(np.asarray(h.wait(), dtype=d)) for h, d in zip(handles, np_dtypes)]
+        return [as_output(np.asarray(h.wait(), dtype=d)) for h, d in zip(handles, np_dtypes)]
 
     outs = tf.py_function(func=body, inp=tokens, Tout=list(dtypes), name=_sanitize(name)[:100] if name else None)
     if not isinstance(outs, (list, tuple)):

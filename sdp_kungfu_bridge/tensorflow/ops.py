@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from sdp import api
 from sdp.common.reduce_ops import ReduceOp
+from sdp.tensorflow.ops import as_output
 from sdp_kungfu_bridge import _cluster, _model_store
 from sdp_kungfu_bridge.python import (_get_other_ranks, current_cluster_size,  # noqa: F401
                                       current_local_rank, current_local_size, current_rank,
@@ -78,8 +79,8 @@ def py_op(fn, inputs, out_dtypes, out_shapes, name):
     """Run ``fn(*numpy arrays) -> list of arrays`` as one ``tf.py_function``; set output shapes."""
     def body(*ts):
         _cluster.ensure()
-        outs = fn(*[t.numpy() for t in ts])
-        return [np.asarray(o, dtype=tf.as_dtype(d).as_numpy_dtype) for o, d in zip(outs, out_dtypes)]
+        outs = fn(*[np.asarray(t) for t in ts])  # read-only views of the inputs, no copy
+        return [as_output(np.asarray(o, dtype=tf.as_dtype(d).as_numpy_dtype)) for o, d in zip(outs, out_dtypes)]
 
     outs = tf.py_function(func=body, inp=list(inputs), Tout=list(out_dtypes), name=_op_name(name))
     if not out_dtypes:
