@@ -64,9 +64,10 @@ def main():
     steps = per_rank // args.batch_size
     if args.steps_per_epoch:
         steps = min(steps, args.steps_per_epoch)
-    dataset = (tf.data.Dataset.from_tensor_slices((x_shard, y_shard))
-               .shuffle(10000, seed=args.seed + rank).repeat()
-               .batch(args.batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
+    dataset = common.without_autotune(  # see there: autotuning can stall the end of training
+        tf.data.Dataset.from_tensor_slices((x_shard, y_shard))
+        .shuffle(10000, seed=args.seed + rank).repeat()
+        .batch(args.batch_size, drop_remainder=True))
 
     # Conv(16)-pool-Conv(32)-pool, Dropout(0.25), Dense(64), Dense(10)
     model = common.build_convnet(filters=(16, 32), dropout=0.25)
