@@ -137,13 +137,14 @@ def time_grad_list(grads, mode: str, iters: int):
     return times, colls
 
 
-def measure_grad_modes(grads, iters: int, grouped: bool, rounds: int = GRAD_ROUNDS):
+def measure_grad_modes(grads, iters: int, grouped: bool, rounds: int = GRAD_ROUNDS, copier=None):
     """Times of every gradient-list mode, interleaved: ``rounds`` rounds, each running every mode
     in turn (``iters / rounds`` lists of the fused modes, a third of that of the slow unfused
     ones, each after :data:`GRAD_WARMUP_SWITCH` untimed lists), so that a slow stretch of the
     machine hits every mode alike instead of one block.  Unfused = fusion threshold 0, set with
     ``set_fusion_threshold`` (rank 0's value plans every rank's buckets).  Returns
-    ``{mode: (times, collectives per list)}``; modes: async, grouped, sequential, unfused."""
+    ``{mode: (times, collectives per list)}``; modes: async, grouped, sequential, unfused, and
+    "copy" (``copier.time_copy()`` once per round, when a :class:`CopyTimer` is given)."""
     threshold = sdp.api.fusion_threshold()
     modes = [("async", "async", threshold, 1), ("sequential", "sequential", threshold, 3),
              ("unfused", "async", 0, 3)]
@@ -158,28 +159,33 @@ def measure_grad_modes(grads, iters: int, grouped: bool, rounds: int = GRAD_ROUN
             t, c = time_grad_list(grads, mode, max(1, per_round // div))
             out[key][0].extend(t)
             out[key][1].extend(c)
+        if copier is not None:
+            out.setdefault("copy", ([], []))[0].append(copier.time_copy())
     sdp.api.set_fusion_threshold(threshold)
     return out
 
 
-def memory_floor(nbytes: int, n: int, iters: int = 10):
-    """``(floor_s, copy_s)``: the time the memory traffic of a shared-memory allreduce of
-    ``nbytes`` needs on this machine, measured now.  ``copy_s``: every rank copying ``nbytes``
-    (``np.copyto``, out of cache) at the same time, median, max over ranks.  Per rank the
-    shared-memory path reads and writes ``2 * nbytes * (n-1)/n`` packing the peers' chunks and
-    ``2 * nbytes`` reducing its chunk and pushing it to every peer (see
-    ``sdp.engine.collectives.allreduce_staged``), i.e. ``1 + (n-1)/n`` copies of ``nbytes``."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst, spare = np.empty_like(src), np.empty_like(src)  # spare: evicts src/dst from cache between copies
-    times = []
-    for _ in range(iters):
-        np.copyto(spare, 1.0)
+class CopyTimer:
+    """The memory floor of a shared-memory allreduce of ``nbytes``: :meth:`time_copy` times one
+    ``np.copyto`` of ``nbytes`` out of cache while every rank copies at the same time (``copies``
+    back to back after a barrier, alternating between two source/destination pairs that together
+    exceed any cache).  Per rank the shared-memory path reads and writes ``2 * nbytes * (n-1)/n``
+    packing the peers' chunks and ``2 * nbytes`` reducing its chunk and pushing it to every peer
+    (see ``sdp.engine.collectives.allreduce_staged``): :attr:`copies_per_allreduce` =
+    ``1 + (n-1)/n`` copies of ``nbytes``."""
+
+    def __init__(self, nbytes: int, n: int, copies: int = 6):
+        self.pairs = [(np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)) for _ in range(2)]
+        for src, dst in self.pairs:
+            np.copyto(dst, src)  # first touch, outside the timing
+        self.copies, self.copies_per_allreduce = copies, 1 + (n - 1) / n
+
+    def time_copy(self) -> float:
         sdp.barrier()
         t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    copy_s = max_over_ranks(statistics.median(times), "floor.copy")
-    return copy_s * (1 + (n - 1) / n), copy_s
+        for k in range(self.copies):
+            np.copyto(self.pairs[k % 2][1], self.pairs[k % 2][0])
+        return (time.perf_counter() - t0) / self.copies
 
 
 @dataclasses.dataclass
@@ -328,7 +334,10 @@ def main(argv=None) -> int:
         time_grad_list(grads, "async", GRAD_WARMUP)  # warm up (response cache, result pool pages)
         est, _ = time_grad_list(grads, "async", 1)
         iters = args.fused_iters or plan_iters(max_over_ranks(est[0], "fused.plan"), 2.0, 5, 50)
-        times = measure_grad_modes(grads, iters, hasattr(sdp.api, "grouped_allreduce_async"))
+        copier = None
+        if Config.from_env().shm_slab_bytes >= GRAD_COUNT * GRAD_BYTES and sdp.local_size() == n > 1:
+            copier = CopyTimer(GRAD_COUNT * GRAD_BYTES, n)  # the memory floor, measured between the modes
+        times = measure_grad_modes(grads, iters, hasattr(sdp.api, "grouped_allreduce_async"), copier=copier)
         f_t, f_c = times["async"]
         g_t, g_c = times.get("grouped", (None, None))
         s_t, s_c = times["sequential"]
@@ -336,10 +345,10 @@ def main(argv=None) -> int:
         fused = {k: (max_over_ranks(statistics.median(v), f"gl.{k}"), int(statistics.median(c)), len(v))
                  for k, v, c in (("fused", f_t, f_c), ("grouped", g_t, g_c), ("unfused", u_t, u_c),
                                  ("sequential", s_t, s_c)) if v}
-        del grads
-        cfg = Config.from_env()
-        if cfg.shm_slab_bytes >= GRAD_COUNT * GRAD_BYTES and sdp.local_size() == n > 1:
-            floor = memory_floor(GRAD_COUNT * GRAD_BYTES, n)
+        if copier is not None:
+            copy_s = max_over_ranks(statistics.median(times["copy"][0]), "floor.copy")
+            floor = (copy_s * copier.copies_per_allreduce, copy_s)
+        del grads, copier
 
     # 4. baselines (sdp's work is done: the TF workers get both cores) ---------------------------
     tf_note = "tf: not measured (--baseline none)"
