@@ -88,6 +88,11 @@ def test_gradient_buckets_are_submitted_one_by_one_and_match_numpy(threshold, bu
                 np.testing.assert_allclose(got, w, rtol=1e-6, err_msg=mode)
 
 
+def test_gradients_held_across_steps_keep_their_values():
+    # 200 steps x 1 MB: the shared-memory result pool (128 MB) fills and results move to the heap
+    assert check_ok(run_workers(2, "workers_tf_api:held_gradients", [200], timeout=180)) == [[], []]
+
+
 def test_aligned_results_reach_tensorflow_without_a_copy():
     import tensorflow as tf
 

@@ -201,3 +201,26 @@ def buckets(threshold, steps):
                if op.type == "EagerPyFunc" and op.name.startswith("submit")]
     return {"graph": [g.numpy().tolist() for g in graph_grads],
             "eager": [g.numpy().tolist() for g in grads()], "submits": len(submits)}
+
+
+def held_gradients(steps):
+    """Gradients of 1 MB kept by the caller over ``steps`` steps (more than the 128 MB result
+    pool holds): each must keep its own step's value, though TensorFlow holds the engine's result
+    memory itself (DLPack) and later steps reduce into new results.  Returns the bad steps."""
+    import tensorflow as tf
+
+    import sdp.tensorflow as hvd
+    r = hvd.rank()
+    w = tf.Variable(tf.zeros([256, 1024]))
+
+    @tf.function
+    def grad(k):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * k * (r + 1.0))
+        return hvd.DistributedGradientTape(tape).gradient(loss, [w])[0]
+
+    held = [grad(tf.constant(float(k + 1))) for k in range(steps)]
+    held += [hvd.allreduce(tf.fill([256, 1024], float(k + 1) * (r + 1)), name="held.eager") for k in range(20)]
+    want = [1.5 * (k + 1) for k in range(steps)] + [1.5 * (k + 1) for k in range(20)]
+    return [i for i, (g, v) in enumerate(zip(held, want))
+            if not (float(tf.reduce_min(g)) == v == float(tf.reduce_max(g)))]
