@@ -23,6 +23,7 @@ import tensorflow as tf
 from sdp import api
 from sdp.common.errors import SdpError
 from sdp.common.reduce_ops import ReduceOp, check_dtype
+from sdp.engine.fusion import ALIGN_BYTES  # results start on this boundary: TensorFlow's EIGEN_MAX_ALIGN_BYTES
 
 class XlaNotSupportedError(SdpError, NotImplementedError):
     """An sdp collective was placed in a function compiled with XLA (``jit_compile=True``).
@@ -188,12 +189,10 @@ class Batch:
             tokens.append(_submit_op(_starter(kind, items, rargs), [self._tensors[i] for i in idx],
                                      items[0][1]))
             order.extend(idx)
-        outs = _wait_op(tokens, [self._tensors[i].dtype for i in order], [self._shapes[i] for i in order],
-                        self._tensors, order, (self._reduce or self._gather or self._bcast)[0][1])
-        return outs
+        return _wait_op(tokens, [self._tensors[i].dtype for i in order], [self._shapes[i] for i in order],
+                        order, (self._reduce or self._gather or self._bcast)[0][1])
 
 
-_ALIGN = 64  # bytes: TensorFlow's EIGEN_MAX_ALIGN_BYTES on AVX-512 builds
 _PENDING = {}  # token -> handles of one submit op, until the wait op takes them
 _TOKENS = itertools.count(1)
 
@@ -251,7 +250,7 @@ def as_output(arr: np.ndarray):
     TensorFlow can use that memory as it is (C-contiguous, 64-byte aligned, as the engine's
     results are; TensorFlow aborts on a misaligned one), else ``arr`` itself, which py_function
     copies (~6 GB/s here, 9 ms for 56 MB of gradients per step)."""
-    if arr.size and arr.flags.c_contiguous and arr.flags.writeable and arr.ctypes.data % _ALIGN == 0:
+    if arr.size and arr.flags.c_contiguous and arr.flags.writeable and arr.ctypes.data % ALIGN_BYTES == 0:
         try:
             return tf.experimental.dlpack.from_dlpack(arr.__dlpack__())
         except (BufferError, TypeError, ValueError, tf.errors.OpError):  # a dtype DLPack does not carry
@@ -259,9 +258,9 @@ def as_output(arr: np.ndarray):
     return arr
 
 
-def _wait_op(tokens, dtypes, shapes, tensors, order, name):
+def _wait_op(tokens, dtypes, shapes, order, name):
     """One py_function that waits for every handle behind ``tokens``; returns the results in
-    ``tensors`` order (``order``: the tensor index of each handle, in token order)."""
+    tensor-index order (``order``: the tensor index of each handle, in token order)."""
     np_dtypes = [d.as_numpy_dtype for d in dtypes]
 
     def body(*toks):
@@ -271,7 +270,7 @@ def _wait_op(tokens, dtypes, shapes, tensors, order, name):
     outs = tf.py_function(func=body, inp=tokens, Tout=list(dtypes), name=_sanitize(name)[:100] if name else None)
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
-    result = [None] * len(tensors)
+    result = [None] * len(order)
     for i, o, s in zip(order, outs, shapes):
         o.set_shape(s)
         result[i] = o
