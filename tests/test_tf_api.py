@@ -93,6 +93,25 @@ def test_gradients_held_across_steps_keep_their_values():
     assert check_ok(run_workers(2, "workers_tf_api:held_gradients", [200], timeout=180)) == [[], []]
 
 
+def test_failures_inside_a_tf_function_step_name_ranks_and_values():
+    # a mismatch: every rank's step raises TensorFlow's InvalidArgumentError (TensorMismatchError
+    # is a ValueError) carrying sdp's message; the first step includes tracing, hence 5 s
+    for rank, (etype, msg, seconds) in enumerate(check_ok(run_workers(2, "workers_tf_api:failures",
+                                                                      ["mismatch"], timeout=120))):
+        assert etype == "InvalidArgumentError", (rank, etype)
+        assert ("TensorMismatchError: allreduce of 'sdp.DistributedGradientTape.grad_0': shape mismatch, "
+                "rank 0 has [2, 3], rank 1 has [3, 3]") in msg, (rank, msg[-800:])
+        assert seconds < 5, (rank, seconds)
+    # a lost peer: the two survivors' steps raise UnknownError carrying PeerLostError within 10 s
+    results = run_workers(3, "workers_tf_api:failures", ["peer_lost"], timeout=120)
+    assert results[2].returncode == -9
+    for r in (0, 1):
+        assert results[r].ok, results[r].stderr[-2000:]
+        etype, msg, seconds = results[r].value
+        assert etype == "UnknownError" and "PeerLostError: lost connection to rank 2" in msg, (r, msg[-800:])
+        assert seconds < 10, (r, seconds)
+
+
 def test_aligned_results_reach_tensorflow_without_a_copy():
     import tensorflow as tf
 

@@ -224,3 +224,35 @@ def held_gradients(steps):
     want = [1.5 * (k + 1) for k in range(steps)] + [1.5 * (k + 1) for k in range(20)]
     return [i for i, (g, v) in enumerate(zip(held, want))
             if not (float(tf.reduce_min(g)) == v == float(tf.reduce_max(g)))]
+
+
+def failures(kind):
+    """What a TensorFlow user sees when a collective fails inside a training step: ``mismatch``
+    (rank 0 has a [2, 3] variable, rank 1 a [3, 3] one) or ``peer_lost`` (rank 2 of 3 kills itself
+    after 3 steps).  Returns ``[error type, message, seconds from the failing step's start]``."""
+    import os
+    import signal
+    import time
+
+    import tensorflow as tf
+
+    import sdp.tensorflow as hvd
+    r = hvd.rank()
+    w = tf.Variable(tf.ones([2, 3] if kind == "mismatch" and r == 0 else [3, 3]))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * w)
+        return hvd.DistributedGradientTape(tape).gradient(loss, [w])[0]
+
+    t0 = time.monotonic()
+    try:
+        for k in range(1000):
+            t0 = time.monotonic()
+            step()
+            if kind == "peer_lost" and k == 2 and r == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever TensorFlow raised
+        return [type(e).__name__, str(e), time.monotonic() - t0]
+    return ["none", "", time.monotonic() - t0]
