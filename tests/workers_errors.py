@@ -214,3 +214,11 @@ def unsupported_dtypes():
             errs.append(str(e).split(" is not supported")[0])
     moved = sdp.allgather(np.array(["ab", "c"]), name="strs").tolist()
     return [errs, moved, float(sdp.allreduce(np.ones(2), name="after", op=sdp.Sum)[0])]
+
+
+def timed_shutdown(_):
+    """Seconds this rank's ``sdp.shutdown()`` takes when every rank shuts down at about once."""
+    sdp.allreduce(np.ones(4), name="before.shutdown")
+    t = time.monotonic()
+    sdp.shutdown()
+    return time.monotonic() - t

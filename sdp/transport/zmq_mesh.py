@@ -31,6 +31,7 @@ MAGIC = b"SDP1"
 HEADER = struct.Struct("<4sBIQ")
 # message kinds
 HELLO, CTRL, DATA, BYE, SYNC, ABORT = 1, 2, 3, 4, 5, 6
+BYE_WAIT_S = 0.05  # seconds a closing rank waits for the BYEs of peers that are closing too
 COPY_BELOW = 64 * 1024  # bytes: smaller payloads are copied (cheaper than tracking)
 LOSS_GRACE_S = 1.0  # seconds a dropped peer's other connection may still deliver its last messages
 
@@ -287,18 +288,29 @@ class Mesh:
     def close(self, linger_s: float = 2.0) -> None:
         """Say BYE to every live peer and close.  Does not wait for the peers (a rank may leave
         while others still compute); ZeroMQ keeps delivering what is queued for up to
-        ``linger_s`` seconds (a dead peer's share is dropped then)."""
+        ``linger_s`` seconds (a dead peer's share is dropped then).  A BYE queued to a peer that
+        has closed would hold the close for the whole ``linger_s`` (the last rank of a job to shut
+        down took 2.1 s in 4 runs of 6): so a peer that said BYE gets none back, and a peer that
+        is leaving too gets up to ``BYE_WAIT_S`` for its BYE to arrive."""
+        self._drain_router()  # first: the BYEs that arrived (read, so TCP closes with FIN, not RST)
         for r in self.dealers:
-            if r not in self.lost:
+            if r not in self.lost and r not in self.departed:
                 try:
                     self.send(r, BYE)
                 except zmq.ZMQError:
                     pass
-        self._drain_router()  # read what arrived, so TCP closes with FIN, not RST
+        deadline = time.monotonic() + min(linger_s, BYE_WAIT_S)
+        while set(self.dealers) - set(self.lost) - self.departed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if self.router.poll(left * 1000):
+                self._drain_router()
+        gone = set(self.lost) | self.departed
         for mon in self.monitors:
             mon.close(linger=0)
-        for d in self.dealers.values():
-            d.close(linger=int(linger_s * 1000))
+        for r, d in self.dealers.items():
+            d.close(linger=0 if r in gone else int(linger_s * 1000))
         self.router.close(linger=0)
         self.ctx.term()
         try:
