@@ -16,8 +16,10 @@ def _assert_weights(a, b, **kw):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
 
 
-def test_sgd_fit_equals_single_process_on_concatenated_batches():
-    values = check_ok(run_workers(2, "workers_tf_keras:sgd_fit_matches_single_process", [5], timeout=180))
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_sgd_fit_equals_single_process_on_concatenated_batches(steps_per_execution):
+    values = check_ok(run_workers(2, "workers_tf_keras:sgd_fit_matches_single_process",
+                                  [5, False, steps_per_execution], timeout=180))
     _assert_weights(values[0]["weights"], values[1]["weights"], rtol=0, atol=0)
     _assert_weights(values[0]["weights"], values[0]["reference"], rtol=1e-5, atol=1e-6)
     for v in values:

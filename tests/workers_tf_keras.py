@@ -41,15 +41,17 @@ def _legacy_sgd(tf, lr, legacy):
     return tf.keras.optimizers.legacy.SGD(lr) if legacy else tf.keras.optimizers.SGD(lr)
 
 
-def sgd_fit_matches_single_process(steps, legacy=False):
-    """model.fit with a wrapped SGD on each rank's shard == plain SGD on the concatenated batches."""
+def sgd_fit_matches_single_process(steps, legacy=False, steps_per_execution=1):
+    """model.fit with a wrapped SGD on each rank's shard == plain SGD on the concatenated batches.
+    ``steps_per_execution`` > 1 runs several steps in one traced loop (the same collective names
+    in every iteration)."""
     import tensorflow as tf
 
     import sdp.tensorflow.keras as hvd
     r, n = hvd.rank(), hvd.size()
     model = _model(tf, seed=r)  # different initial weights per rank: the callback must fix that
     opt = hvd.DistributedOptimizer(_legacy_sgd(tf, 0.1, legacy))
-    model.compile(optimizer=opt, loss="mse")
+    model.compile(optimizer=opt, loss="mse", steps_per_execution=steps_per_execution)
     x, y = _shard(r, steps)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
