@@ -31,4 +31,4 @@ def test_allreduce_benchmark_prints_both_tables_and_the_memory_floor():
     assert int(colls["fused: 100 x allreduce_async, wait all"]) <= 3, colls
     assert colls["unfused: allreduce_async, fusion threshold 0"] == "100", colls
     floor = re.search(r"memory floor \(shared memory, 2 ranks\): ([0-9.]+) ms = 1.50 x ([0-9.]+) ms", out)
-    assert floor and abs(float(floor.group(1)) - 1.5 * float(floor.group(2))) <= 0.0126  # both printed to 0.01 ms, out[-2000:]
+    assert floor and abs(float(floor.group(1)) - 1.5 * float(floor.group(2))) <= 0.0126, out[-2000:]  # both printed to 0.01 ms
