@@ -95,7 +95,7 @@ def test_gradients_held_across_steps_keep_their_values():
 
 def test_failures_inside_a_tf_function_step_name_ranks_and_values():
     # a mismatch: every rank's step raises TensorFlow's InvalidArgumentError (TensorMismatchError
-    # is a ValueError) carrying sdp's message; the first step includes tracing, hence 5 s
+    # is a ValueError) carrying sdp's message
     for rank, (etype, msg, seconds) in enumerate(check_ok(run_workers(2, "workers_tf_api:failures",
                                                                       ["mismatch"], timeout=120))):
         assert etype == "InvalidArgumentError", (rank, etype)
