@@ -29,13 +29,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import sdp  # noqa: E402
-
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
+from allreduce import parse_size  # noqa: E402  (this folder: the benchmarks' shared helpers)
 
 
 def main(argv=None) -> int:

@@ -24,18 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 import sdp.tensorflow as sdp
+from allreduce import max_over_ranks, parse_size  # this folder: the benchmarks' shared helpers
 from sdp import api
-
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
-
-
-def max_over_ranks(x: float, name: str) -> float:
-    return float(api.allreduce(np.array([x]), name=name, op=sdp.Max)[0])
 
 
 def timed(fn, steps: int, name: str) -> float:

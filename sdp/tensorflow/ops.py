@@ -217,17 +217,16 @@ def _starter(kind, items, rargs):
         if kind == "allreduce":
             op, pre, post = rargs
             return api.grouped_allreduce_async(arrays, [it[1] for it in items], op, pre, post)
-        handles, by_root = [], {}
+        handles, by_root = {}, {}
         for a, it in zip(arrays, items):
             if len(it) == 2:
-                handles.append((it[0], api.allgather_async(a, it[1])))
+                handles[it[0]] = api.allgather_async(a, it[1])
             else:
                 by_root.setdefault(it[2], []).append((it[0], a, it[1]))
         for root, group in by_root.items():
             hs = api.grouped_broadcast_async([a for _, a, _ in group], root, [n for *_, n in group])
-            handles.extend((i, h) for (i, _, _), h in zip(group, hs))
-        pos = {it[0]: k for k, it in enumerate(items)}
-        return [h for _, h in sorted(handles, key=lambda ih: pos[ih[0]])]
+            handles.update((i, h) for (i, _, _), h in zip(group, hs))
+        return [handles[it[0]] for it in items]
     return start
 
 
