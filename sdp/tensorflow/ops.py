@@ -96,14 +96,23 @@ def _as_tensor(t):
     return tf.convert_to_tensor(t)
 
 
-def _run_numpy(fn, tensors, out_dtypes, out_shapes, name):
-    """Run ``fn(list of numpy arrays) -> list of numpy arrays`` as one py_function op (inputs as
-    read-only views, outputs as in :func:`as_output`)."""
+def run_numpy(fn, tensors, out_dtypes, out_shapes, name):
+    """Run ``fn(list of numpy arrays) -> list of arrays`` as one ``tf.py_function`` op.
+
+    Inputs reach ``fn`` as read-only views (no copy); each output is cast to its entry of
+    ``out_dtypes`` (TensorFlow dtypes) and handed out as in :func:`as_output`, then given its
+    entry of ``out_shapes``.  With no ``out_dtypes`` (a side effect) returns what
+    ``tf.py_function`` does: ``[]`` eagerly, the operation in graphs."""
+    np_dtypes = [tf.as_dtype(d).as_numpy_dtype for d in out_dtypes]
+
     def body(*ts):
-        return [as_output(a) for a in fn([np.asarray(t) for t in ts])]  # read-only input views
+        outs = fn([np.asarray(t) for t in ts])  # read-only input views
+        return [as_output(np.asarray(o, dtype=d)) for o, d in zip(outs, np_dtypes)]
 
     outs = tf.py_function(func=body, inp=list(tensors), Tout=list(out_dtypes),
                           name=_sanitize(name)[:100] if name else None)
+    if not out_dtypes:
+        return outs
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
     outs = list(outs)
@@ -350,10 +359,9 @@ def alltoall_tensor(tensor, splits, name):
 
     def fn(arrays):
         a, s = arrays
-        out, rsplits = api.alltoall(a, None if s.size == 0 else [int(x) for x in s], name)
-        return [np.asarray(out, dtype=a.dtype), np.asarray(rsplits, dtype=np.int32)]
+        return api.alltoall(a, None if s.size == 0 else [int(x) for x in s], name)
 
-    out, rsplits = _run_numpy(fn, [tensor, splits_t], [tensor.dtype, tf.int32],
+    out, rsplits = run_numpy(fn, [tensor, splits_t], [tensor.dtype, tf.int32],
                               [_gathered_shape(tensor), tf.TensorShape([n])], name)
     return out, rsplits
 
@@ -369,10 +377,9 @@ def reducescatter_tensor(tensor, name, op, prescale_factor=1.0, postscale_factor
     _check_dtype(tensor, "reducescatter", name, ReduceOp(int(op)), float(prescale_factor), float(postscale_factor))
 
     def fn(arrays):
-        return [np.asarray(api.reducescatter(arrays[0], name, op, prescale_factor, postscale_factor),
-                           dtype=arrays[0].dtype)]
+        return [api.reducescatter(arrays[0], name, op, prescale_factor, postscale_factor)]
 
-    return _run_numpy(fn, [tensor], [tensor.dtype], [_gathered_shape(tensor)], name)[0]
+    return run_numpy(fn, [tensor], [tensor.dtype], [_gathered_shape(tensor)], name)[0]
 
 
 def np_dtype(dtype) -> np.dtype:

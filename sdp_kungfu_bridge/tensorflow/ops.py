@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from sdp import api
 from sdp.common.reduce_ops import ReduceOp
-from sdp.tensorflow.ops import as_output
+from sdp.tensorflow.ops import run_numpy
 from sdp_kungfu_bridge import _cluster, _model_store
 from sdp_kungfu_bridge.python import (_get_other_ranks, current_cluster_size,  # noqa: F401
                                       current_local_rank, current_local_size, current_rank,
@@ -63,10 +63,6 @@ def collective_name(kind: str) -> str:
     return f"kf.{kind}.g.{g.unique_name('kf_' + kind, mark_as_used=True)}"
 
 
-def _op_name(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "_-" else "_" for c in name)[:100] or None
-
-
 def _tensor(t):
     if t is None:
         return None
@@ -76,20 +72,13 @@ def _tensor(t):
 
 
 def py_op(fn, inputs, out_dtypes, out_shapes, name):
-    """Run ``fn(*numpy arrays) -> list of arrays`` as one ``tf.py_function``; set output shapes."""
-    def body(*ts):
+    """Run ``fn(*numpy arrays) -> list of arrays`` as one ``tf.py_function`` on the current
+    cluster (see :func:`sdp.tensorflow.ops.run_numpy`)."""
+    def call(arrays):
         _cluster.ensure()
-        outs = fn(*[np.asarray(t) for t in ts])  # read-only views of the inputs, no copy
-        return [as_output(np.asarray(o, dtype=tf.as_dtype(d).as_numpy_dtype)) for o, d in zip(outs, out_dtypes)]
+        return fn(*arrays)
 
-    outs = tf.py_function(func=body, inp=list(inputs), Tout=list(out_dtypes), name=_op_name(name))
-    if not out_dtypes:
-        return outs  # [] eagerly, the Operation in graphs
-    if not isinstance(outs, (list, tuple)):
-        outs = [outs]
-    for o, s in zip(outs, out_shapes):
-        o.set_shape(s)
-    return list(outs)
+    return run_numpy(call, inputs, out_dtypes, out_shapes, name)
 
 
 def _done(op):
