@@ -1,191 +1,20 @@
 """Peer-to-peer model store: ``save_variable`` / ``request_variable`` and ``PairAveragingOptimizer``.
 
-Every worker keeps its latest saved arrays (by name, with a few recent versions) in memory and
-serves them to peers from a background thread on its own ZeroMQ ROUTER socket, so a peer can pull
-a model at any time without the owner taking part: a slow or sleeping owner never stalls the
-requester (AD-PSGD's premise).
-
-Why this lives in the bridge and not in the engine: the engine's collectives are all-rank and
-negotiated (every rank must submit the same name), while a model pull is one-sided and
-asynchronous.  It needs a server that answers while its owner computes, which is a different
-transport pattern, and only the KungFu face uses it.  It is kept to this one module.
-
-Protocol (JSON headers, never pickle): a DEALER sends ``[{"id", "name", "version"}]``; the server
-answers ``[{"id", "ok": true, "dtype", "shape", "version"}, payload]`` or
-``[{"id", "ok": false, "error"}]``.  Replies carry the request id, so a late answer to a request
-that timed out is dropped.  Peer addresses are exchanged with ``sdp.api.allgather_object`` at the
-start of each cluster epoch (:func:`on_epoch`).  Every wait has a deadline
-(``SDP_STORE_TIMEOUT`` seconds, default 60): :class:`StoreTimeoutError`.
+Every worker keeps its latest saved arrays (by name, with a few recent versions) in a
+:class:`sdp.transport.store.Server` and pulls peers' arrays with a
+:class:`sdp.transport.store.Client`, at any time and without the owner taking part (AD-PSGD's
+premise).  Peer addresses are exchanged with ``sdp.api.allgather_object`` at the start of each
+cluster epoch (:func:`on_epoch`).  Raises :class:`StoreError` / :class:`StoreTimeoutError`
+(``SDP_STORE_TIMEOUT`` seconds, default 60).
 """
 import atexit
-import collections
-import itertools
-import json
-import logging
-import os
 import threading
-import time
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional
 
 import numpy as np
-import zmq
 
 from sdp import api
-from sdp.common.errors import SdpError
-
-log = logging.getLogger("sdp.kungfu.store")
-
-KEEP_VERSIONS = 8
-TIMEOUT_ENV = "SDP_STORE_TIMEOUT"
-
-
-class StoreError(SdpError):
-    """A model-store request failed (unknown name or version, bad answer)."""
-
-
-class StoreTimeoutError(StoreError, TimeoutError):
-    """A peer's model store did not answer within the deadline (is the peer alive?)."""
-
-
-def default_timeout() -> float:
-    try:
-        return float(os.environ.get(TIMEOUT_ENV) or 60.0)
-    except ValueError:
-        return 60.0
-
-
-class _Entry:
-    """The saved values of one name: the latest and a few recent versions."""
-
-    def __init__(self):
-        self.latest: Optional[Tuple[np.ndarray, Optional[int]]] = None
-        self.versions: "collections.OrderedDict[int, np.ndarray]" = collections.OrderedDict()
-
-
-class Server:
-    """This process's store and the thread that serves it."""
-
-    def __init__(self, host: str):
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
-        self._data: Dict[str, _Entry] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.served = 0
-        self._thread = threading.Thread(target=self._serve, name="sdp-kungfu-store", daemon=True)
-        self._thread.start()
-
-    def save(self, name: str, array, version: Optional[int] = None) -> None:
-        arr = np.array(array, copy=True, order="C")  # stored arrays are never mutated
-        with self._lock:
-            e = self._data.setdefault(name, _Entry())
-            e.latest = (arr, version)
-            if version is not None:
-                e.versions[int(version)] = arr
-                while len(e.versions) > KEEP_VERSIONS:
-                    e.versions.popitem(last=False)
-
-    def get(self, name: str, version: Optional[int] = None) -> Tuple[np.ndarray, Optional[int]]:
-        with self._lock:
-            e = self._data.get(name)
-            if e is None or e.latest is None:
-                raise StoreError(f"no variable named {name!r} has been saved (saved: {sorted(self._data)})")
-            if version is None:
-                return e.latest
-            arr = e.versions.get(int(version))
-            if arr is None:
-                raise StoreError(f"version {version} of {name!r} is not in the store "
-                                 f"(has versions {list(e.versions)})")
-            return arr, int(version)
-
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            try:
-                if not poller.poll(100):
-                    continue
-                frames = self._sock.recv_multipart()
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    return
-                raise
-            if len(frames) != 2:
-                log.warning("model store: dropping malformed request (%d frames)", len(frames))
-                continue
-            ident = frames[0]
-            try:
-                req = json.loads(frames[1])
-                rid, name, version = req["id"], str(req["name"]), req.get("version")
-            except (ValueError, KeyError, TypeError):
-                log.warning("model store: dropping foreign request %r", frames[1][:64])
-                continue
-            try:
-                arr, ver = self.get(name, version)
-            except StoreError as e:
-                self._sock.send_multipart([ident, json.dumps({"id": rid, "ok": False, "error": str(e)}).encode()])
-                continue
-            head = {"id": rid, "ok": True, "dtype": arr.dtype.str, "shape": list(arr.shape), "version": ver}
-            self._sock.send_multipart([ident, json.dumps(head).encode(), arr.reshape(-1).view(np.uint8)])
-            self.served += 1
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-        self._sock.close(linger=0)
-        self._ctx.term()
-
-
-class Client:
-    """DEALER sockets to peers' stores, one per address, each used under its own lock."""
-
-    def __init__(self):
-        self._ctx = zmq.Context()
-        self._socks: Dict[str, Tuple[zmq.Socket, threading.Lock]] = {}
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-
-    def _socket(self, address: str):
-        with self._lock:
-            if address not in self._socks:
-                s = self._ctx.socket(zmq.DEALER)
-                s.setsockopt(zmq.LINGER, 0)
-                s.connect(address)
-                self._socks[address] = (s, threading.Lock())
-            return self._socks[address]
-
-    def request(self, address: str, name: str, version: Optional[int] = None,
-                timeout: Optional[float] = None, peer: str = "peer") -> Tuple[np.ndarray, Optional[int]]:
-        timeout = default_timeout() if timeout is None else timeout
-        sock, lock = self._socket(address)
-        rid = next(self._ids)
-        deadline = time.monotonic() + timeout
-        with lock:
-            sock.send(json.dumps({"id": rid, "name": name, "version": version}).encode())
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sock.poll(int(left * 1000) + 1):
-                    raise StoreTimeoutError(
-                        f"{peer} ({address}) did not answer a request for {name!r} within {timeout:g} s")
-                frames = sock.recv_multipart()
-                head = json.loads(frames[0])
-                if head.get("id") != rid:
-                    continue  # the late answer to an earlier request that timed out
-                if not head.get("ok"):
-                    raise StoreError(f"{peer}: {head.get('error')}")
-                payload = frames[1] if len(frames) > 1 else b""
-                arr = np.frombuffer(payload, dtype=np.dtype(head["dtype"])).reshape(head["shape"]).copy()
-                return arr, head.get("version")
-
-    def close(self) -> None:
-        with self._lock:
-            for s, _ in self._socks.values():
-                s.close(linger=0)
-            self._socks.clear()
-        self._ctx.term()
+from sdp.transport.store import Client, Server, StoreError, StoreTimeoutError  # noqa: F401 - re-exported
 
 
 _server: Optional[Server] = None

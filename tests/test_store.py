@@ -1,0 +1,72 @@
+"""sdp.transport.store: one process, a real server thread and real ZeroMQ sockets."""
+import json
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from sdp.transport.store import KEEP_VERSIONS, Client, Server, StoreError, StoreTimeoutError
+
+
+@pytest.fixture
+def pair():
+    server, client = Server("127.0.0.1"), Client()
+    yield server, client
+    client.close()
+    server.close()
+
+
+def test_latest_and_versions(pair):
+    server, client = pair
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    server.save("w", a, version=1)
+    a += 1  # the store keeps its own copy
+    server.save("w", np.full((3, 4), 7, np.float32), version=2)
+    got, ver = client.request(server.address, "w", timeout=5)
+    assert ver == 2 and got.dtype == np.float32 and got.shape == (3, 4) and (got == 7).all()
+    got, ver = client.request(server.address, "w", version=1, timeout=5)
+    assert ver == 1 and np.array_equal(got, np.arange(12, dtype=np.float32).reshape(3, 4))
+    for v in range(3, 3 + KEEP_VERSIONS):
+        server.save("w", np.zeros(1), version=v)
+    with pytest.raises(StoreError, match="version 1 of 'w' is not in the store"):
+        client.request(server.address, "w", version=1, timeout=5)
+
+
+def test_unknown_name_is_an_error(pair):
+    server, client = pair
+    server.save("w", np.zeros(2))
+    with pytest.raises(StoreError, match=r"no variable named 'b'.*saved: \['w'\]"):
+        client.request(server.address, "b", timeout=5, peer="rank 1")
+
+
+def test_foreign_requests_are_dropped_and_the_server_keeps_serving(pair):
+    server, client = pair
+    server.save("w", np.ones(3, np.int64))
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(server.address)
+    s.send(b"\xff not json")
+    s.send_multipart([b"two", b"frames"])
+    s.send(json.dumps({"no": "id"}).encode())
+    s.close()
+    got, _ = client.request(server.address, "w", timeout=5)
+    assert np.array_equal(got, np.ones(3, np.int64)) and server.served == 1
+
+
+def test_silent_peer_times_out():
+    ctx = zmq.Context()
+    mute = ctx.socket(zmq.ROUTER)  # accepts the request, never answers
+    mute.setsockopt(zmq.LINGER, 0)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    client = Client()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreTimeoutError, match=r"rank 3 .* did not answer a request for 'w' within 0.3 s"):
+            client.request(f"tcp://127.0.0.1:{port}", "w", timeout=0.3, peer="rank 3")
+        assert time.monotonic() - t0 < 3
+    finally:
+        client.close()
+        mute.close()
+        ctx.term()
