@@ -1,5 +1,6 @@
 """sdp.transport.store: one process, a real server thread and real ZeroMQ sockets."""
 import json
+import threading
 import time
 
 import numpy as np
@@ -69,4 +70,32 @@ def test_silent_peer_times_out():
     finally:
         client.close()
         mute.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("answer", [[b"not json"], [b"[1, 2]"],
+                                    [b'{"id": 1, "ok": true, "dtype": "<f4", "shape": [3]}', b"12345"]])
+def test_malformed_answer_is_an_error(answer):
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.ROUTER)  # answers every request with ``answer``
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    client = Client()
+    try:
+        address = f"tcp://127.0.0.1:{port}"
+        client._socket(address)  # connect first, so the request is not lost
+
+        def serve():
+            if fake.poll(5000):
+                ident, _ = fake.recv_multipart()
+                fake.send_multipart([ident] + answer)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        with pytest.raises(StoreError, match=r"rank 2 \(tcp://.*\) sent a malformed"):
+            client.request(address, "w", timeout=5, peer="rank 2")
+        t.join(5)
+    finally:
+        client.close()
+        fake.close()
         ctx.term()

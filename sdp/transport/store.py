@@ -42,6 +42,7 @@ class StoreTimeoutError(StoreError, TimeoutError):
 
 
 def default_timeout() -> float:
+    """Seconds a request waits for its answer: ``SDP_STORE_TIMEOUT``, default 60."""
     try:
         return float(os.environ.get(TIMEOUT_ENV) or 60.0)
     except ValueError:
@@ -69,10 +70,12 @@ class Server:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.served = 0
-        self._thread = threading.Thread(target=self._serve, name="sdp-kungfu-store", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="sdp-store", daemon=True)
         self._thread.start()
 
     def save(self, name: str, array, version: Optional[int] = None) -> None:
+        """Keep a copy of ``array`` (any shape and dtype) as ``name``'s latest value and, if
+        ``version`` is given, as that version (the last ``KEEP_VERSIONS`` are kept)."""
         arr = np.array(array, copy=True, order="C")  # stored arrays are never mutated
         with self._lock:
             e = self._data.setdefault(name, _Entry())
@@ -83,6 +86,8 @@ class Server:
                     e.versions.popitem(last=False)
 
     def get(self, name: str, version: Optional[int] = None) -> Tuple[np.ndarray, Optional[int]]:
+        """``(array, version)`` saved as ``name`` (latest, or ``version``); the array is the
+        store's own, not to be written.  Raises :class:`StoreError` for an unknown name/version."""
         with self._lock:
             e = self._data.get(name)
             if e is None or e.latest is None:
@@ -153,6 +158,10 @@ class Client:
 
     def request(self, address: str, name: str, version: Optional[int] = None,
                 timeout: Optional[float] = None, peer: str = "peer") -> Tuple[np.ndarray, Optional[int]]:
+        """Fetch ``(array, version)`` of ``name`` (latest, or ``version``) from the server at
+        ``address`` (``peer`` names it in errors).  Raises :class:`StoreTimeoutError` after
+        ``timeout`` seconds (default :func:`default_timeout`), :class:`StoreError` for an error
+        answer or a malformed one."""
         timeout = default_timeout() if timeout is None else timeout
         sock, lock = self._socket(address)
         rid = next(self._ids)
@@ -165,14 +174,22 @@ class Client:
                     raise StoreTimeoutError(
                         f"{peer} ({address}) did not answer a request for {name!r} within {timeout:g} s")
                 frames = sock.recv_multipart()
-                head = json.loads(frames[0])
+                try:
+                    head = json.loads(frames[0])
+                    if not isinstance(head, dict):
+                        raise ValueError(f"header is a {type(head).__name__}")
+                except ValueError as e:
+                    raise StoreError(f"{peer} ({address}) sent a malformed answer ({e})") from None
                 if head.get("id") != rid:
                     continue  # the late answer to an earlier request that timed out
                 if not head.get("ok"):
                     raise StoreError(f"{peer}: {head.get('error')}")
-                payload = frames[1] if len(frames) > 1 else b""
-                arr = np.frombuffer(payload, dtype=np.dtype(head["dtype"])).reshape(head["shape"]).copy()
-                return arr, head.get("version")
+                try:
+                    payload = frames[1] if len(frames) > 1 else b""
+                    arr = np.frombuffer(payload, dtype=np.dtype(head["dtype"])).reshape(head["shape"])
+                except (KeyError, TypeError, ValueError) as e:
+                    raise StoreError(f"{peer} ({address}) sent a malformed array for {name!r} ({e!r})") from None
+                return arr.copy(), head.get("version")
 
     def close(self) -> None:
         with self._lock:
