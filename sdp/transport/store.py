@@ -173,9 +173,9 @@ class Client:
                 if left <= 0 or not sock.poll(int(left * 1000) + 1):
                     raise StoreTimeoutError(
                         f"{peer} ({address}) did not answer a request for {name!r} within {timeout:g} s")
-                frames = sock.recv_multipart()
+                frames = sock.recv_multipart(copy=False)  # the payload is copied once, below
                 try:
-                    head = json.loads(frames[0])
+                    head = json.loads(frames[0].bytes)
                     if not isinstance(head, dict):
                         raise ValueError(f"header is a {type(head).__name__}")
                 except ValueError as e:
@@ -185,7 +185,7 @@ class Client:
                 if not head.get("ok"):
                     raise StoreError(f"{peer}: {head.get('error')}")
                 try:
-                    payload = frames[1] if len(frames) > 1 else b""
+                    payload = frames[1].buffer if len(frames) > 1 else b""
                     arr = np.frombuffer(payload, dtype=np.dtype(head["dtype"])).reshape(head["shape"])
                 except (KeyError, TypeError, ValueError) as e:
                     raise StoreError(f"{peer} ({address}) sent a malformed array for {name!r} ({e!r})") from None
