@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sdp.launcher import cli, hosts
+from sdp.launcher import cli, hosts, ssh
 from sdp.launcher.hosts import HostSlots
 from sdp.launcher.procs import exit_code
 
@@ -220,10 +220,91 @@ def test_fake_hosts_topology_and_flags():
                      "[2]<stdout>:b 0 1 2 lo kungfu 7", "[3]<stdout>:b 1 1 2 lo kungfu 7"]
 
 
-def test_remote_hosts_rejected():
-    res = _sdprun("-np", "2", "-H", "node-a:1,node-b:1", "true")
-    assert res.returncode == 2
-    assert "remote hosts are not supported" in res.stderr and "node-a" in res.stderr
+def test_forwarded_env_and_exports():
+    env = {"PATH": "/p", "PYTHONPATH": "/pp", "LD_LIBRARY_PATH": "/l", "SDP_RANK": "1",
+           "HOROVOD_FUSION_THRESHOLD": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "HOME": "/root", "MINE": "x",
+           "SECRETISH": "no"}
+    assert ssh.forwarded_env(env, ["MINE"]) == {k: v for k, v in env.items() if k not in ("HOME", "SECRETISH")}
+    assert cli.parse_exports(["A=1", "B", "C=x=y"], {"B": "2"}) == {"A": "1", "B": "2", "C": "x=y"}
+    with pytest.raises(ValueError, match="not set"):
+        cli.parse_exports(["NOPE"], {})
+    with pytest.raises(ValueError, match="not a variable name"):
+        cli.parse_exports(["1X=2"], {})
+
+
+def test_ssh_command_line_has_no_secret_or_environment():
+    argv = ssh.ssh_argv("node-a", ssh.SshOptions(2222, "/k/id"), ssh.REMOTE_MAIN)
+    assert argv[:2] == ["ssh", "-T"] and "BatchMode=yes" in argv
+    assert argv[argv.index("-p") + 1] == "2222" and argv[argv.index("-i") + 1] == "/k/id"
+    assert argv[-2] == "node-a" and "sdp.launcher.remote" in argv[-1]
+    assert "SDP_" not in " ".join(argv)
+
+
+def test_listen_address_never_any():
+    assert cli.listen_address([], None) == "127.0.0.1"
+    assert cli.listen_address([], "lo") == "127.0.0.1"
+    with pytest.raises(ValueError, match="does not exist"):
+        cli.listen_address([], "sdp-no-such-nic0")
+
+
+def _remote(spec, stdin_close=True, timeout=20):
+    """Run sdp.launcher.remote locally (what ssh runs on a remote host) with ``spec``."""
+    p = subprocess.Popen([sys.executable, "-m", "sdp.launcher.remote"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO)
+    p.stdin.write(spec)
+    p.stdin.flush()
+    if stdin_close:
+        p.stdin.close()
+    return p
+
+
+def test_remote_side_runs_rank_with_env_and_cwd(tmp_path):
+    import json
+    spec = {"command": ["python", "-c", "import os, sys; print(os.getcwd(), os.environ['SDP_X']); sys.exit(7)"],
+            "env": {"SDP_X": "hello", "PATH": os.environ["PATH"]}, "cwd": str(tmp_path), "grace_s": 1}
+    p = _remote(json.dumps(spec).encode() + b"\n", stdin_close=False)
+    assert p.wait(timeout=20) == 7, p.stderr.read()  # stdin still open: EOF would stop the rank
+    out = p.stdout.read()
+    p.stdin.close()
+    assert out.decode().split() == [str(tmp_path), "hello"]
+    for bad in (b"", b"{not json\n", b'{"command": "ls", "env": {}}\n', b'{"command": ["x"], "env": {"A": 1}}\n'):
+        p = _remote(bad)
+        rc, err = p.wait(timeout=20), p.stderr.read()
+        assert rc == 2 and b"job description" in err, (bad, err)
+    p = _remote(json.dumps(dict(spec, command=["sdp-no-such-command-xyz"])).encode() + b"\n")
+    assert p.wait(timeout=20) == 127
+
+
+def test_remote_side_kills_tree_on_eof_and_forwards_signals(tmp_path):
+    """End of ssh's stdin (lost session, SIGKILLed sdprun) ends the rank and what it started;
+    ``signal N`` lines reach the rank's process group."""
+    import json
+    code = ("import os, subprocess, sys, time\n"
+            f"d = {str(tmp_path)!r}\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "open(os.path.join(d, 'pids.tmp'), 'w').write(f'{os.getpid()} {child.pid}')\n"
+            "os.replace(os.path.join(d, 'pids.tmp'), os.path.join(d, 'x.pid'))\n"
+            "time.sleep(60)\n")
+    for how in ("eof", "signal"):
+        for f in tmp_path.glob("*.pid"):
+            f.unlink()
+        spec = {"command": [sys.executable, "-c", code], "env": {}, "cwd": str(tmp_path), "grace_s": 1}
+        p = _remote(json.dumps(spec).encode() + b"\n", stdin_close=False)
+        deadline = time.monotonic() + 10
+        while not list(tmp_path.glob("*.pid")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [int(x) for x in (tmp_path / "x.pid").read_text().split()]
+        t0 = time.monotonic()
+        if how == "eof":
+            p.stdin.close()
+        else:
+            p.stdin.write(b"signal 15\n")
+            p.stdin.flush()
+        rc = p.wait(timeout=10)
+        assert rc == 128 + 15, (how, rc, p.stderr.read())
+        assert time.monotonic() - t0 < 3
+        for pid in pids:
+            assert _gone(pid, wait_s=3), (how, pid)
 
 
 def test_too_many_processes_and_usage_errors(tmp_path):

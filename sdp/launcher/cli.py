@@ -1,12 +1,22 @@
-"""``sdprun``: start N local worker processes with the sdp environment (like horovodrun/kungfu-run).
+"""``sdprun``: start N sdp worker processes on this and other hosts (like horovodrun/kungfu-run).
 
 Usage::
 
-    sdprun -np 4 [-H localhost:4 | --hostfile FILE] [--] python train.py ...
+    sdprun -np 4 [-H localhost:4 | -H h1:2,h2:2 | --hostfile FILE] [options] [--] python train.py ...
+    sdprun --check -H h1:2,h2:2       # per host: reachable, Python, sdp, free /dev/shm, interface
+
+Ranks on this machine are started directly (:mod:`sdp.launcher.local`), ranks on other hosts through
+the system OpenSSH client (:mod:`sdp.launcher.ssh`: ``BatchMode=yes``, ``--ssh-port``,
+``--ssh-identity-file``; the same Python environment at the same path on every host).  Remote ranks
+get the working directory, ``PATH``, ``PYTHONPATH``, ``LD_LIBRARY_PATH``, every ``SDP_*``,
+``HOROVOD_*``, ``TF_*`` variable and each ``-x NAME[=VALUE]``.  Each job has a secret
+(``SDP_SECRET``, made here by :func:`sdp.transport.security.new_secret`), given to local ranks in
+their environment and to remote ones over ssh's standard input, never on a command line.
 
 Every worker gets ``SDP_RANK``, ``SDP_SIZE``, ``SDP_LOCAL_RANK``, ``SDP_LOCAL_SIZE``,
 ``SDP_CROSS_RANK``, ``SDP_CROSS_SIZE``, ``SDP_HOSTNAME``, ``SDP_RENDEZVOUS_ADDR`` (served by
-``sdprun`` itself), ``SDP_JOB_ID`` (random hex, unique per launch), ``SDP_START_TIMEOUT`` and
+``sdprun`` itself: on ``-nic``'s address, else on the address that routes to the remote hosts, else
+127.0.0.1), ``SDP_JOB_ID`` (random hex, unique per launch), ``SDP_SECRET``, ``SDP_START_TIMEOUT`` and
 ``PYTHONUNBUFFERED=1``; plus ``SDP_IFACE`` with ``-nic``; and glibc's
 ``x86_non_temporal_threshold`` tunable (see :func:`with_streaming_copies`).  ``--compat horovod,smdistributed,kungfu``
 (any comma list, or ``all``) exports ``SDP_COMPAT`` and puts sdp's import-shim directory first on
@@ -34,9 +44,8 @@ the removed ones exit.  See :mod:`sdp.launcher.elastic`.
 ``-logdir``
 =========================  =====================================================================
 
-Only local hosts are supported (no ssh yet).  For testing multi-host topologies on one machine, set
-``SDP_LAUNCHER_ALLOW_FAKE_HOSTS=1``: any host name is accepted, every process runs locally and
-``SDP_HOSTNAME`` tells each worker its pretend host.
+For testing multi-host topologies without other hosts, set ``SDP_LAUNCHER_ALLOW_FAKE_HOSTS=1``:
+every process runs locally (no ssh) and ``SDP_HOSTNAME`` tells each worker its pretend host.
 """
 import argparse
 import logging
@@ -46,10 +55,14 @@ import signal
 import socket
 import sys
 import threading
-from typing import List, Optional
+from typing import Dict, List, Optional
 
+from sdp.common import network
 from sdp.launcher import hosts as hostlib
+from sdp.launcher.local import LocalLauncher
 from sdp.launcher.procs import DEFAULT_GRACE_S, WorkerGroup
+from sdp.launcher.ssh import SshLauncher, SshOptions, probe_host
+from sdp.transport import security
 
 log = logging.getLogger("sdp.launcher")
 
@@ -77,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sdprun", allow_abbrev=False,
         usage="sdprun [-h] -np N [-H HOSTS | --hostfile FILE] [options] [--] COMMAND ...",
-        description="Start N sdp worker processes on this machine (remote hosts are not supported "
-                    "yet).  horovodrun and kungfu-run command lines are accepted.")
+        description="Start N sdp worker processes on this machine and, through ssh, on other "
+                    "hosts.  horovodrun and kungfu-run command lines are accepted.")
     p.add_argument("-np", "--num-proc", dest="np", type=int, metavar="N",
                    help="number of processes (default: the total slots of -H/--hostfile)")
     hosts = p.add_mutually_exclusive_group()
@@ -87,7 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--hostfile", metavar="FILE",
                        help="file with one 'host slots=N' or 'host:N' per line")
     p.add_argument("-nic", "--network-interface", dest="nic", metavar="IFACE",
-                   help="network interface for worker traffic; passed to workers as SDP_IFACE")
+                   help="network interface for all job traffic: sdprun's servers listen on its "
+                        "address; passed to workers as SDP_IFACE (default: $SDP_IFACE, else the "
+                        "interface that routes to the remote hosts)")
+    p.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
+                   help="ssh port of the remote hosts (default: ssh's own, usually 22)")
+    p.add_argument("-i", "--ssh-identity-file", metavar="FILE",
+                   help="private key ssh uses to log in to the remote hosts")
+    p.add_argument("-x", dest="export", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="also give every rank this variable (this environment's value, or VALUE); "
+                        "repeatable (mpirun's -x)")
+    p.add_argument("--check", action="store_true",
+                   help="check the hosts and exit: per host whether ssh reaches it, its Python and "
+                        "sdp versions, free /dev/shm, and the interface it would use")
     p.add_argument("--start-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="how long ranks may take to reach rendezvous (default 60); "
                         "passed to workers as SDP_START_TIMEOUT")
@@ -131,28 +156,76 @@ def _setup_logging(verbose: bool) -> None:
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
-def resolve_hosts(args, allow_fake: bool) -> List[hostlib.HostSlots]:
+def resolve_hosts(args) -> List[hostlib.HostSlots]:
     """Host list from ``-H``/``--hostfile`` (default: ``args.np`` slots on this machine).
 
-    Raises ``ValueError`` for a bad host list or a remote host (unless ``allow_fake``), ``OSError``
-    for an unreadable hostfile."""
+    Raises ``ValueError`` for a bad host list, ``OSError`` for an unreadable hostfile."""
     if args.hosts:
-        hosts = hostlib.parse_hosts(args.hosts)
-    elif args.hostfile:
-        hosts = hostlib.parse_hostfile(args.hostfile)
-    else:
-        if args.np is None:
-            raise ValueError("give the number of processes with -np N")
-        return [hostlib.HostSlots(socket.gethostname(), max(args.np, 1))]
-    if not allow_fake:
-        names = hostlib.local_names()
-        remote = [h.host for h in hosts if not hostlib.is_local(h.host, names)]
-        if remote:
-            raise ValueError(
-                f"remote hosts are not supported yet (ssh launching is not implemented): "
-                f"{', '.join(remote)}; sdprun runs only on this machine (localhost:N). "
-                f"To simulate several hosts locally, set {ALLOW_FAKE_HOSTS_ENV}=1.")
-    return hosts
+        return hostlib.parse_hosts(args.hosts)
+    if args.hostfile:
+        return hostlib.parse_hostfile(args.hostfile)
+    if args.np is None:
+        raise ValueError("give the number of processes with -np N")
+    return [hostlib.HostSlots(socket.gethostname(), max(args.np, 1))]
+
+
+def remote_hosts(hosts: List[hostlib.HostSlots], allow_fake: bool = False) -> List[str]:
+    """The hosts of ``hosts`` that are not this machine (none in fake-hosts mode)."""
+    if allow_fake:
+        return []
+    names = hostlib.local_names()
+    return [h.host for h in hosts if not hostlib.is_local(h.host, names)]
+
+
+def listen_address(remote: List[str], nic: Optional[str]) -> str:
+    """Where ``sdprun``'s servers listen: ``nic``'s IPv4 address (``-nic``, else ``SDP_IFACE``);
+    else the local address that routes to the first remote host; 127.0.0.1 when every rank is
+    local.  Never ``0.0.0.0``.  Raises ``ValueError`` for an unknown interface."""
+    iface = nic or os.environ.get(network.IFACE_ENV)
+    if iface:
+        return network.interface_address(iface)
+    return network.address_towards(remote[0]) if remote else network.LOOPBACK
+
+
+def parse_exports(items: List[str], env=None) -> Dict[str, str]:
+    """``-x NAME=VALUE`` / ``-x NAME`` (value from ``env``, default ``os.environ``) -> a dict.
+    Raises ``ValueError`` for a bad name or a ``NAME`` that is not set."""
+    env = os.environ if env is None else env
+    out = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not name.isidentifier():
+            raise ValueError(f"-x {item!r}: {name!r} is not a variable name")
+        if not eq:
+            if name not in env:
+                raise ValueError(f"-x {name}: {name} is not set in sdprun's environment (give -x {name}=VALUE)")
+            value = env[name]
+        out[name] = value
+    return out
+
+
+def check_hosts(hosts: List[hostlib.HostSlots], remote: List[str], args, out=None) -> int:
+    """``sdprun --check``: print one line per host; return 0 when every host answered, else 1."""
+    out = out or sys.stdout
+    options = SshOptions(args.ssh_port, args.ssh_identity_file)
+    failed = 0
+    for h in hosts:
+        is_remote = h.host in remote
+        here = listen_address([h.host] if is_remote else [], args.nic)
+        info = probe_host(h.host, options, towards=here if is_remote else None, local=not is_remote)
+        if "error" in info:
+            failed += 1
+            print(f"{h.host}: UNREACHABLE ({'ssh' if is_remote else 'local'}): {info['error']}", file=out)
+            continue
+        shm = f"{info['shm_free'] / 2**30:.1f} GiB" if info.get("shm_free") is not None else "none"
+        if is_remote:
+            iface = (f"interface {info.get('iface')} ({info.get('address')}) towards sdprun's "
+                     f"{here} on {network.interface_of(here)}")
+        else:
+            iface = f"local, interface {network.interface_of(here)} ({here})"
+        print(f"{h.host}: reachable ({'ssh' if is_remote else 'local'}), hostname {info['hostname']}, "
+              f"Python {info['python']}, sdp {info['sdp']}, /dev/shm {shm} free, {iface}", file=out)
+    return 1 if failed else 0
 
 
 # glibc's memcpy switches to non-temporal (cache-bypassing) stores above this many bytes.  Its own
@@ -178,10 +251,14 @@ def with_streaming_copies(env: dict) -> dict:
 
 
 def worker_envs(ranks: List[hostlib.RankInfo], rendezvous_addr: str, job_id: str, args,
-                base_env=None) -> List[dict]:
-    """The full environment of each worker: ``base_env`` (default ``os.environ``) plus the
-    ``SDP_*`` variables of its rank."""
+                base_env=None, secret: Optional[str] = None) -> List[dict]:
+    """The full environment of each worker: ``base_env`` (default ``os.environ``), ``-x``
+    variables, plus the ``SDP_*`` variables of its rank (``SDP_SECRET`` when ``secret``)."""
     base = with_streaming_copies(dict(os.environ if base_env is None else base_env))
+    base.update(parse_exports(getattr(args, "export", []) or [], base))
+    if secret:
+        base[security.SECRET_ENV] = secret
+        base.pop(security.SECRET_FILE_ENV, None)
     base.update({
         "SDP_RENDEZVOUS_ADDR": rendezvous_addr,
         "SDP_JOB_ID": job_id,
@@ -209,7 +286,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
+    if not command and not args.check:
         parser.error("no command given (usage: sdprun -np N [--] COMMAND ...)")
     if args.start_timeout <= 0:
         parser.error("--start-timeout must be positive")
@@ -222,29 +299,66 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error("--builtin-config-port must be in [0, 65535]")
 
     allow_fake = os.environ.get(ALLOW_FAKE_HOSTS_ENV, "") not in ("", "0")
+    if args.check:
+        try:
+            hosts = resolve_hosts(args) if (args.hosts or args.hostfile or args.np) else \
+                [hostlib.HostSlots(socket.gethostname(), 1)]
+        except (ValueError, OSError) as e:
+            log.error("%s", e)
+            return EXIT_USAGE
+        return check_hosts(hosts, remote_hosts(hosts), args)
     try:
-        hosts = resolve_hosts(args, allow_fake)
+        hosts = resolve_hosts(args)
         np = args.np if args.np is not None else hostlib.total_slots(hosts)
         if watch and not (args.hosts or args.hostfile):
             from sdp.launcher.elastic import DEFAULT_ELASTIC_SLOTS
             hosts = [hostlib.HostSlots(socket.gethostname(), max(np, DEFAULT_ELASTIC_SLOTS))]
         ranks = hostlib.assign_ranks(hosts, np)
+        remote = remote_hosts([h for h in hosts if any(r.hostname == h.host for r in ranks)]
+                              if not watch else hosts, allow_fake)
+        host_addr = listen_address(remote, args.nic)
+        parse_exports(args.export)
     except (ValueError, OSError) as e:
         log.error("%s", e)
         return EXIT_USAGE
 
+    secret = security.new_secret()
+    # sdprun's own servers (the elastic controller's rendezvous rounds too) take it from here
+    saved_secret = {k: os.environ.pop(k, None) for k in (security.SECRET_ENV, security.SECRET_FILE_ENV)}
+    os.environ[security.SECRET_ENV] = secret
+    try:
+        return _launch(args, command, hosts, ranks, remote, host_addr, watch, secret)
+    finally:
+        for k, v in saved_secret.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _launch(args, command, hosts, ranks, remote, host_addr, watch, secret) -> int:
     from sdp.transport.rendezvous import RendezvousServer  # pyzmq only needed for a real launch
 
+    np = len(ranks)
     job_id = secrets.token_hex(8)
-    server = RendezvousServer(size=np, host="127.0.0.1", port=0, timeout_s=args.start_timeout).start()
-    envs = worker_envs(ranks, server.address, job_id, args)
+    server = RendezvousServer(size=np, host=host_addr, port=0, timeout_s=args.start_timeout,
+                              secret=secret).start()
+    envs = worker_envs(ranks, server.address, job_id, args, secret=secret)
+    local = LocalLauncher()
+    options = SshOptions(args.ssh_port, args.ssh_identity_file)
+    forward = list(parse_exports(args.export))
+    ssh_launchers = {h: SshLauncher(h, options, forward=forward, grace_s=DEFAULT_GRACE_S) for h in remote}
+
+    def launcher_of(host: str):
+        return ssh_launchers.get(host, local)
+
     elastic = None
     if watch:
         from sdp.launcher.elastic import ElasticController
 
         def make_envs(infos, rendezvous_addr, epoch):
             return [dict(e, **elastic.worker_env(epoch))
-                    for e in worker_envs(infos, rendezvous_addr, job_id, args)]
+                    for e in worker_envs(infos, rendezvous_addr, job_id, args, secret=secret)]
 
         try:
             elastic = ElasticController(hosts, None, make_envs, np, args.start_timeout,
@@ -254,15 +368,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             server.stop()
             return EXIT_USAGE
         envs = [dict(e, **elastic.worker_env(0)) for e in envs]
-    group = WorkerGroup(command, envs, prefix=not args.no_prefix, grace_s=DEFAULT_GRACE_S)
+    group = WorkerGroup(command, envs, prefix=not args.no_prefix, grace_s=DEFAULT_GRACE_S,
+                        launcher_of=launcher_of)
     if elastic is not None:
         elastic.group = group
         elastic.start()
         log.info("elastic mode: config server %s (resize via %s/resize)", elastic.config_url, elastic.url)
     log.debug("job %s: %d ranks, rendezvous at %s", job_id, np, server.address)
     for info in ranks:
-        log.debug("rank %d: host %s local %d/%d cross %d/%d", info.rank, info.hostname,
-                  info.local_rank, info.local_size, info.cross_rank, info.cross_size)
+        log.debug("rank %d: host %s (%s) local %d/%d cross %d/%d", info.rank, info.hostname,
+                  launcher_of(info.hostname).name, info.local_rank, info.local_size,
+                  info.cross_rank, info.cross_size)
 
     def on_signal(signum, _frame):
         group.request_stop(signum)

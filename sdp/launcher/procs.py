@@ -1,17 +1,20 @@
-"""Worker processes of ``sdprun``: start them, prefix their output, watch them, stop them.
+"""Worker supervision of ``sdprun``: start the ranks, prefix their output, watch them, stop them.
 
-Each worker runs in its own session (``start_new_session=True``), so ``os.killpg(pid, sig)``
-reaches the worker and everything it started.  Stopping means: the signal (SIGTERM by default)
-to every worker's process group, then SIGKILL to the groups still alive after a grace period.
+How a rank is started is a :class:`~sdp.launcher.base.Launcher`'s job (:mod:`sdp.launcher.local`,
+:mod:`sdp.launcher.ssh`); :class:`WorkerGroup` only sees :class:`~sdp.launcher.base.RankProcess`
+objects.  Stopping means: the signal (SIGTERM by default) to every rank and all it started, then
+SIGKILL to those still alive after a grace period.
 """
 import logging
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import IO, List, Mapping, Optional, Sequence
+from typing import IO, Callable, List, Mapping, Optional, Sequence
+
+from sdp.launcher.base import Launcher, RankProcess
+from sdp.launcher.local import LocalLauncher
 
 log = logging.getLogger("sdp.launcher")
 
@@ -23,63 +26,6 @@ _MAX_LINE = 1 << 16  # bytes; a longer line without newline is emitted in pieces
 def exit_code(returncode: int) -> int:
     """Shell-style exit status of a ``Popen.returncode``: a process killed by signal S → 128+S."""
     return 128 - returncode if returncode < 0 else returncode
-
-
-def _live_groups(pgids) -> set:
-    """The process groups among ``pgids`` that still have a member that is not a zombie.
-
-    Zombies are ignored: a worker's orphaned children are reaped by init, which may take a while
-    (over a second in some containers), and a zombie can no longer do anything."""
-    pgids = set(pgids)
-    exists = set()
-    for pgid in pgids:
-        try:
-            os.killpg(pgid, 0)
-            exists.add(pgid)
-        except (ProcessLookupError, PermissionError):
-            pass
-    if not exists or not os.path.isdir("/proc"):
-        return exists
-    live = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
-            state, _ppid, pgrp = stat[stat.rindex(b")") + 2:].split()[:3]
-        except (OSError, ValueError):
-            continue  # exited meanwhile
-        if state != b"Z" and int(pgrp) in exists:
-            live.add(int(pgrp))
-    return live
-
-
-def _load_prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_launcher() -> None:
-    """In the child before exec: get SIGTERM if sdprun dies (even by SIGKILL), so no worker is
-    orphaned."""
-    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class _Sink:
@@ -117,34 +63,46 @@ def _pump(pipe: IO[bytes], prefix: str, sink: _Sink) -> None:
 
 
 class Worker:
-    """One started worker: its rank, ``subprocess.Popen`` and output pump threads."""
+    """One started rank: its :class:`~sdp.launcher.base.RankProcess` and output pump threads."""
 
-    def __init__(self, rank: int, proc: subprocess.Popen, pumps: List[threading.Thread]):
+    def __init__(self, rank: int, proc: RankProcess, pumps: List[threading.Thread], launcher: str):
         self.rank = rank
         self.proc = proc
         self.pumps = pumps
+        self.launcher = launcher
 
     @property
     def pid(self) -> int:
-        """Process id, which is also the worker's process-group id."""
+        """The local process id standing for the rank (the rank, or its ssh client)."""
         return self.proc.pid
+
+
+def _local_only(_host: str) -> Launcher:
+    return _LOCAL
+
+
+_LOCAL = LocalLauncher()
 
 
 class WorkerGroup:
     """Start ``command`` once per environment in ``envs`` (rank = index) and supervise them.
 
-    ``stdout``/``stderr`` (default: the launcher's) receive the workers' lines prefixed with
-    ``[rank]<stdout>:`` / ``[rank]<stderr>:`` (no prefix when ``prefix`` is false).  Rank 0
-    inherits the launcher's stdin; the other ranks read from ``/dev/null``.
+    ``launcher_of(host)`` picks the :class:`~sdp.launcher.base.Launcher` of a rank from its
+    ``SDP_HOSTNAME`` (default: every rank local).  ``stdout``/``stderr`` (default: the
+    launcher's) receive the workers' lines prefixed with ``[rank]<stdout>:`` /
+    ``[rank]<stderr>:`` (no prefix when ``prefix`` is false).  A local rank 0 inherits the
+    launcher's stdin; the other ranks read from ``/dev/null``.
     """
 
     def __init__(self, command: Sequence[str], envs: Sequence[Mapping[str, str]],
                  stdout: Optional[IO[str]] = None, stderr: Optional[IO[str]] = None,
-                 prefix: bool = True, grace_s: float = DEFAULT_GRACE_S):
+                 prefix: bool = True, grace_s: float = DEFAULT_GRACE_S,
+                 launcher_of: Optional[Callable[[str], Launcher]] = None):
         self.command = list(command)
         self.envs = list(envs)
         self.prefix = prefix
         self.grace_s = grace_s
+        self.launcher_of = launcher_of or _local_only
         lock = threading.Lock()
         self._out = _Sink(stdout if stdout is not None else sys.stdout, lock)
         self._err = _Sink(stderr if stderr is not None else sys.stderr, lock)
@@ -163,18 +121,13 @@ class WorkerGroup:
         except BaseException:
             self.stop(signal.SIGKILL, grace_s=0)
             raise
-        log.debug("started %d workers: pids %s", len(self.workers), [w.pid for w in self.workers])
+        log.debug("started %d workers: %s", len(self.workers),
+                  ", ".join(f"{w.rank}: {w.launcher} pid {w.pid}" for w in self.workers))
         return self
 
     def _start_one(self, rank: int, env: Mapping[str, str]) -> Worker:
-        # Linux delivers PDEATHSIG when the *thread* that forked exits, so only the main thread's
-        # workers get it (elastic workers started from a server thread rely on the engine
-        # noticing its peers instead).
-        main = threading.current_thread() is threading.main_thread()
-        proc = subprocess.Popen(self.command, env=dict(env), start_new_session=True,
-                                stdin=None if rank == 0 else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                preexec_fn=_die_with_launcher if main and _PRCTL else None)
+        launcher = self.launcher_of(env.get("SDP_HOSTNAME", ""))
+        proc = launcher.start(rank, self.command, env, inherit_stdin=rank == 0)
         pumps = []
         for pipe, tag, sink in ((proc.stdout, "stdout", self._out), (proc.stderr, "stderr", self._err)):
             prefix = f"[{rank}]<{tag}>:" if self.prefix else ""
@@ -182,7 +135,7 @@ class WorkerGroup:
                                  name=f"sdprun-{tag}-{rank}", daemon=True)
             t.start()
             pumps.append(t)
-        return Worker(rank, proc, pumps)
+        return Worker(rank, proc, pumps, launcher.name)
 
     def add(self, rank: int, env: Mapping[str, str]) -> Worker:
         """Start one more worker (labelled ``rank``) while the group runs: elastic growth
@@ -202,7 +155,7 @@ class WorkerGroup:
         from a signal handler; a second request while stopping escalates to SIGKILL."""
         if self._stop_signal is not None or self._stopping:
             for w in self.workers:
-                _signal_group(w.pid, signal.SIGKILL)
+                w.proc.signal(signal.SIGKILL)
         if self._stop_signal is None:
             self._stop_signal = signum
         self._wakeup.set()
@@ -231,10 +184,13 @@ class WorkerGroup:
                 elif rc != 0 and failed is None:
                     failed = w
             if failed is not None:
-                code = exit_code(failed.proc.returncode)
-                how = (f"was killed by signal {-failed.proc.returncode}" if failed.proc.returncode < 0
-                       else f"exited with code {code}")
-                log.error("worker %d (pid %d) %s; stopping the other workers", failed.rank, failed.pid, how)
+                rc = failed.proc.poll()
+                code = exit_code(rc)
+                how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {code}"
+                if failed.launcher == "ssh" and rc == 255:
+                    how += " (255: ssh itself failed, see its message above)"
+                log.error("worker %d (%s pid %d) %s; stopping the other workers", failed.rank,
+                          failed.launcher, failed.pid, how)
                 self.stop(signal.SIGTERM)
                 return code
             if running == 0:
@@ -242,31 +198,24 @@ class WorkerGroup:
                 return 0
             self._wakeup.wait(_POLL_S)
 
-    @staticmethod
-    def _live(workers: List[Worker]) -> List[Worker]:
-        """Workers still running, or whose process group still has live members."""
-        running = [w for w in workers if w.proc.poll() is None]
-        groups = _live_groups(w.pid for w in workers if w.proc.returncode is not None)
-        return running + [w for w in workers if w.proc.returncode is not None and w.pid in groups]
-
     def stop(self, sig: int = signal.SIGTERM, grace_s: Optional[float] = None) -> None:
-        """Send ``sig`` to every worker's process group, wait up to ``grace_s`` seconds
+        """Send ``sig`` to every worker and all it started, wait up to ``grace_s`` seconds
         (default: the group's grace period) for them to end, then SIGKILL what is left, reap the
         workers and flush their remaining output.  Idempotent."""
         grace_s = self.grace_s if grace_s is None else grace_s
         with self._add_lock:  # no worker is added after this point
             self._stopping = True
-        live = self._live(self.workers)
+        live = [w for w in self.workers if w.proc.tree_alive()]
         for w in live:
-            _signal_group(w.pid, sig)
+            w.proc.signal(sig)
         deadline = time.monotonic() + grace_s
         while live and time.monotonic() < deadline:
             time.sleep(_POLL_S)
-            live = self._live(live)
+            live = [w for w in live if w.proc.tree_alive()]
         for w in live:
-            log.warning("worker %d (pid %d) still running %.3g s after signal %d; killing it",
-                        w.rank, w.pid, grace_s, sig)
-            _signal_group(w.pid, signal.SIGKILL)
+            log.warning("worker %d (%s pid %d) still running %.3g s after signal %d; killing it",
+                        w.rank, w.launcher, w.pid, grace_s, sig)
+            w.proc.signal(signal.SIGKILL)
         for w in self.workers:
             try:
                 w.proc.wait(timeout=5)

@@ -1,0 +1,61 @@
+"""The interface between ``sdprun``'s supervisor and the ways of starting a rank's process.
+
+:class:`~sdp.launcher.procs.WorkerGroup` supervises ranks (output prefixes, the first failure's
+exit code, signal forwarding, stopping everything) without knowing how a rank was started; one
+module per way of starting them implements :class:`Launcher` (as Horovod's runner separates its
+gloo / mpi / js launchers):
+
+* :mod:`sdp.launcher.local` -- a child process of ``sdprun`` on this machine;
+* :mod:`sdp.launcher.ssh` -- a process on another host through the system OpenSSH client and
+  :mod:`sdp.launcher.remote` on that host.
+
+A new way (Slurm's ``srun``, ``mpirun``, Ray) is one new module with a :class:`Launcher` subclass.
+"""
+import abc
+from typing import IO, Mapping, Optional, Sequence
+
+
+class RankProcess(abc.ABC):
+    """One started rank.  ``stdout`` / ``stderr`` are binary pipes carrying the rank's output."""
+
+    rank: int
+    stdout: IO[bytes]
+    stderr: IO[bytes]
+
+    @property
+    @abc.abstractmethod
+    def pid(self) -> int:
+        """The local process id that stands for the rank (the rank itself, or its ssh client)."""
+
+    @abc.abstractmethod
+    def poll(self) -> Optional[int]:
+        """The rank's ``Popen``-style return code (``-S`` when killed by signal S), None while
+        it runs."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: Optional[float] = None) -> int:
+        """Wait for the rank to end; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+
+    @abc.abstractmethod
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the rank and every process it started.  ``SIGKILL`` must end the
+        whole tree without the rank's cooperation.  Never raises for a rank that already ended."""
+
+    def tree_alive(self) -> bool:
+        """Whether the rank or a process it started is still running (default: :meth:`poll`)."""
+        return self.poll() is None
+
+
+class Launcher(abc.ABC):
+    """A way of starting ranks: ``start`` one rank's ``command`` with environment ``env``."""
+
+    #: shown in logs, e.g. ``"local"`` or ``"ssh"``
+    name = "?"
+
+    @abc.abstractmethod
+    def start(self, rank: int, command: Sequence[str], env: Mapping[str, str],
+              inherit_stdin: bool = False) -> RankProcess:
+        """Start ``command`` as rank ``rank`` with exactly ``env`` as its environment (a remote
+        launcher forwards only :func:`sdp.launcher.ssh.forwarded_env`).  ``inherit_stdin``: the
+        rank reads ``sdprun``'s standard input (rank 0 of a local job), else ``/dev/null``.
+        Raises ``OSError`` when the process cannot be started."""

@@ -1,0 +1,123 @@
+"""Local ranks: child processes of ``sdprun`` on this machine (no ssh).
+
+Each rank runs in its own session (``start_new_session=True``), so ``os.killpg(pid, sig)``
+reaches the rank and everything it started; and it gets ``PR_SET_PDEATHSIG`` = SIGTERM, so it
+ends when ``sdprun`` dies, even by SIGKILL.  :mod:`sdp.launcher.remote` uses the same helpers on
+the other hosts.
+"""
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Iterable, Mapping, Optional, Sequence
+
+from sdp.launcher.base import Launcher, RankProcess
+
+
+def live_groups(pgids: Iterable[int]) -> set:
+    """The process groups among ``pgids`` that still have a member that is not a zombie.
+
+    Zombies are ignored: a worker's orphaned children are reaped by init, which may take a while
+    (over a second in some containers), and a zombie can no longer do anything."""
+    pgids = set(pgids)
+    exists = set()
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, 0)
+            exists.add(pgid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if not exists or not os.path.isdir("/proc"):
+        return exists
+    live = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+            state, _ppid, pgrp = stat[stat.rindex(b")") + 2:].split()[:3]
+        except (OSError, ValueError):
+            continue  # exited meanwhile
+        if state != b"Z" and int(pgrp) in exists:
+            live.add(int(pgrp))
+    return live
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child before exec: get SIGTERM when the thread that started it dies (even by
+    SIGKILL), so no process is orphaned."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def pdeathsig_preexec():
+    """``preexec_fn`` for ``Popen``: :func:`die_with_parent` where it works, else None.
+
+    Linux delivers PDEATHSIG when the *thread* that forked exits, so only processes started
+    from the main thread get it (elastic workers started from a server thread rely on the engine
+    noticing its peers instead)."""
+    main = threading.current_thread() is threading.main_thread()
+    return die_with_parent if main and _PRCTL else None
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """``os.killpg`` that ignores a group that no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class LocalProcess(RankProcess):
+    """A rank started by :class:`LocalLauncher`: a ``Popen`` leading its own process group."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen):
+        self.rank = rank
+        self.proc = proc
+        self.stdout = proc.stdout
+        self.stderr = proc.stderr
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> Optional[int]:
+        return self.proc.poll()
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def signal(self, sig: int) -> None:
+        signal_group(self.proc.pid, sig)
+
+    def tree_alive(self) -> bool:
+        return self.proc.poll() is None or self.proc.pid in live_groups([self.proc.pid])
+
+
+class LocalLauncher(Launcher):
+    """Start ranks as child processes of ``sdprun`` on this machine."""
+
+    name = "local"
+
+    def start(self, rank: int, command: Sequence[str], env: Mapping[str, str],
+              inherit_stdin: bool = False) -> LocalProcess:
+        proc = subprocess.Popen(list(command), env=dict(env), start_new_session=True,
+                                stdin=None if inherit_stdin else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=pdeathsig_preexec())
+        return LocalProcess(rank, proc)
