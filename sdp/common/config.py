@@ -13,13 +13,17 @@
 | SDP_SHM_SLAB_BYTES        | 33554432 (B) | same-host shared-memory slab (0: no shared memory)         |
 | SDP_SHM_POOL_BYTES        | 134217728 (B)| same-host shared-memory pool that allreduce results are    |
 |                           |              | written into directly (0: copy results out of the slabs)   |
+| SDP_HIERARCHICAL          | auto         | 1: hierarchical allreduce across hosts (shared memory per  |
+|                           |              | host, then ZeroMQ between hosts); 0: flat; auto: on when   |
+|                           |              | ranks span several hosts and some host has several ranks   |
 | SDP_TIMELINE              | unset        | path of a Chrome-trace JSON timeline                       |
 | SDP_LOG_LEVEL             | WARNING      | level of the ``sdp`` logger                                |
 
 Horovod spellings (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``, ``HOROVOD_TIMELINE``,
-``HOROVOD_START_TIMEOUT``, ``HOROVOD_STALL_CHECK_TIME_SECONDS``, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``)
-are read as fallbacks; an empty value counts as unset.  A value that does not parse, or a negative
-(or NaN) byte count or time, raises ``ValueError`` naming the variable and its value.
+``HOROVOD_START_TIMEOUT``, ``HOROVOD_STALL_CHECK_TIME_SECONDS``, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``,
+``HOROVOD_HIERARCHICAL_ALLREDUCE``) are read as fallbacks; an empty value counts as unset.  A value
+that does not parse, or a negative (or NaN) byte count or time, raises ``ValueError`` naming the
+variable and its value.
 """
 import dataclasses
 import math
@@ -54,6 +58,7 @@ class Config:
     segment_bytes: int = 1 << 20
     shm_slab_bytes: int = 32 << 20
     shm_pool_bytes: int = 128 << 20
+    hierarchical: Optional[bool] = None  # None: automatic
     timeline: Optional[str] = None
 
     @classmethod
@@ -71,8 +76,16 @@ class Config:
             segment_bytes=_get(env, ["SDP_SEGMENT_BYTES"], 1 << 20, int),
             shm_slab_bytes=_get(env, ["SDP_SHM_SLAB_BYTES"], 32 << 20, int),
             shm_pool_bytes=_get(env, ["SDP_SHM_POOL_BYTES"], 128 << 20, int),
+            hierarchical=_get(env, ["SDP_HIERARCHICAL", "HOROVOD_HIERARCHICAL_ALLREDUCE"], None, flag),
             timeline=_get(env, ["SDP_TIMELINE", "HOROVOD_TIMELINE"], None, str),
         )
+
+
+def flag(value: str) -> bool:
+    """``"1"`` -> True, ``"0"`` -> False; anything else raises ``ValueError``."""
+    if value.strip() not in ("0", "1"):
+        raise ValueError(value)
+    return value.strip() == "1"
 
 
 def bucket_cap_mb_to_bytes(bucket_cap_mb) -> int:

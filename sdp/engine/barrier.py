@@ -101,7 +101,8 @@ def _spin(mesh, flags, mark: int) -> None:
             if mesh.stopping:
                 raise SdpError(f"rank {mesh.rank}: shut down while waiting at a barrier")
             if now - start > mesh.timeout_s:
-                late = [q for q in range(mesh.size) if q != mesh.rank and mesh.shm.flags(q)[0] < mark]
+                ranks = getattr(mesh, "ranks", range(mesh.size))  # a group's ranks are named as job ranks
+                late = [ranks[q] for q in range(mesh.size) if q != mesh.rank and mesh.shm.flags(q)[0] < mark]
                 raise CollectiveTimeoutError(
                     f"rank {mesh.rank}: ranks {late} did not reach barrier {mark} within {mesh.timeout_s:g} s")
             if now - start > SPIN_S:

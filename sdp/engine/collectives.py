@@ -218,6 +218,77 @@ def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None):
             np.copyto(dst[edges[q]:edges[q + 1]], halves[q][edges[q]:edges[q + 1]])
 
 
+def allreduce_hierarchical(hier, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None):
+    """:func:`allreduce` across hosts, as Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``: the
+    ranks of each host reduce-scatter through shared memory, each rank allreduces the parts it
+    owns with their owners on the other hosts (:class:`sdp.engine.groups.Hierarchy`: cross
+    groups, over ZeroMQ, all in parallel, so a host's link carries 1/local_size of the buffer
+    per rank), then the owners write the results into every local rank's output (an allgather
+    through shared memory).  Same arguments and results as :func:`allreduce` (bit-identical on
+    every rank: each part is reduced by one rank per host and the cross allreduce gives its
+    members identical bits).
+
+    One slab (<= half a segment) at a time, as :func:`_shm_allreduce`: (1) copy the parts other
+    local ranks own into my half; barrier (with every rank's ``out`` offset); (2) for each part I
+    own: reduce it from my input and the local peers' halves, allreduce it across hosts, copy it
+    into every local peer's ``out`` (direct) or leave it in my half; barrier; (3) unless direct,
+    copy the other parts from their owners' halves.  16-bit sums of an average are scaled in
+    float32 in (2) before they are rounded (the flat ring scales contributions likewise)."""
+    host = hier.host
+    pre = acc is not None and scale is not None and ufunc is np.add
+    host_scale, cross_scale = (scale, None) if pre else (None, scale)
+    if out is not inp:
+        if host.shm is None or inp.size == 0:
+            np.copyto(out, inp)
+    if inp.size == 0:
+        if scale is not None:
+            np.multiply(out, scale, out=out, casting="unsafe")
+        return
+    hier.allreduces += 1
+    nparts, size = hier.nparts, inp.dtype.itemsize
+    seg, r = host.shm, host.rank
+    peers = [q for q in range(host.size) if q != r]
+    # the same slabs and parts on every host (a part's owners allreduce it together)
+    slab = max(nparts, hier.slab_bytes // size) if hier.slab_bytes > 0 else inp.size
+    out_offset = None if seg is None else seg.pool_offset(out)
+    for k, start in enumerate(range(0, inp.size, slab)):
+        m = min(slab, inp.size - start)
+        edges = _shm_bounds(m, nparts, inp.dtype)
+        src, dst = inp[start:start + m], out[start:start + m]
+        if seg is None:  # alone on this host: every part is mine, and out holds my input
+            for j in hier.parts:
+                part = dst[edges[j]:edges[j + 1]]
+                if host_scale is not None:
+                    wide = part.astype(acc)
+                    np.multiply(wide, host_scale, out=wide)
+                    part[...] = wide
+                allreduce(hier.cross[j], part, part, ufunc, seq, segment_bytes, acc, cross_scale)
+            continue
+        half = seg.claim()
+        halves = [seg.half(q, half, inp.dtype, m) for q in range(host.size)]
+        mine = halves[r]
+        for j in range(nparts):
+            if hier.owner[j] != r:
+                np.copyto(mine[edges[j]:edges[j + 1]], src[edges[j]:edges[j + 1]])
+        where = barrier.sync(host, seq, 2 * k, -1 if out_offset is None else out_offset + start * size)
+        direct = min(where) >= 0
+        for j in hier.parts:
+            lo, hi = edges[j], edges[j + 1]
+            target = dst[lo:hi] if direct else mine[lo:hi]
+            _reduce_chunk(ufunc, [(lo, src[lo:hi])], lo, halves, peers, target, [], acc, host_scale)
+            allreduce(hier.cross[j], target, target, ufunc, seq, segment_bytes, acc, cross_scale)
+            if direct:
+                for q in peers:
+                    np.copyto(seg.at(q, where[q] + lo * size, inp.dtype, hi - lo), target)
+            else:
+                np.copyto(dst[lo:hi], target)
+        barrier.sync(host, seq, 2 * k + 1)
+        if not direct:
+            for j in range(nparts):
+                if hier.owner[j] != r:
+                    np.copyto(dst[edges[j]:edges[j + 1]], halves[hier.owner[j]][edges[j]:edges[j + 1]])
+
+
 def _reduce_chunk(ufunc, pieces, lo, halves, peers, target, pushes, acc, scale):
     """Reduce the ``(offset, array)`` ``pieces`` of this rank's chunk (which starts at element
     ``lo`` of the slab) with the peers' ``halves`` into ``target`` and copy each block into every

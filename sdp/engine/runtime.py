@@ -18,7 +18,7 @@ import numpy as np
 from sdp.common import errors
 from sdp.common.config import Config
 from sdp.common.reduce_ops import UFUNCS, ReduceOp, check_dtype
-from sdp.engine import collectives, fusion, timeline
+from sdp.engine import collectives, fusion, groups, timeline
 from sdp.engine.coordinator import JOIN, KINDS, Coordinator, wire_dtype
 from sdp.transport.zmq_mesh import CTRL, Mesh
 
@@ -137,6 +137,9 @@ class Runtime:
                          shm_pool_bytes=self.config.shm_pool_bytes)
         # local/cross values the launcher did not give, from the host names met at rendezvous
         self.topology = topology = topology.with_hosts([p["host"] for p in self.mesh.peers])
+        # allreduces across hosts: shared memory on each host, ZeroMQ between (None: flat)
+        self.hierarchy = groups.Hierarchy.build(self.mesh, [p["host"] for p in self.mesh.peers],
+                                                self.config.hierarchical, self.config.shm_slab_bytes)
         self._queue = collections.deque()
         self._queue_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -387,7 +390,8 @@ class Runtime:
     def _result_array(self, dtype: np.dtype, count: int) -> np.ndarray:
         """A new 1-D result array: from the shared-memory result pool when there is room (peers
         then write into it directly), else from the heap."""
-        pool = self.mesh.shm.pool if self.mesh.shm is not None else None
+        seg = self.mesh.shm if self.hierarchy is None else self.hierarchy.host.shm
+        pool = seg.pool if seg is not None else None
         got = pool.alloc(dtype, count) if pool is not None else None
         return fusion.aligned_empty(dtype, count) if got is None else got[1]
 
@@ -401,8 +405,14 @@ class Runtime:
                 np.copyto(out, inp)
                 inp = out
             self._prescale(inp, req)
-        collectives.allreduce(self.mesh, inp, out, UFUNCS[req.op], seq, self.config.segment_bytes,
-                              accumulation_dtype(out.dtype), self._float_scale(req, out.dtype), fill)
+        args = (UFUNCS[req.op], seq, self.config.segment_bytes, accumulation_dtype(out.dtype),
+                self._float_scale(req, out.dtype))
+        if self.hierarchy is None:
+            collectives.allreduce(self.mesh, inp, out, *args, fill)
+        else:
+            if fill is not None:
+                fill(0, out.size)
+            collectives.allreduce_hierarchical(self.hierarchy, inp, out, *args)
         self._int_scale(out, req)
 
     @staticmethod

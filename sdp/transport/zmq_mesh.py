@@ -86,6 +86,7 @@ class Mesh:
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.shm = None  # SharedSegments when every rank is on this host
+        self.host_shm = None  # else SharedSegments of this host's ranks, when it has several
         self._job = job
         if self.size > 1:
             own = None
@@ -132,8 +133,13 @@ class Mesh:
                 for p in self.peers:
                     if int(p["rank"]) != self.rank:
                         self.shm.attach(int(p["rank"]), p["shm"])
-            else:
-                self.shm = None  # some rank elsewhere (or without shm): ZeroMQ ring only
+            else:  # some rank elsewhere: segments of this host's ranks only (hierarchical collectives)
+                same = [p for p in self.peers if p["host"] == topology.hostname and int(p["rank"]) != self.rank]
+                if same and all(p.get("shm") for p in same):
+                    for p in same:
+                        self.shm.attach(int(p["rank"]), p["shm"])
+                    self.host_shm = self.shm
+                self.shm = None  # the world's collectives take ZeroMQ
         for r in self.dealers:  # HELLO from a peer also means it has mapped our segment
             self.send(r, HELLO)
         deadline = time.monotonic() + start_timeout_s

@@ -1,0 +1,78 @@
+"""Hierarchical allreduce across (fake) hosts: every rank's ``SDP_HOSTNAME`` names its host, so
+ranks of one "host" share memory and the others are reached over TCP, as between machines."""
+import pytest
+
+from harness import check_ok, run_workers
+from test_collectives_mp import make_cases
+
+def fake_hosts(counts):
+    """(world size, per-rank environment) for hosts of ``counts`` ranks, in rank order."""
+    names = [f"host{h}" for h, k in enumerate(counts) for _ in range(k)]
+
+    def env(rank):
+        same = [q for q, name in enumerate(names) if name == names[rank]]
+        return {"SDP_HOSTNAME": names[rank], "SDP_LOCAL_RANK": str(same.index(rank)),
+                "SDP_LOCAL_SIZE": str(len(same))}
+    return len(names), env
+
+
+@pytest.mark.parametrize("counts, env, on", [
+    ([2, 2], {}, True),  # automatic: several hosts, some with several ranks
+    ([2, 2], {"SDP_HIERARCHICAL": "0"}, False),
+    ([2, 1, 2], {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, True),
+    ([2, 1, 2], {"SDP_HIERARCHICAL": "0"}, False),
+])
+def test_every_collective_across_hosts(counts, env, on):
+    """The whole collective matrix against numpy, and the path the allreduces took: with the
+    hierarchy, each rank ran hierarchical allreduces, the ranks of a two-rank host met at
+    shared-memory barriers, and the cross groups are the owners of a part on every host."""
+    n, per_rank = fake_hosts(counts)
+    cases = make_cases()
+    values = check_ok(run_workers(n, "workers_hierarchical:matrix_and_path", [cases], timeout=180,
+                                  env=env, per_rank_env=per_rank))
+    for rank, (oks, _) in enumerate(values):
+        bad = [c for c, ok in zip(cases, oks) if not ok]
+        assert not bad, f"rank {rank} wrong for {bad}"
+    allreduces = sum(c[0].startswith("allreduce") for c in cases)
+    for rank, (_, (hier, barriers, parts, cross, host)) in enumerate(values):
+        if not on:
+            assert (hier, barriers) == (0, 0), rank
+            continue
+        assert hier >= allreduces - sum(c[0].startswith("allreduce") and c[3][0] == 0 for c in cases), rank
+        if len(host) > 1:
+            assert barriers >= 2 * hier, (rank, barriers, hier)
+        else:
+            assert barriers == 0 and parts == [0, 1], rank
+    if on and counts == [2, 2]:
+        assert [v[1][3] for v in values] == [{"0": [0, 2]}, {"1": [1, 3]}, {"0": [0, 2]}, {"1": [1, 3]}]
+    if on and counts == [2, 1, 2]:
+        assert [v[1][3] for v in values] == [{"0": [0, 2, 3]}, {"1": [1, 2, 4]}, {"0": [0, 2, 3], "1": [1, 2, 4]},
+                                             {"0": [0, 2, 3]}, {"1": [1, 2, 4]}]
+
+
+@pytest.mark.parametrize("counts, env", [
+    ([2, 2], {"SDP_SHM_SLAB_BYTES": "262144"}),  # several slabs per buffer
+    ([2, 1, 2], {"SDP_SHM_POOL_BYTES": "0"}),  # results copied out of the owners' halves
+    ([2, 1, 2], {"SDP_SHM_SLAB_BYTES": "65536", "SDP_FUSION_THRESHOLD": "0"}),
+])
+def test_results_bit_identical_on_every_rank(counts, env):
+    n, per_rank = fake_hosts(counts)
+    values = check_ok(run_workers(n, "workers_hierarchical:digests", [[0, 1, 7, 1000, 30001, 300_000]],
+                                  env=env, per_rank_env=per_rank, timeout=120))
+    for rank, (digests, ok, hier) in enumerate(values):
+        assert ok and hier > 0, (rank, ok, hier)
+        assert digests == values[0][0], f"rank {rank} differs from rank 0"
+
+
+def test_float16_average_accumulates_in_float32():
+    n, per_rank = fake_hosts([2, 1, 2])
+    for lo, hi, finite, small in check_ok(run_workers(n, "workers_collectives:fp16_average_no_overflow", [],
+                                                      per_rank_env=per_rank)):
+        assert finite and lo == hi and abs(lo - (40000 + (n - 1) / 2)) <= 32
+        assert abs(small - 3e-5 * n) < 1e-6
+
+
+def test_fused_buckets():
+    n, per_rank = fake_hosts([2, 2])
+    for oks in check_ok(run_workers(n, "workers_collectives:fused_buckets", [5], per_rank_env=per_rank)):
+        assert all(oks), oks

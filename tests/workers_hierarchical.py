@@ -1,0 +1,44 @@
+"""Worker functions for tests/test_hierarchical_mp.py (ranks on fake hosts, see SDP_HOSTNAME)."""
+import hashlib
+
+import numpy as np
+
+import sdp
+from workers_collectives import every_collective
+
+
+def path_taken():
+    """How this rank's allreduces ran: [hierarchical allreduces, shared-memory barriers of its
+    host group, parts, cross-group job ranks by part, host-group job ranks]."""
+    rt = sdp.api.runtime()
+    h = rt.hierarchy
+    if h is None:
+        seg = rt.mesh.host_shm
+        return [0, 0 if seg is None else seg.barriers, [], {}, []]
+    seg = rt.mesh.host_shm
+    return [h.allreduces, 0 if seg is None else seg.barriers, h.parts,
+            {str(j): g.ranks for j, g in h.cross.items()}, h.host.ranks]
+
+
+def matrix_and_path(cases):
+    """The collective matrix (list of bools), then :func:`path_taken`."""
+    return [every_collective(cases), path_taken()]
+
+
+def digests(sizes):
+    """SHA-1 of the results of float32 SUM, float16 AVERAGE and float64 prescaled-SUM
+    allreduces of the given sizes, one fused list too: equal on every rank when bit-identical."""
+    r = sdp.rank()
+    out, close = [], True
+    for i, n in enumerate(sizes):
+        rng = np.random.default_rng(1000 * i + r)
+        a = rng.standard_normal(n).astype(np.float32)
+        out.append(sdp.allreduce(a, name=f"f32.{i}", op=sdp.Sum))
+        ref = sum(np.random.default_rng(1000 * i + q).standard_normal(n) for q in range(sdp.size()))
+        close = close and np.allclose(out[-1], ref, rtol=1e-5, atol=1e-5)
+        out.append(sdp.allreduce((a * 1000).astype(np.float16), name=f"f16.{i}", op=sdp.Average))
+        out.append(sdp.allreduce(a.astype(np.float64), name=f"f64.{i}", op=sdp.Sum, prescale_factor=0.5))
+    fused = sdp.grouped_allreduce([np.full(n, r + 0.25, np.float32) for n in sizes], op=sdp.Average)
+    expect = [np.full(n, (sdp.size() - 1) / 2 + 0.25, np.float32) for n in sizes]
+    return [[hashlib.sha1(o.tobytes()).hexdigest() for o in out],
+            bool(close) and all(np.array_equal(f, e) for f, e in zip(fused, expect)), path_taken()[0]]
