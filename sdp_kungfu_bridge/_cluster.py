@@ -56,6 +56,7 @@ from sdp import api
 from sdp.common.config import cluster_size_of
 from sdp.common.errors import NotInitializedError, SdpError
 from sdp.common.reduce_ops import ReduceOp
+from sdp.transport import security
 
 log = logging.getLogger("sdp.kungfu")
 
@@ -223,8 +224,11 @@ def all_reduce_int_max(x: int) -> int:
 
 def _request(url: str, method: str = "GET", body=None) -> dict:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    secret = security.secret_from_env()
+    if secret and url.startswith(control_url() or "\0"):  # sdprun's own endpoint: the job's token
+        headers["Authorization"] = f"Bearer {security.http_token(secret)}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=_http_timeout()) as resp:
             text = resp.read().decode()

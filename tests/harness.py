@@ -14,6 +14,7 @@ import time
 from typing import List, Optional
 
 from sdp.transport.rendezvous import RendezvousServer
+from sdp.transport.security import SECRET_ENV, new_secret
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 MARK = "@@RESULT@@"
@@ -50,8 +51,10 @@ class WorkerResult:
     elapsed: float
 
 
-def worker_env(rank: int, size: int, address: str, extra=None, local_size=None) -> dict:
+def worker_env(rank: int, size: int, address: str, extra=None, local_size=None, secret=None) -> dict:
     env = dict(os.environ)
+    if secret is not None:
+        env[SECRET_ENV] = secret  # the job secret, as sdprun gives it
     local_size = local_size or size
     env.update({"SDP_RANK": str(rank), "SDP_SIZE": str(size), "SDP_LOCAL_RANK": str(rank % local_size),
                 "SDP_LOCAL_SIZE": str(local_size), "SDP_CROSS_RANK": str(rank // local_size),
@@ -65,11 +68,12 @@ def worker_env(rank: int, size: int, address: str, extra=None, local_size=None) 
 def run_workers(n: int, target: str, args=(), env=None, timeout: float = 120, init: bool = True,
                 per_rank_env=None) -> List[WorkerResult]:
     """Run ``target`` on ``n`` ranks; kill all and fail the test after ``timeout`` seconds."""
-    srv = RendezvousServer(n, timeout_s=30).start()
+    secret = new_secret()
+    srv = RendezvousServer(n, timeout_s=30, secret=secret).start()
     procs, t0 = [], time.monotonic()
     try:
         for r in range(n):
-            e = worker_env(r, n, srv.address, env)
+            e = worker_env(r, n, srv.address, env, secret=secret)
             if per_rank_env:  # (a value of None removes the variable)
                 e.update(per_rank_env(r))
                 e = {k: v for k, v in e.items() if v is not None}

@@ -12,6 +12,7 @@ import pytest
 
 from sdp.launcher import cli, hosts
 from sdp.launcher.elastic import ElasticController
+from sdp.transport import security
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "workers_kungfu_elastic.py")
@@ -97,9 +98,15 @@ class _FakeGroup:
         self.added.append((rank, env))
 
 
-def _http(url, method="GET", body=None):
+SECRET = security.new_secret()
+
+
+def _http(url, method="GET", body=None, secret=SECRET):
+    headers = {"Content-Type": "application/json"}
+    if secret:
+        headers["Authorization"] = f"Bearer {security.http_token(secret)}"
     req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status, json.loads(resp.read())
@@ -112,7 +119,7 @@ def controller():
     group = _FakeGroup()
     ctl = ElasticController([hosts.HostSlots("localhost", 3)], group,
                             lambda infos, addr, epoch: [dict(i.env(), ADDR=addr, EPOCH=str(epoch)) for i in infos],
-                            initial_size=2, start_timeout=5).start()
+                            initial_size=2, start_timeout=5, secret=SECRET).start()
     yield ctl, group
     ctl.stop()
 

@@ -7,12 +7,15 @@ import numpy as np
 import pytest
 import zmq
 
+from sdp.transport import security
 from sdp.transport.store import KEEP_VERSIONS, Client, Server, StoreError, StoreTimeoutError
+
+SECRET = security.new_secret()
 
 
 @pytest.fixture
 def pair():
-    server, client = Server("127.0.0.1"), Client()
+    server, client = Server("127.0.0.1", secret=SECRET), Client(secret=SECRET)
     yield server, client
     client.close()
     server.close()
@@ -42,11 +45,13 @@ def test_unknown_name_is_an_error(pair):
 
 
 def test_foreign_requests_are_dropped_and_the_server_keeps_serving(pair):
+    """Malformed requests from a client that holds the secret are dropped and logged."""
     server, client = pair
     server.save("w", np.ones(3, np.int64))
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    security.secure_client(s, SECRET)
     s.connect(server.address)
     s.send(b"\xff not json")
     s.send_multipart([b"two", b"frames"])
@@ -56,12 +61,48 @@ def test_foreign_requests_are_dropped_and_the_server_keeps_serving(pair):
     assert np.array_equal(got, np.ones(3, np.int64)) and server.served == 1
 
 
+@pytest.mark.parametrize("intruder", ["no secret", "wrong secret"])
+def test_a_client_without_the_job_secret_gets_nothing(pair, intruder):
+    """No secret: the CURVE handshake fails; a wrong one: the gatekeeper refuses its key.  The
+    server never sees a request and keeps serving its job."""
+    server, client = pair
+    server.save("w", np.ones(3, np.int64))
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if intruder == "wrong secret":
+        security.secure_client(s, security.new_secret())
+    s.connect(server.address)
+    try:
+        s.send(json.dumps({"id": 1, "name": "w", "version": None}).encode())
+        assert not s.poll(500), "an intruder got an answer"
+    finally:
+        s.close()
+        ctx.term()
+    with pytest.raises(StoreTimeoutError):
+        Client(secret=security.new_secret()).request(server.address, "w", timeout=0.5)
+    got, _ = client.request(server.address, "w", timeout=5)
+    assert np.array_equal(got, np.ones(3, np.int64)) and server.served == 1
+
+
+def test_server_refuses_every_interface():
+    with pytest.raises(ValueError, match="every interface"):
+        Server("0.0.0.0", secret=SECRET)
+
+
+def _fake_server(ctx):
+    """A job-authenticated ROUTER on loopback that the test drives by hand; returns (socket, port)."""
+    gate = security.Gatekeeper(ctx, SECRET, "fake")
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    security.secure_server(sock, SECRET)
+    return gate, sock, sock.bind_to_random_port("tcp://127.0.0.1")
+
+
 def test_silent_peer_times_out():
     ctx = zmq.Context()
-    mute = ctx.socket(zmq.ROUTER)  # accepts the request, never answers
-    mute.setsockopt(zmq.LINGER, 0)
-    port = mute.bind_to_random_port("tcp://127.0.0.1")
-    client = Client()
+    gate, mute, port = _fake_server(ctx)  # accepts the request, never answers
+    client = Client(secret=SECRET)
     try:
         t0 = time.monotonic()
         with pytest.raises(StoreTimeoutError, match=r"rank 3 .* did not answer a request for 'w' within 0.3 s"):
@@ -70,6 +111,7 @@ def test_silent_peer_times_out():
     finally:
         client.close()
         mute.close()
+        gate.stop()
         ctx.term()
 
 
@@ -77,10 +119,8 @@ def test_silent_peer_times_out():
                                     [b'{"id": 1, "ok": true, "dtype": "<f4", "shape": [3]}', b"12345"]])
 def test_malformed_answer_is_an_error(answer):
     ctx = zmq.Context()
-    fake = ctx.socket(zmq.ROUTER)  # answers every request with ``answer``
-    fake.setsockopt(zmq.LINGER, 0)
-    port = fake.bind_to_random_port("tcp://127.0.0.1")
-    client = Client()
+    gate, fake, port = _fake_server(ctx)  # answers every request with ``answer``
+    client = Client(secret=SECRET)
     try:
         address = f"tcp://127.0.0.1:{port}"
         client._socket(address)  # connect first, so the request is not lost
@@ -98,4 +138,5 @@ def test_malformed_answer_is_an_error(answer):
     finally:
         client.close()
         fake.close()
+        gate.stop()
         ctx.term()

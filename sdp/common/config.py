@@ -18,6 +18,8 @@
 |                           |              | ranks span several hosts and some host has several ranks   |
 | SDP_TIMELINE              | unset        | path of a Chrome-trace JSON timeline                       |
 | SDP_LOG_LEVEL             | WARNING      | level of the ``sdp`` logger                                |
+| SDP_ENCRYPT               | 0            | 1: encrypt rank-to-rank data (CURVE); 0: authenticate each |
+|                           |              | connection only (see sdp.transport.security)               |
 
 Horovod spellings (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``, ``HOROVOD_TIMELINE``,
 ``HOROVOD_START_TIMEOUT``, ``HOROVOD_STALL_CHECK_TIME_SECONDS``, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``,
@@ -60,6 +62,7 @@ class Config:
     shm_pool_bytes: int = 128 << 20
     hierarchical: Optional[bool] = None  # None: automatic
     timeline: Optional[str] = None
+    encrypt: bool = False  # SDP_ENCRYPT
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":
@@ -78,6 +81,7 @@ class Config:
             shm_pool_bytes=_get(env, ["SDP_SHM_POOL_BYTES"], 128 << 20, int),
             hierarchical=_get(env, ["SDP_HIERARCHICAL", "HOROVOD_HIERARCHICAL_ALLREDUCE"], None, flag),
             timeline=_get(env, ["SDP_TIMELINE", "HOROVOD_TIMELINE"], None, str),
+            encrypt=_get(env, ["SDP_ENCRYPT"], False, flag),
         )
 
 

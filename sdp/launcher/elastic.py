@@ -28,8 +28,13 @@ desired size.  Workers whose rank is ``>= n`` detach and exit on their own (see
 :mod:`sdp_kungfu_bridge._cluster` for the worker side).  The job ends when every worker has exited;
 a worker exiting non-zero stops the job as usual.
 
-The endpoint listens on 127.0.0.1 only: ``sdprun`` runs local workers, and a commit starts
-processes.
+Security: the endpoint listens on one address (``host``, default 127.0.0.1; never
+``*``/``0.0.0.0``), and every request must carry ``Authorization: Bearer <token>``, a token derived
+from the job secret (:func:`sdp.transport.security.http_token`; workers derive it from their
+``SDP_SECRET``), compared in constant time: anything else gets 401 and a log line, before its body
+is read.  Bodies are at most ``MAX_BODY_BYTES`` (413 above).  The token travels in the clear like
+any HTTP header: on a network where others can read packets, keep the endpoint on loopback or a
+private interface.
 """
 import http.server
 import json
@@ -41,11 +46,14 @@ from typing import Callable, List, Optional
 
 from sdp.common.config import cluster_size_of
 from sdp.launcher import hosts as hostlib
+from sdp.transport import security
 
 log = logging.getLogger("sdp.launcher")
 
 #: Slots of this machine in watch mode when no ``-H``/``--hostfile`` gives them.
 DEFAULT_ELASTIC_SLOTS = 64
+#: Largest request body the endpoint reads (bytes).
+MAX_BODY_BYTES = 1 << 20
 
 
 class ConflictError(Exception):
@@ -57,11 +65,18 @@ class ElasticController:
 
     ``make_envs(rank_infos, rendezvous_addr, epoch)`` returns the full environment of every rank
     of an epoch; ``group`` is the :class:`~sdp.launcher.procs.WorkerGroup` new workers join.
+    ``host``: the address the endpoint (and each epoch's rendezvous) binds to; ``*``/``0.0.0.0``
+    raise ``ValueError``.  ``secret``: the job secret (default ``SDP_SECRET``/``SDP_SECRET_FILE``;
+    raises :class:`~sdp.transport.security.SecretError` without one).
     """
 
     def __init__(self, hosts: List[hostlib.HostSlots], group, make_envs: Callable, initial_size: int,
                  start_timeout: float, port: int = 0, config_server: Optional[str] = None,
-                 http_timeout: float = 10.0):
+                 http_timeout: float = 10.0, host: str = "127.0.0.1", secret: Optional[str] = None):
+        if host in ("*", "0.0.0.0", "::", "[::]", ""):
+            raise ValueError(f"config server host {host!r} would listen on every interface; give one address")
+        self.secret = secret or security.require_secret(2)
+        self.host = host
         self.hosts = hosts
         self.group = group
         self.make_envs = make_envs
@@ -80,10 +95,11 @@ class ElasticController:
         class Handler(_Handler):
             ctl = controller
 
-        self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
+        self._refused = security.LogLimiter(log)
         self.external_config = None
         if config_server and not self._is_own(config_server):
             self.external_config = config_server
@@ -154,8 +170,8 @@ class ElasticController:
                                  "(give more with -H host:slots)")
             infos = hostlib.assign_ranks(self.hosts, size)
             new_epoch = epoch + 1
-            server = RendezvousServer(size=size, host="127.0.0.1", port=0,
-                                      timeout_s=self.start_timeout).start()
+            server = RendezvousServer(size=size, host=self.host, port=0,
+                                      timeout_s=self.start_timeout, secret=self.secret).start()
             envs = self.make_envs(infos, server.address, new_epoch)
             try:
                 for r in range(self.size, size):
@@ -205,17 +221,42 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _authorized(self) -> bool:
+        """Whether the request carries the job's bearer token; answers 401 (and logs) if not."""
+        if security.http_authorized(self.headers.get("Authorization"), self.ctl.secret):
+            return True
+        self.ctl._refused.warning("config server: refused %s %s from %s: no or wrong job token",
+                                  self.command, self.path[:100], self.client_address[0])
+        self.close_connection = True
+        data = json.dumps({"error": "unauthorized: requests need 'Authorization: Bearer <token of the job "
+                                    "secret>' (sdp.transport.security.http_token)"}).encode()
+        self.send_response(401)
+        self.send_header("WWW-Authenticate", 'Bearer realm="sdprun"')
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        return False
+
     def _body(self):
-        n = int(self.headers.get("Content-Length") or 0)
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise ValueError("Content-Length is not a number") from None
+        if not 0 <= n <= MAX_BODY_BYTES:
+            self.close_connection = True
+            raise ValueError(f"request body of {n} bytes (at most {MAX_BODY_BYTES})")
         try:
             return json.loads(self.rfile.read(n) or b"{}")
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ValueError("the request body is not JSON") from None
 
     def _path(self) -> str:
         return urllib.parse.urlparse(self.path).path.rstrip("/") or "/"
 
     def do_GET(self):
+        if not self._authorized():
+            return
         path = self._path()
         if path == "/config":
             self._send(200, self.ctl.get_config())
@@ -225,6 +266,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(404, {"error": f"no such endpoint {path}"})
 
     def _write(self):
+        if not self._authorized():
+            return
         path = self._path()
         try:
             if path == "/config":

@@ -3,18 +3,53 @@
 A job has one secret: ``sdprun`` makes one (:func:`new_secret`) and hands it to its ranks
 (environment ``SDP_SECRET`` for local ranks, ssh's standard input for remote ones, never a
 command line); a job started by another launcher reads ``SDP_SECRET`` or ``SDP_SECRET_FILE``
-(:func:`secret_from_env`).  Every ZeroMQ socket of a job authenticates with it through ZeroMQ's
-own security mechanisms (see the rest of this module).
+(:func:`secret_from_env`).  A job of one rank needs none; a job of more ranks without one stops
+at ``init()`` with :class:`SecretError` (:func:`require_secret`).
+
+Every ZeroMQ socket of a job authenticates with the secret through ZeroMQ's own security
+(ZMTP CURVE / PLAIN with a ZAP handler, RFC 26/27), never a home-made handshake:
+
+* **Keys.**  Two CURVE key pairs are derived from the secret (HMAC-SHA256 of the secret with a
+  label gives a 32-byte Curve25519 secret key, ``zmq.curve_public`` its public key): one for
+  every server socket of the job, one for every client.  Every rank derives the same pairs, so no
+  key is ever exchanged; a process without the secret knows neither.
+* **Gatekeeper.**  Each ZeroMQ context that has server sockets runs a :class:`Gatekeeper`
+  (pyzmq's :class:`zmq.auth.thread.ThreadAuthenticator`, the ZAP handler): it admits a CURVE
+  client only if it proves it holds the job's client key, and a PLAIN client only with a
+  single-use token this process issued (see below).  Everything else is refused and logged.
+* **Rendezvous, model store, control:** always CURVE (authenticated and encrypted).
+* **Rank-to-rank data (the mesh), ``SDP_ENCRYPT``.**  CURVE encrypts every byte (libsodium's
+  XSalsa20-Poly1305 in ZeroMQ's I/O thread).  Measured on this 2-core host (one 64 MB message,
+  DEALER -> ROUTER, best of 5): TCP loopback 1.33 GB/s without CURVE, 0.45 GB/s with it; ipc
+  1.76 GB/s vs 0.45 GB/s: CURVE costs 3-4x on bulk data.  So by default
+  (``SDP_ENCRYPT=0``) the mesh authenticates each connection with ZMTP PLAIN and a **single-use
+  token**: every rank makes one random 128-bit token per peer, publishes it in its rendezvous
+  entry (which travels only over CURVE, so only holders of the secret see it), and its
+  gatekeeper accepts that token once, for that peer's rank name only.  A recorded handshake
+  replayed later presents a spent token and is refused; a process without the secret never sees
+  a token.  The payload then travels in the clear, as with Horovod/NCCL: on a network where
+  others can *read or alter* packets in flight, set ``SDP_ENCRYPT=1`` (CURVE on the mesh too).
 """
+import dataclasses
+import functools
+import hashlib
+import hmac
+import logging
 import os
 import secrets
-from typing import Mapping, Optional
+import threading
+import time
+from typing import Dict, Mapping, Optional
 
 from sdp.common.errors import SdpError
 
 SECRET_ENV = "SDP_SECRET"
 SECRET_FILE_ENV = "SDP_SECRET_FILE"
 SECRET_BYTES = 32
+ZAP_DOMAIN = b"sdp"
+TOKEN_BYTES = 16  # single-use PLAIN tokens: 128 random bits
+
+log = logging.getLogger("sdp.security")
 
 
 class SecretError(SdpError):
@@ -45,3 +80,159 @@ def secret_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     if not value:
         raise SecretError(f"the job secret ({SECRET_ENV} or {SECRET_FILE_ENV}) is empty")
     return value
+
+
+def require_secret(size: int, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The job secret for a job of ``size`` ranks: None for one rank (no socket is opened),
+    else :func:`secret_from_env`.  Raises :class:`SecretError` when ``size > 1`` and there is
+    none, saying how to give one."""
+    secret = secret_from_env(env)
+    if secret is None and size > 1:
+        raise SecretError(
+            f"a job of {size} ranks needs a job secret, so that only its own processes can join it: "
+            f"start it with sdprun (which makes one), or give every rank the same secret in "
+            f"{SECRET_ENV} or in a file named by {SECRET_FILE_ENV} (e.g. "
+            f"python -c 'import secrets; print(secrets.token_hex(32))' > secret; chmod 600 secret)")
+    return secret
+
+
+class LogLimiter:
+    """Log warnings about refused traffic at most once per ``interval_s`` seconds (an intruder
+    must not be able to flood the log); the next line counts the ones left out."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 1.0):
+        self._log = logger
+        self._interval = interval_s
+        self._next = 0.0
+        self._left_out = 0
+        self._lock = threading.Lock()
+
+    def warning(self, msg: str, *args) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                self._left_out += 1
+                return
+            left_out, self._left_out, self._next = self._left_out, 0, now + self._interval
+        if left_out:
+            msg += f" ({left_out} similar left out)"
+        self._log.warning(msg, *args)
+
+
+def _derive(secret: str, label: str) -> bytes:
+    return hmac.new(secret.encode(), b"sdp/" + label.encode(), hashlib.sha256).digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class JobKeys:
+    """The job's CURVE keys, Z85-encoded (40 bytes each)."""
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+@functools.lru_cache(maxsize=8)
+def job_keys(secret: str) -> JobKeys:
+    """The CURVE key pairs every rank of the job with ``secret`` derives (deterministic)."""
+    import zmq
+    from zmq.utils import z85
+    if not zmq.has("curve"):
+        raise SecretError("this libzmq was built without CURVE security; install pyzmq's wheels "
+                          "(they bundle libzmq with libsodium)")
+    ss = z85.encode(_derive(secret, "curve-server"))
+    cs = z85.encode(_derive(secret, "curve-client"))
+    return JobKeys(zmq.curve_public(ss), ss, zmq.curve_public(cs), cs)
+
+
+def http_token(secret: str) -> str:
+    """The bearer token of the job's HTTP endpoints (``Authorization: Bearer <token>``), 64 hex
+    characters derived from the secret (the secret itself never travels)."""
+    return _derive(secret, "http-bearer").hex()
+
+
+def http_authorized(header: Optional[str], secret: str) -> bool:
+    """Whether an ``Authorization`` header value carries the job's bearer token (constant-time
+    comparison)."""
+    if not header or not header.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(header[len("Bearer "):].strip().encode(), http_token(secret).encode())
+
+
+def secure_server(sock, secret: str, encrypt: bool = True) -> None:
+    """Make ``sock`` (before ``bind``) a server of the job: CURVE with the job's server key, or
+    PLAIN (single-use tokens) when ``encrypt`` is false.  Its context must run a
+    :class:`Gatekeeper`, which decides who gets in."""
+    sock.zap_domain = ZAP_DOMAIN
+    if encrypt:
+        sock.curve_server = True
+        sock.curve_secretkey = job_keys(secret).server_secret
+    else:
+        sock.plain_server = True
+
+
+def secure_client(sock, secret: str, user: Optional[str] = None, token: Optional[str] = None) -> None:
+    """Make ``sock`` (before ``connect``) a client of the job: CURVE with the job's client key,
+    or PLAIN as ``user`` with the single-use ``token`` a server issued for it."""
+    if token is not None:
+        sock.plain_username = (user or "").encode()
+        sock.plain_password = token.encode()
+        return
+    keys = job_keys(secret)
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey = keys.client_public
+    sock.curve_secretkey = keys.client_secret
+
+
+def _gatekeeper_class():
+    from zmq.auth.thread import ThreadAuthenticator
+
+    class _Gatekeeper(ThreadAuthenticator):
+        def __init__(self, ctx, secret: str, name: str):
+            super().__init__(ctx, log=logging.getLogger("sdp.security.zap"))
+            self._client_key = job_keys(secret).client_public
+            self._tokens: Dict[str, bytes] = {}
+            self._token_lock = threading.Lock()
+            self.name = name
+            self.rejected = 0
+            self._warn = LogLimiter(log)
+            self.start()
+            self.configure_curve_callback(ZAP_DOMAIN.decode(), credentials_provider=self)
+
+        # CURVE: pyzmq calls callback(domain, z85 client key)
+        def callback(self, domain, key) -> bool:
+            if hmac.compare_digest(bytes(key), self._client_key):
+                return True
+            self.rejected += 1
+            self._warn.warning("%s: refused a CURVE connection with a foreign client key (no or wrong job secret)",
+                        self.name)
+            return False
+
+        def issue_token(self, user: str) -> str:
+            token = secrets.token_hex(TOKEN_BYTES)
+            with self._token_lock:
+                self._tokens[user] = token.encode()
+            return token
+
+        def _authenticate_plain(self, domain, username, password):
+            with self._token_lock:
+                want = self._tokens.get(username)
+                ok = want is not None and hmac.compare_digest(password.encode(), want)
+                if ok:
+                    del self._tokens[username]  # single use: a replayed handshake finds it spent
+            if ok:
+                return True, b"OK"
+            self.rejected += 1
+            self._warn.warning("%s: refused a PLAIN connection as %r: %s", self.name, username[:32],
+                        "token already used or never issued" if want is None else "wrong token")
+            return False, b"bad or spent token"
+
+    return _Gatekeeper
+
+
+def Gatekeeper(ctx, secret: str, name: str = "sdp"):
+    """Start the ZAP handler of ZeroMQ context ``ctx`` (one per context; stop it with ``.stop()``
+    before ``ctx.term()``): admits CURVE clients holding the client key derived from ``secret``
+    and PLAIN clients presenting a token from ``.issue_token(user)`` (once).  ``name`` labels its
+    log lines; ``.rejected`` counts refused handshakes."""
+    return _gatekeeper_class()(ctx, secret, name)

@@ -12,6 +12,12 @@ answers ``[{"id", "ok": true, "dtype", "shape", "version"}, payload]`` or
 ``[{"id", "ok": false, "error"}]``.  Replies carry the request id, so a late answer to a request
 that timed out is dropped.  Every wait has a deadline (``SDP_STORE_TIMEOUT`` seconds, default 60):
 :class:`StoreTimeoutError`.  Malformed or foreign requests are logged and dropped.
+
+Security: servers and clients authenticate and encrypt with CURVE keys derived from the job secret
+(:mod:`sdp.transport.security`; a model is bulk data, but a pull is one-sided and may go to any
+peer at any time, so no single-use token could be handed over for it); a process without the
+secret can neither connect nor read a variable.  A request is at most ``MAX_REQUEST_BYTES``.  The
+server binds one given address, never ``*``/``0.0.0.0``.
 """
 import collections
 import itertools
@@ -26,10 +32,12 @@ import numpy as np
 import zmq
 
 from sdp.common.errors import SdpError
+from sdp.transport import security
 
 log = logging.getLogger("sdp.transport.store")
 
 KEEP_VERSIONS = 8  # versions kept per name, besides the latest
+MAX_REQUEST_BYTES = 64 * 1024  # a request is a small JSON object
 TIMEOUT_ENV = "SDP_STORE_TIMEOUT"
 
 
@@ -57,14 +65,33 @@ class _Entry:
         self.versions: "collections.OrderedDict[int, np.ndarray]" = collections.OrderedDict()
 
 
-class Server:
-    """This process's store and the thread that serves it."""
+def _job_secret(secret: Optional[str]) -> str:
+    # a process alone (no secret in the environment) gets a random one: nobody else can connect
+    return secret or security.secret_from_env() or security.new_secret()
 
-    def __init__(self, host: str):
+
+class Server:
+    """This process's store and the thread that serves it, at ``tcp://host:<free port>``
+    (``address``).  ``host``: one local address (``*``/``0.0.0.0`` raise ``ValueError``);
+    ``secret``: the job secret (default ``SDP_SECRET``/``SDP_SECRET_FILE``)."""
+
+    def __init__(self, host: str, secret: Optional[str] = None):
+        if host in ("*", "0.0.0.0", "::", "[::]", ""):
+            raise ValueError(f"model store host {host!r} would listen on every interface; give one address")
+        secret = _job_secret(secret)
         self._ctx = zmq.Context()
+        self._gate = security.Gatekeeper(self._ctx, secret, "model store")
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        security.secure_server(self._sock, secret)
+        try:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            self._sock.close(linger=0)
+            self._gate.stop()
+            self._ctx.term()
+            raise
         self.address = f"tcp://{host}:{port}"
         self._data: Dict[str, _Entry] = {}
         self._lock = threading.Lock()
@@ -135,13 +162,16 @@ class Server:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close(linger=0)
+        self._gate.stop()
         self._ctx.term()
 
 
 class Client:
-    """DEALER sockets to peers' stores, one per address, each used under its own lock."""
+    """DEALER sockets to peers' stores, one per address, each used under its own lock.
+    ``secret``: the job secret (default ``SDP_SECRET``/``SDP_SECRET_FILE``)."""
 
-    def __init__(self):
+    def __init__(self, secret: Optional[str] = None):
+        self._secret = _job_secret(secret)
         self._ctx = zmq.Context()
         self._socks: Dict[str, Tuple[zmq.Socket, threading.Lock]] = {}
         self._lock = threading.Lock()
@@ -152,6 +182,7 @@ class Client:
             if address not in self._socks:
                 s = self._ctx.socket(zmq.DEALER)
                 s.setsockopt(zmq.LINGER, 0)
+                security.secure_client(s, self._secret)
                 s.connect(address)
                 self._socks[address] = (s, threading.Lock())
             return self._socks[address]

@@ -13,7 +13,6 @@ import collections
 import json
 import logging
 import os
-import socket
 import struct
 import tempfile
 import time
@@ -23,7 +22,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from sdp.common.errors import CollectiveTimeoutError, PeerLostError, ProtocolError, SdpError
-from sdp.transport import rendezvous, shm
+from sdp.common.config import Config
+from sdp.common.network import bind_address
+from sdp.transport import rendezvous, security, shm
 
 log = logging.getLogger("sdp.transport")
 
@@ -33,45 +34,45 @@ HEADER = struct.Struct("<4sBIQ")
 HELLO, CTRL, DATA, BYE, SYNC, ABORT = 1, 2, 3, 4, 5, 6
 BYE_WAIT_S = 0.05  # seconds a closing rank waits for the BYEs of peers that are closing too
 COPY_BELOW = 64 * 1024  # bytes: smaller payloads are copied (cheaper than tracking)
+REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 LOSS_GRACE_S = 1.0  # seconds a dropped peer's other connection may still deliver its last messages
-
-
-def _local_ip_towards(address: Optional[str]) -> str:
-    """The IP of the interface that routes to the rendezvous host (no packets are sent)."""
-    if not address:
-        return "127.0.0.1"
-    host = address[len("tcp://"):].rsplit(":", 1)[0]
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
 
 
 class Mesh:
     """Sockets to every peer of a job of ``topology.size`` ranks.
 
     ``timeout_s`` (seconds) bounds every receive.  Raises :class:`PeerLostError` when a peer that
-    a wait depends on disconnects, :class:`CollectiveTimeoutError` when a deadline passes.
+    a wait depends on disconnects, :class:`CollectiveTimeoutError` when a deadline passes,
+    :class:`~sdp.transport.security.SecretError` when ``size > 1`` and no job secret is set.
+
+    Security: the ROUTER binds to :func:`sdp.common.network.bind_address` (``SDP_IFACE``, or the
+    interface towards the rendezvous; never ``*``) and an ipc socket in a 0700 directory; every
+    connection is authenticated with the job secret, encrypted too when ``encrypt`` (default:
+    ``SDP_ENCRYPT``); see :mod:`sdp.transport.security`.
     """
 
     def __init__(self, topology, timeout_s: float = 300.0, start_timeout_s: float = 60.0,
-                 shm_slab_bytes: int = 32 << 20, shm_pool_bytes: int = 0):
+                 shm_slab_bytes: int = 32 << 20, shm_pool_bytes: int = 0, encrypt: Optional[bool] = None):
         self.rank = topology.rank
         self.size = topology.size
         self.timeout_s = timeout_s
+        self._secret = security.require_secret(self.size)
+        self.encrypt = Config.from_env().encrypt if encrypt is None else bool(encrypt)
         self.ctx = zmq.Context(io_threads=1)
+        self._gate = security.Gatekeeper(self.ctx, self._secret, f"rank {self.rank}") if self.size > 1 else None
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.RCVBUF, 4 << 20)
+        if self._gate is not None:
+            security.secure_server(self.router, self._secret, self.encrypt)
         job = os.environ.get("SDP_JOB_ID") or os.urandom(6).hex()
         self._ipc_dir = tempfile.mkdtemp(prefix=f"sdp-{job}-{self.rank}-")
         ipc = f"ipc://{self._ipc_dir}/r.sock"
         self.router.bind(ipc)
-        ip = os.environ.get("SDP_IFACE_ADDR") or _local_ip_towards(topology.rendezvous_addr)
-        tcp_port = self.router.bind_to_random_port("tcp://*") if topology.size > 1 else 0
+        ip = bind_address(topology.rendezvous_addr) if topology.size > 1 else "127.0.0.1"
+        tcp_port = self.router.bind_to_random_port(f"tcp://{ip}") if topology.size > 1 else 0
         self.endpoints = {"ipc": ipc, "tcp": f"tcp://{ip}:{tcp_port}"}
         self.peers: List[dict] = []
         self.dealers: Dict[int, zmq.Socket] = {}
@@ -85,6 +86,11 @@ class Mesh:
         self.aborted: Dict[int, dict] = {}  # rank -> {"lost": rank or None, "err": str} it failed with
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
+        self._refused = security.LogLimiter(log)
+        if self._gate is not None:  # log refused handshakes (no or wrong secret, spent token)
+            mon = self.router.get_monitor_socket(REFUSED_EVENTS)
+            self.monitors[mon] = -1
+            self.poller.register(mon, zmq.POLLIN)
         self.shm = None  # SharedSegments when every rank is on this host
         self.host_shm = None  # else SharedSegments of this host's ranks, when it has several
         self._job = job
@@ -106,14 +112,16 @@ class Mesh:
     def _connect(self, topology, start_timeout_s: float) -> None:
         info = {"rank": self.rank, "size": self.size, "host": topology.hostname,
                 "endpoints": self.endpoints, "shm": self.shm.path if self.shm else None}
+        if not self.encrypt:  # one single-use token per peer (see sdp.transport.security)
+            info["tokens"] = {str(r): self._gate.issue_token(str(r)) for r in range(self.size) if r != self.rank}
         self.peers = rendezvous.serve_and_register(
             topology.rendezvous_addr, info, start_timeout_s,
             serve=topology.serve_rendezvous and self.rank == 0)
         for peer in self.peers:
             r = int(peer["rank"])
-            self._ident_to_rank[struct.pack("<I", r)] = r
             if r == self.rank:
-                continue
+                continue  # (a message claiming to be from this rank is foreign)
+            self._ident_to_rank[struct.pack("<I", r)] = r
             same_host = peer["host"] == topology.hostname
             addr = peer["endpoints"]["ipc" if same_host else "tcp"]
             d = self.ctx.socket(zmq.DEALER)
@@ -123,6 +131,10 @@ class Mesh:
             d.setsockopt(zmq.SNDBUF, 4 << 20)
             d.setsockopt(zmq.HEARTBEAT_IVL, 2000)
             d.setsockopt(zmq.HEARTBEAT_TIMEOUT, 8000)
+            if self.encrypt:
+                security.secure_client(d, self._secret)
+            else:
+                security.secure_client(d, self._secret, str(self.rank), self._token_from(peer))
             mon = d.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
             d.connect(addr)
             self.dealers[r] = d
@@ -145,6 +157,13 @@ class Mesh:
         deadline = time.monotonic() + start_timeout_s
         for r in self.dealers:
             self.recv(r, HELLO, deadline=deadline)
+
+    def _token_from(self, peer: dict) -> str:
+        try:
+            return str(peer["tokens"][str(self.rank)])
+        except (KeyError, TypeError):
+            raise ProtocolError(f"rank {self.rank}: rank {peer.get('rank')} registered without a token for "
+                                f"this rank (SDP_ENCRYPT differs between ranks?)") from None
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, dst: int, kind: int, seq: int = 0, aux: int = 0, payload=None):
@@ -184,6 +203,11 @@ class Mesh:
                 continue
             while mon.poll(0):
                 ev = recv_monitor_message(mon)
+                if r < 0:  # the ROUTER's: a connection that failed the handshake
+                    self._refused.warning("rank %d: refused a foreign/malformed connection to %s (%s, error %s): "
+                                          "no or wrong job secret, or a spent token", self.rank,
+                                          ev["endpoint"].decode(errors="replace"), ev["event"].name, ev["value"])
+                    continue
                 if ev["event"] == zmq.EVENT_DISCONNECTED and r not in self.lost:
                     self._suspects.setdefault(r, time.monotonic())
 
@@ -318,6 +342,8 @@ class Mesh:
         for r, d in self.dealers.items():
             d.close(linger=0 if r in gone else int(linger_s * 1000))
         self.router.close(linger=0)
+        if self._gate is not None:
+            self._gate.stop()
         self.ctx.term()
         try:
             os.unlink(os.path.join(self._ipc_dir, "r.sock"))
