@@ -14,7 +14,10 @@ Prints (rank 0):
    started by ranks 0 and 1 after sdp's measurements) and, when installed, Horovod;
 3. the 1 KB latency (median and p90);
 4. a gradient list, 100 tensors of 256 KB: fused (one 25 MB bucket) vs unfused;
-5. PASS/FAIL against the targets below (a miss does not fail the process).
+5. PASS/FAIL against the targets below (a miss does not fail the process);
+6. when the ranks span several hosts: flat ring vs hierarchical allreduce busbw from 1 MB up, the
+   raw TCP bandwidth between two hosts measured here, and the busbw a perfect algorithm would
+   reach on that link (``SDP_LAUNCHER_ALLOW_FAKE_HOSTS=1 sdprun -np 4 -H a:2,b:2 ...`` fakes hosts).
 
 Times are per-rank medians over the timed iterations, then the maximum over ranks.
 """
@@ -284,6 +287,172 @@ def horovod_status() -> str:
             "separately)")
 
 
+# ---- across hosts: flat ring vs hierarchical, and the link itself ---------------------------------
+TARGET_HIER_VS_CEILING = 0.8       # hierarchical busbw at 64 MB / the link's ceiling (issue 15)
+TARGET_HIER_VS_FLAT = 1.5          # hierarchical busbw / flat ring busbw at 64 MB
+HOSTS_MIN_BYTES = 1 << 20          # the across-hosts table covers the sizes from 1 MB up
+
+
+def job_hosts():
+    """Every rank's host name (index = rank), as registered at rendezvous."""
+    return [p["host"] for p in sdp.api.runtime().mesh.peers] or [platform.node()]
+
+
+def time_flat_and_hierarchical(buf, args):
+    """Median times of the flat algorithms (ZeroMQ ring / recursive doubling over all ranks) and
+    of the hierarchical allreduce (None when this job has no hierarchy), max over ranks, measured
+    alternately.  Switches the engine's ``hierarchy`` between collectives, after a barrier, on
+    every rank alike (all ranks run the same collectives in the same order)."""
+    rt = sdp.api.runtime()
+    hier, out = rt.hierarchy, {}
+    for mode in (["flat", "hierarchical"] if hier is not None else ["flat"]):
+        sdp.barrier()
+        rt.hierarchy = hier if mode == "hierarchical" else None
+        times = time_allreduce(buf, args.iters, args.warmup, args.target_s, name=f"hosts.{mode}")
+        out[mode] = (max_over_ranks(statistics.median(times), f"hosts.{mode}.median"), len(times))
+    sdp.barrier()
+    rt.hierarchy = hier
+    return out
+
+
+def link_bandwidth(seconds: float = 2.0, chunk: int = 4 << 20):
+    """Raw TCP bandwidth between rank 0 and the first rank on another host, both directions at
+    once: two plain TCP sockets (rank 0 connects to that rank's data-interface address), one
+    sending each way for ``seconds``; each receiver counts bytes from its first byte to EOF.
+    The connections prove themselves with a token sent over sdp (authenticated); anything else
+    that connects is closed.  Returns ``(a_to_b, b_to_a, a, b)`` in bytes/s on rank 0, None elsewhere."""
+    import threading
+    hosts = job_hosts()
+    b = next(r for r in range(sdp.size()) if hosts[r] != hosts[0])
+    rank = sdp.rank()
+    listener = None
+    if rank == b:
+        ip = sdp.api.runtime().mesh.endpoints["tcp"][len("tcp://"):].rsplit(":", 1)[0]
+        listener = socket.create_server((ip, 0), backlog=4)
+        listener.settimeout(30)
+        where = listener.getsockname()[:2]
+    else:
+        where = None
+    where = sdp.broadcast_object(where, b, name="link.where")
+    token = sdp.broadcast_object(os.urandom(16).hex() if rank == 0 else None, 0, name="link.token").encode()
+    result = None
+
+    def send(sock):
+        data = memoryview(bytearray(chunk))
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+
+    def receive(sock):
+        buf, got, first = memoryview(bytearray(chunk)), 0, None
+        while True:
+            k = sock.recv_into(buf)
+            if not k:
+                return got / (time.perf_counter() - first)
+            if first is None:
+                first = time.perf_counter()
+            got += k
+
+    if rank in (0, b):
+        if rank == 0:
+            socks = [socket.create_connection(tuple(where), timeout=30) for _ in range(2)]
+            for role, sk in enumerate(socks):
+                sk.sendall(token + bytes([role]))  # role 0: rank 0 sends on it; 1: rank b sends
+            out_sock, in_sock = socks
+        else:
+            by_role = {}
+            for _ in range(8):  # bounded: a stranger's connections are dropped
+                sk, _ = listener.accept()
+                sk.settimeout(30)
+                hello = b""
+                while len(hello) < len(token) + 1:
+                    piece = sk.recv(len(token) + 1 - len(hello))
+                    if not piece:
+                        break
+                    hello += piece
+                if hello[:-1] == token and hello[-1:] in (b"\0", b"\1"):
+                    by_role[hello[-1]] = sk
+                else:
+                    sk.close()
+                if len(by_role) == 2:
+                    break
+            listener.close()
+            out_sock, in_sock = by_role[1], by_role[0]
+        sender = threading.Thread(target=send, args=(out_sock,))
+        sender.start()
+        rate_in = receive(in_sock)
+        sender.join()
+        for sk in (out_sock, in_sock):
+            sk.close()
+        rates = sdp.allgather_object(rate_in, name="link.rates")
+    else:
+        rates = sdp.allgather_object(None, name="link.rates")
+    if rank == 0:
+        result = (rates[b], rates[0], 0, b)
+    return result
+
+
+def across_hosts(args, sizes, dtype):
+    """The across-hosts table: flat vs hierarchical per size >= 1 MB, and the link bandwidth;
+    returns ``(rows, link, hosts)`` (``link`` only on rank 0), or None when every rank is on one host."""
+    hosts = job_hosts()
+    if len(set(hosts)) < 2:
+        return None
+    rows = []
+    for nbytes in [s for s in sizes if s >= HOSTS_MIN_BYTES]:
+        buf = np.ones(nbytes // dtype.itemsize, dtype)
+        rows.append((nbytes, time_flat_and_hierarchical(buf, args)))
+        del buf
+    return rows, link_bandwidth(args.link_seconds), hosts
+
+
+def report_across_hosts(rows, link, hosts, n) -> None:
+    """Print the across-hosts table, the link's ceiling and the issue-15 targets (rank 0)."""
+    nh = len(set(hosts))
+    bf = busbw_factor(n)
+    a_to_b, b_to_a, a, b = link
+    bw = min(a_to_b, b_to_a)
+    # every host must send (and receive) 2(H-1)/H of the buffer over its link (reduce-scatter +
+    # allgather among the hosts), so t >= 2(H-1)/H * S / bw, algbw <= bw * H / (2(H-1))
+    ceil_alg = bw * nh / (2 * (nh - 1))
+    ceiling = ceil_alg * bf
+    counts = ",".join(str(hosts.count(h)) for h in dict.fromkeys(hosts))
+    print("", flush=True)
+    print(f"across {nh} hosts ({counts} ranks), {n} ranks: allreduce (SUM, float32 unless --dtype), "
+          f"flat = ring/recursive doubling over all ranks (ZeroMQ), hierarchical = shared memory per "
+          f"host + ZeroMQ between hosts", flush=True)
+    print(f"link: raw TCP between rank {a} ({hosts[a]}) and rank {b} ({hosts[b]}), two sockets, both "
+          f"directions at once: {a_to_b / 1e9:.3f} GB/s {hosts[a]}->{hosts[b]}, {b_to_a / 1e9:.3f} GB/s "
+          f"{hosts[b]}->{hosts[a]}", flush=True)
+    print(f"ceiling: each host sends and receives >= 2(H-1)/H of the buffer over its link, so "
+          f"algbw <= link * H/(2(H-1)) = {bw / 1e9:.3f} * {nh}/{2 * (nh - 1)} = {ceil_alg / 1e9:.3f} GB/s; "
+          f"busbw = algbw*2(n-1)/n <= {ceiling / 1e9:.3f} GB/s (link = the slower direction)", flush=True)
+    hdr = (f"{'size(B)':>10} | {'flat(us)':>10} {'flat_busbw':>10} | {'hier(us)':>10} {'hier_busbw':>10} | "
+           f"{'hier/flat':>9} {'hier/ceiling':>12}")
+    print(hdr, flush=True)
+    print("-" * len(hdr), flush=True)
+    for nbytes, t in rows:
+        flat_bus = nbytes / t["flat"][0] / 1e9 * bf
+        if "hierarchical" in t:
+            hb = nbytes / t["hierarchical"][0] / 1e9 * bf
+            hier = f"{t['hierarchical'][0] * 1e6:10.1f} {hb:10.3f} | {hb / flat_bus:9.2f} {hb / (ceiling / 1e9):12.2f}"
+        else:
+            hier = f"{'n/a':>10} {'n/a':>10} | {'n/a':>9} {'n/a':>12}"
+        print(f"{nbytes:>10d} | {t['flat'][0] * 1e6:10.1f} {flat_bus:10.3f} | {hier}", flush=True)
+    r64 = next((t for nbytes, t in rows if nbytes == 64 << 20), None)
+    if r64 is None or "hierarchical" not in r64:
+        print("  hierarchical @64MB targets: SKIP (needs 64M in --sizes and a hierarchy: several hosts, "
+              "one with several ranks, SDP_HIERARCHICAL not 0)", flush=True)
+        return
+    hb = (64 << 20) / r64["hierarchical"][0] * bf
+    fb = (64 << 20) / r64["flat"][0] * bf
+    print(f"  hierarchical busbw @64MB >= {TARGET_HIER_VS_CEILING:.0%} of the ceiling: {hb / 1e9:.3f} GB/s = "
+          f"{hb / ceiling:.0%}  {'PASS' if hb >= TARGET_HIER_VS_CEILING * ceiling else 'FAIL'}", flush=True)
+    print(f"  hierarchical busbw @64MB >= {TARGET_HIER_VS_FLAT}x flat: {hb / fb:.2f}x  "
+          f"{'PASS' if hb >= TARGET_HIER_VS_FLAT * fb else 'FAIL'}", flush=True)
+
+
 # ---- main ------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="sdp allreduce benchmark (run under sdprun)")
@@ -299,6 +468,8 @@ def main(argv=None) -> int:
     p.add_argument("--fused-table", dest="fused_table", action="store_true", default=True)
     p.add_argument("--no-fused-table", dest="fused_table", action="store_false")
     p.add_argument("--fused-iters", type=int, default=0, help="gradient lists timed per mode (0: auto)")
+    p.add_argument("--link-seconds", type=float, default=2.0,
+                   help="seconds of the raw TCP test between two hosts (ranks on several hosts only)")
     args = p.parse_args(argv)
 
     dtype = np.dtype(args.dtype)
@@ -318,6 +489,8 @@ def main(argv=None) -> int:
         rows.append(Row(nbytes, buf.size, len(times), t))
         log0(f"sdp {nbytes:>11d} B  median {t * 1e6:12.1f} us  ({len(times)} iters)")
         del buf
+
+    hosts_table = across_hosts(args, sizes, dtype)  # None on one host
 
     # 2. 1 KB latency --------------------------------------------------------------------------
     buf = np.ones(max(1, 1024 // dtype.itemsize), dtype)
@@ -402,6 +575,8 @@ def main(argv=None) -> int:
         print(f"{row.nbytes:>10d} {row.count:>10d} {row.iters:>6d} {row.t * 1e6:16.1f} {alg:12.3f} "
               f"{bus:12.3f} | {tfc} | {ratio}", flush=True)
 
+    if hosts_table:
+        report_across_hosts(*hosts_table, n)
     print("", flush=True)
     print(f"1 KB latency ({len(lat)} iters): median {lat_med * 1e6:.1f} us, p90 {lat_p90 * 1e6:.1f} us, "
           f"min {lat_min * 1e6:.1f} us (max over ranks)", flush=True)

@@ -1,5 +1,11 @@
 """Hierarchical allreduce across (fake) hosts: every rank's ``SDP_HOSTNAME`` names its host, so
 ranks of one "host" share memory and the others are reached over TCP, as between machines."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from harness import check_ok, run_workers
@@ -76,3 +82,25 @@ def test_fused_buckets():
     n, per_rank = fake_hosts([2, 2])
     for oks in check_ok(run_workers(n, "workers_collectives:fused_buckets", [5], per_rank_env=per_rank)):
         assert all(oks), oks
+
+
+def test_benchmark_compares_flat_and_hierarchical_across_hosts():
+    """benchmarks/allreduce.py on 2x2 fake hosts prints the link, its ceiling, and one row per
+    size with flat and hierarchical times (speed is not checked here: see benchmarks/README.md)."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, SDP_LAUNCHER_ALLOW_FAKE_HOSTS="1", TF_CPP_MIN_LOG_LEVEL="2")
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "4", "-H", "a:2,b:2", sys.executable,
+                        "benchmarks/allreduce.py", "--sizes", "1K,1M,2M", "--baseline", "none", "--no-fused-table",
+                        "--iters", "3", "--latency-iters", "200", "--link-seconds", "0.3"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    out = p.stdout
+    assert p.returncode == 0, out[-3000:] + p.stderr[-3000:]
+    link = re.search(r"link: raw TCP between rank 0 \(a\) and rank 2 \(b\), two sockets, both directions at once: "
+                     r"([0-9.]+) GB/s a->b, ([0-9.]+) GB/s b->a", out)
+    assert link and min(map(float, link.groups())) > 0, out[-3000:]
+    slower = min(map(float, link.groups()))
+    ceiling = re.search(r"busbw = algbw\*2\(n-1\)/n <= ([0-9.]+) GB/s", out)
+    assert ceiling and abs(float(ceiling.group(1)) - slower * 1.5) <= 0.0015, out[-3000:]  # 2 hosts, 4 ranks
+    rows = re.findall(r"<stdout>:\s+(\d+) \|\s+[0-9.]+\s+([0-9.]+) \|\s+[0-9.]+\s+([0-9.]+) \|", out)
+    assert [r[0] for r in rows] == ["1048576", "2097152"], out[-3000:]  # 1 MB and up
+    assert all(float(f) > 0 and float(h) > 0 for _, f, h in rows), rows

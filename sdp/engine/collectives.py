@@ -230,7 +230,8 @@ def allreduce_hierarchical(hier, inp, out, ufunc, seq, segment_bytes, acc=None, 
 
     One slab (<= half a segment) at a time, as :func:`_shm_allreduce`: (1) copy the parts other
     local ranks own into my half; barrier (with every rank's ``out`` offset); (2) for each part I
-    own: reduce it from my input and the local peers' halves, allreduce it across hosts, copy it
+    own: reduce it from my input and the local peers' halves (as the cross ring sends it: see the
+    ``fill`` of :func:`allreduce`), allreduce it across hosts, copy it
     into every local peer's ``out`` (direct) or leave it in my half; barrier; (3) unless direct,
     copy the other parts from their owners' halves.  16-bit sums of an average are scaled in
     float32 in (2) before they are rounded (the flat ring scales contributions likewise)."""
@@ -275,8 +276,12 @@ def allreduce_hierarchical(hier, inp, out, ufunc, seq, segment_bytes, acc=None, 
         for j in hier.parts:
             lo, hi = edges[j], edges[j + 1]
             target = dst[lo:hi] if direct else mine[lo:hi]
-            _reduce_chunk(ufunc, [(lo, src[lo:hi])], lo, halves, peers, target, [], acc, host_scale)
-            allreduce(hier.cross[j], target, target, ufunc, seq, segment_bytes, acc, cross_scale)
+
+            def fill(a, b, lo=lo, target=target):  # reduced on demand: overlaps the first sends
+                _reduce_chunk(ufunc, [(lo + a, src[lo + a:lo + b])], lo + a, halves, peers, target[a:b], [],
+                              acc, host_scale)
+
+            allreduce(hier.cross[j], target, target, ufunc, seq, segment_bytes, acc, cross_scale, fill)
             if direct:
                 for q in peers:
                     np.copyto(seg.at(q, where[q] + lo * size, inp.dtype, hi - lo), target)
