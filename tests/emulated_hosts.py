@@ -288,6 +288,11 @@ def down(prefix: str = PREFIX, names: Optional[List[str]] = None) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.1)
+    # veth ends in the root namespace first: a deleted namespace takes its peers down only later
+    for line in _run(["ip", "-o", "link", "show"], check=False).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
+        if name.startswith(f"{prefix}-") and name.endswith("-v"):
+            _run(["ip", "link", "del", name], check=False)
     for ns in namespaces:
         _run(["ip", "netns", "del", ns], check=False)
         shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)

@@ -211,7 +211,7 @@ def check_hosts(hosts: List[hostlib.HostSlots], remote: List[str], args, out=Non
     failed = 0
     for h in hosts:
         is_remote = h.host in remote
-        here = listen_address([h.host] if is_remote else [], args.nic)
+        here = listen_address([h.host] if is_remote else remote, args.nic)
         info = probe_host(h.host, options, towards=here if is_remote else None, local=not is_remote)
         if "error" in info:
             failed += 1
