@@ -104,3 +104,18 @@ def test_benchmark_compares_flat_and_hierarchical_across_hosts():
     rows = re.findall(r"<stdout>:\s+(\d+) \|\s+[0-9.]+\s+([0-9.]+) \|\s+[0-9.]+\s+([0-9.]+) \|", out)
     assert [r[0] for r in rows] == ["1048576", "2097152"], out[-3000:]  # 1 MB and up
     assert all(float(f) > 0 and float(h) > 0 for _, f, h in rows), rows
+
+
+@pytest.mark.parametrize("victim", [1, 2])
+def test_killed_rank_during_hierarchical_allreduces(victim):
+    """A rank killed inside fused hierarchical allreduces (rank 1: rank 0's host peer, met at
+    shared-memory barriers; rank 2: rank 0's cross-group peer, met over TCP): every survivor
+    raises PeerLostError naming it within 10 s."""
+    n, per_rank = fake_hosts([2, 2])
+    results = run_workers(n, "workers_errors:die_or_wait", [victim, True], timeout=60, per_rank_env=per_rank)
+    assert results[victim].returncode == -9
+    for r in set(range(n)) - {victim}:
+        assert results[r].ok, results[r].stderr[-2000:]
+        etype, msg, lost, seconds, wire = results[r].value
+        assert wire and etype == "PeerLostError" and lost == victim, (r, etype, msg)
+        assert seconds < 10, seconds

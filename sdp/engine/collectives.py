@@ -10,6 +10,8 @@ agreed collective number), so that messages can be checked against what is expec
   with :mod:`sdp.engine.barrier` between phases (shared-memory flags, or ZeroMQ messages); each
   rank reduces its 1/n of every slab straight out of the peers' segments and, when every rank's
   output lives in its result pool, writes it straight into every rank's output (no copy-out).
+* ``allreduce_hierarchical`` when the ranks span several hosts: shared memory within each host,
+  ZeroMQ between hosts (one cross group per part of the buffer, see :mod:`sdp.engine.groups`).
 * ``broadcast``: binomial tree from ``root``.
 * ``allgatherv``: ring over variable-size blocks.
 * ``alltoallv``: pairwise exchange.
