@@ -326,3 +326,39 @@ def test_sigterm_of_sdprun_stops_all_hosts(hosts, tmp_path):
     assert rc == 128 + signal.SIGTERM, err
     assert time.monotonic() - t0 < 5
     _no_job_left(hosts, job.job, job.marker, wait_s=5)
+
+
+HOROVOD_RUN = r"""
+import socket, sys
+import sdp.compat
+sdp.compat.install("horovod")
+import horovod
+
+
+def work(base):
+    import os
+    import numpy as np
+    import sdp
+    sdp.init()
+    total = sdp.allreduce(np.array([float(sdp.rank() + base)]), op=sdp.Sum)
+    return sdp.rank(), socket.gethostname(), os.environ["SDP_TEST_ENV"], float(total[0])
+
+
+if __name__ == "__main__":
+    print("RESULTS", horovod.run(work, args=(10,), np=3, hosts="h1:1,h2:1,h3:1", env={"SDP_TEST_ENV": "e"}))
+    try:
+        horovod.run(lambda: 1, np=2, hosts="h1:1,h2:1")
+    except Exception as e:
+        print("UNPICKLABLE", type(e).__name__)
+"""
+
+
+def test_horovod_run_across_hosts(hosts, tmp_path):
+    """horovod.run(fn, np=3, hosts="h1:1,h2:1,h3:1") from h1: fn (in the caller's main script)
+    runs on all three hosts and the results come back in rank order; a lambda is refused."""
+    script = tmp_path / "hrun.py"
+    script.write_text(HOROVOD_RUN)
+    res = hosts.run("h1", [sys.executable, str(script)], env=_env(), cwd=str(tmp_path), timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "RESULTS [(0, 'h1', 'e', 33.0), (1, 'h2', 'e', 33.0), (2, 'h3', 'e', 33.0)]" in res.stdout, res.stdout
+    assert "UNPICKLABLE PicklingError" in res.stdout, res.stdout

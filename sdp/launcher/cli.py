@@ -279,10 +279,12 @@ def worker_envs(ranks: List[hostlib.RankInfo], rendezvous_addr: str, job_id: str
     return envs
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=None) -> int:
     """Run ``sdprun`` with ``argv`` (default ``sys.argv[1:]``); return the exit status
     (0, the first failing worker's status, 128+signal, 2 for usage errors, 126/127 when the
-    command cannot be started)."""
+    command cannot be started).  ``stdout`` / ``stderr`` receive the workers' prefixed lines
+    (default: this process's); ``base_env`` is the environment the workers start from
+    (default ``os.environ``; :mod:`sdp.launcher.run_func` passes its own)."""
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -317,7 +319,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         remote = remote_hosts([h for h in hosts if any(r.hostname == h.host for r in ranks)]
                               if not watch else hosts, allow_fake)
         host_addr = listen_address(remote, args.nic)
-        parse_exports(args.export)
+        parse_exports(args.export, base_env)
     except (ValueError, OSError) as e:
         log.error("%s", e)
         return EXIT_USAGE
@@ -327,7 +329,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     saved_secret = {k: os.environ.pop(k, None) for k in (security.SECRET_ENV, security.SECRET_FILE_ENV)}
     os.environ[security.SECRET_ENV] = secret
     try:
-        return _launch(args, command, hosts, ranks, remote, host_addr, watch, secret)
+        return _launch(args, command, hosts, ranks, remote, host_addr, watch, secret,
+                       stdout, stderr, base_env)
     finally:
         for k, v in saved_secret.items():
             if v is None:
@@ -336,17 +339,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                 os.environ[k] = v
 
 
-def _launch(args, command, hosts, ranks, remote, host_addr, watch, secret) -> int:
+def _launch(args, command, hosts, ranks, remote, host_addr, watch, secret, stdout, stderr,
+            base_env) -> int:
     from sdp.transport.rendezvous import RendezvousServer  # pyzmq only needed for a real launch
 
     np = len(ranks)
     job_id = secrets.token_hex(8)
     server = RendezvousServer(size=np, host=host_addr, port=0, timeout_s=args.start_timeout,
                               secret=secret).start()
-    envs = worker_envs(ranks, server.address, job_id, args, secret=secret)
+    envs = worker_envs(ranks, server.address, job_id, args, base_env=base_env, secret=secret)
     local = LocalLauncher()
     options = SshOptions(args.ssh_port, args.ssh_identity_file)
-    forward = list(parse_exports(args.export))
+    forward = list(parse_exports(args.export, base_env))
     ssh_launchers = {h: SshLauncher(h, options, forward=forward, grace_s=DEFAULT_GRACE_S) for h in remote}
 
     def launcher_of(host: str):
@@ -358,7 +362,8 @@ def _launch(args, command, hosts, ranks, remote, host_addr, watch, secret) -> in
 
         def make_envs(infos, rendezvous_addr, epoch):
             return [dict(e, **elastic.worker_env(epoch))
-                    for e in worker_envs(infos, rendezvous_addr, job_id, args, secret=secret)]
+                    for e in worker_envs(infos, rendezvous_addr, job_id, args, base_env=base_env,
+                                         secret=secret)]
 
         try:
             elastic = ElasticController(hosts, None, make_envs, np, args.start_timeout,
@@ -368,8 +373,8 @@ def _launch(args, command, hosts, ranks, remote, host_addr, watch, secret) -> in
             server.stop()
             return EXIT_USAGE
         envs = [dict(e, **elastic.worker_env(0)) for e in envs]
-    group = WorkerGroup(command, envs, prefix=not args.no_prefix, grace_s=DEFAULT_GRACE_S,
-                        launcher_of=launcher_of)
+    group = WorkerGroup(command, envs, stdout=stdout, stderr=stderr, prefix=not args.no_prefix,
+                        grace_s=DEFAULT_GRACE_S, launcher_of=launcher_of)
     if elastic is not None:
         elastic.group = group
         elastic.start()
