@@ -17,11 +17,17 @@ Every ZeroMQ socket of a job authenticates with the secret through ZeroMQ's own 
   (pyzmq's :class:`zmq.auth.thread.ThreadAuthenticator`, the ZAP handler): it admits a CURVE
   client only if it proves it holds the job's client key, and a PLAIN client only with a
   single-use token this process issued (see below).  Everything else is refused and logged.
-* **Rendezvous, model store, control:** always CURVE (authenticated and encrypted).
+* **Rendezvous and model store:** always CURVE (authenticated and encrypted).  The elastic HTTP
+  endpoint of ``sdprun -w`` takes a bearer token derived from the secret (:func:`http_token`).
 * **Rank-to-rank data (the mesh), ``SDP_ENCRYPT``.**  CURVE encrypts every byte (libsodium's
   XSalsa20-Poly1305 in ZeroMQ's I/O thread).  Measured on this 2-core host (one 64 MB message,
   DEALER -> ROUTER, best of 5): TCP loopback 1.33 GB/s without CURVE, 0.45 GB/s with it; ipc
-  1.76 GB/s vs 0.45 GB/s: CURVE costs 3-4x on bulk data.  So by default
+  1.76 GB/s vs 0.45 GB/s.  2-rank allreduce over ZeroMQ only (``SDP_SHM_SLAB_BYTES=0 sdprun -np 2
+  python benchmarks/allreduce.py --baseline none --sizes 1K,1M,64M --no-fused-table``, 6 runs each,
+  interleaved, while other jobs kept the load average at ~9 on 2 cores, so best of 6 and range):
+  64 MB busbw 1.35 GB/s (0.20-1.35) authenticated only vs 0.38 GB/s (0.13-0.38) encrypted; 1 MB
+  0.21 vs 0.14 GB/s in the one run with the table; 1 KB latency is dominated by the noise (best
+  median 195 us vs 1062 us).  CURVE costs 3-4x on bulk data.  So by default
   (``SDP_ENCRYPT=0``) the mesh authenticates each connection with ZMTP PLAIN and a **single-use
   token**: every rank makes one random 128-bit token per peer, publishes it in its rendezvous
   entry (which travels only over CURVE, so only holders of the secret see it), and its
