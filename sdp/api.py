@@ -53,7 +53,8 @@ def init(config: Optional[Config] = None) -> None:
     """Start sdp in this process: read the topology, rendezvous with all ranks, start the engine.
 
     Mirrors ``smdistributed.dataparallel.tensorflow.init`` / ``horovod.tensorflow.init``.
-    Raises :class:`AlreadyInitializedError` if called twice (as SMDDP documents),
+    Raises :class:`AlreadyInitializedError` if called twice (as SMDDP documents; the Horovod face
+    under Horovod's names, :func:`sdp.tensorflow.mpi_ops.init`, turns that into a no-op),
     :class:`TopologyError` for a bad environment, :class:`RendezvousError` if the other ranks do
     not show up within ``SDP_START_TIMEOUT`` seconds."""
     global _runtime

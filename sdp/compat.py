@@ -2,20 +2,37 @@
 
 After :func:`install` (or in the workers of ``sdprun --compat horovod,smdistributed,kungfu``)::
 
-    import horovod.tensorflow as hvd                       # is sdp.tensorflow
-    import horovod.tensorflow.keras as hvd                 # is sdp.tensorflow.keras
-    import horovod.keras as hvd                            # is sdp.tensorflow.keras (legacy name)
+    import horovod.tensorflow as hvd                       # sdp.tensorflow, Horovod's init()
+    import horovod.tensorflow.keras as hvd                 # sdp.tensorflow.keras, Horovod's init()
+    import horovod.keras as hvd                            # the same (legacy name)
     import smdistributed.dataparallel.tensorflow as sdp    # is sdp.tensorflow
     import kungfu.python                                   # is sdp_kungfu_bridge.python
     from kungfu.tensorflow.optimizers import ...           # from sdp_kungfu_bridge.tensorflow.optimizers
 
+Where Horovod and SageMaker differ, the family the script imported decides
+    ``init()`` called again is a no-op under ``horovod.*`` (Horovod's rule) and raises
+    :class:`~sdp.common.errors.AlreadyInitializedError` under ``smdistributed.*`` and in plain
+    ``sdp.tensorflow`` (SMDDP's rule, which sdp.tensorflow mirrors).  So ``horovod.tensorflow``
+    and ``horovod.tensorflow.keras`` are the thin modules :mod:`sdp.compat_horovod.tensorflow` /
+    :mod:`sdp.compat_horovod.keras`: every name in them is sdp.tensorflow's (or
+    sdp.tensorflow.keras's) own object except ``init`` (:func:`sdp.tensorflow.mpi_ops.init`).
+
+Horovod's other module paths
+    ``horovod.tensorflow.util`` / ``.mpi_ops`` / ``.functions`` / ``.compression`` / ``.elastic``
+    and ``horovod.tensorflow.keras.callbacks`` are ``sdp.tensorflow.<same>`` (elastic raises
+    ``NotImplementedError`` when used); ``horovod.common.util`` is :mod:`sdp.common.util`,
+    ``horovod.common.exceptions`` is :mod:`sdp.common.errors`; ``horovod.runner`` (``run``,
+    ``util.threads``) is :mod:`sdp.compat_horovod.runner`.
+
 Mechanism
     A :class:`importlib.abc.MetaPathFinder` at the front of ``sys.meta_path`` maps names to sdp
-    modules.  An alias is the *same module object* (``sys.modules["horovod.tensorflow"] is
-    sys.modules["sdp.tensorflow"]``), so identity and ``isinstance`` hold; every submodule
-    follows its prefix (``horovod.tensorflow.X`` -> ``sdp.tensorflow.X``).  Targets are imported
-    lazily, when the alias is imported: a missing target (e.g. a bridge module not written yet)
-    gives a ``ModuleNotFoundError`` naming both the alias and the missing sdp module.  The
+    modules.  An alias is the *same module object* (``sys.modules["smdistributed.dataparallel.
+    tensorflow"] is sys.modules["sdp.tensorflow"]``), so identity and ``isinstance`` hold; every
+    submodule follows its prefix (``horovod.tensorflow.X`` -> ``sdp.tensorflow.X``) unless the
+    family names that exact module (``_Family.exact``, e.g. ``horovod.tensorflow`` itself).
+    Targets are imported lazily, when the alias is imported: a missing target (e.g. a bridge
+    module not written yet) gives a ``ModuleNotFoundError`` naming both the alias and the missing
+    sdp module.  The
     top-level packages (``horovod``, ``smdistributed``, ``smdistributed.dataparallel``,
     ``kungfu``) are small synthetic packages; ``horovod.run`` is :func:`run`.
 
@@ -68,15 +85,23 @@ class CompatShadowWarning(UserWarning):
 
 class _Family(NamedTuple):
     packages: Tuple[str, ...]   # synthetic packages, outermost first; the last one is the guard
-    aliases: Tuple[Tuple[str, str], ...]  # (alias prefix, sdp module)
+    aliases: Tuple[Tuple[str, str], ...]  # (alias prefix, sdp module): the name and its submodules
     dists: Tuple[str, ...]      # distribution names of the real thing (for messages)
+    exact: Tuple[Tuple[str, str], ...] = ()  # (alias, sdp module): that name only, before aliases
 
 
 _FAMILY_DEFS: Dict[str, _Family] = {
     "horovod": _Family(
         packages=("horovod",),
-        aliases=(("horovod.tensorflow", "sdp.tensorflow"), ("horovod.keras", "sdp.tensorflow.keras")),
-        dists=("horovod",)),
+        aliases=(("horovod.tensorflow", "sdp.tensorflow"), ("horovod.keras", "sdp.tensorflow.keras"),
+                 ("horovod.common", "sdp.common"), ("horovod.runner", "sdp.compat_horovod.runner")),
+        dists=("horovod",),
+        # Horovod's init() may be called again (SMDDP's raises): these modules are sdp.tensorflow
+        # and sdp.tensorflow.keras with that init; their submodules still follow the aliases.
+        exact=(("horovod.tensorflow", "sdp.compat_horovod.tensorflow"),
+               ("horovod.tensorflow.keras", "sdp.compat_horovod.keras"),
+               ("horovod.keras", "sdp.compat_horovod.keras"),
+               ("horovod.common.exceptions", "sdp.common.errors"))),
     "smdistributed": _Family(
         packages=("smdistributed", "smdistributed.dataparallel"),
         aliases=(("smdistributed.dataparallel.tensorflow", "sdp.tensorflow"),),
@@ -90,7 +115,8 @@ _FAMILY_DEFS: Dict[str, _Family] = {
 
 _PACKAGE_DOCS = {
     "horovod": "horovod on sdp (sdp.compat): horovod.tensorflow and horovod.tensorflow.keras "
-               "are sdp.tensorflow and sdp.tensorflow.keras; horovod.run starts local workers.",
+               "are sdp.tensorflow and sdp.tensorflow.keras with Horovod's init() (see "
+               "sdp.compat_horovod); horovod.run starts the ranks of a function.",
     "smdistributed": "smdistributed on sdp (sdp.compat).",
     "smdistributed.dataparallel": "smdistributed.dataparallel on sdp (sdp.compat): "
                                   "smdistributed.dataparallel.tensorflow is sdp.tensorflow.",
@@ -268,9 +294,13 @@ class _CompatFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.families: Dict[str, bool] = {}     # active family -> forced
         self.packages: Dict[str, str] = {}      # synthetic package -> family
         self.aliases: Dict[str, Tuple[str, str]] = {}  # alias prefix -> (target, family)
+        self.exact: Dict[str, Tuple[str, str]] = {}    # alias (that name only) -> (target, family)
 
     def map(self, fullname: str) -> Optional[Tuple[str, str]]:
-        """``(sdp module, family)`` that ``fullname`` aliases, or ``None``."""
+        """``(sdp module, family)`` that ``fullname`` aliases, or ``None``: an exact alias first,
+        else the longest alias prefix (``horovod.tensorflow.X`` -> ``sdp.tensorflow.X``)."""
+        if fullname in self.exact:
+            return self.exact[fullname]
         best = None
         for prefix, (target, family) in self.aliases.items():
             if fullname == prefix or fullname.startswith(prefix + "."):
@@ -318,7 +348,7 @@ class _CompatFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             module.__spec__ = real_spec
         except AttributeError:  # pragma: no cover
             pass
-        if family in ("horovod", "smdistributed") and _under(target, ("sdp.tensorflow",)):
+        if family in ("horovod", "smdistributed") and _under(target, _TF_FACES):
             patch_keras_optimizer_variables()
 
 
@@ -336,6 +366,7 @@ def _populate_package(module, name: str, family: str) -> None:
         module.__getattr__ = lambda attr: getattr(importlib.import_module("sdp_kungfu_bridge"), attr)
 
 
+_TF_FACES = ("sdp.tensorflow", "sdp.compat_horovod.tensorflow", "sdp.compat_horovod.keras")
 _lock = threading.RLock()
 _finder: Optional[_CompatFinder] = None
 
@@ -351,7 +382,7 @@ def _the_finder(create: bool) -> Optional[_CompatFinder]:
 
 def _family_names(family: str) -> List[str]:
     d = _FAMILY_DEFS[family]
-    return list(d.packages) + [a for a, _ in d.aliases]
+    return list(d.packages) + [a for a, _ in d.aliases] + [a for a, _ in d.exact]
 
 
 def _under(name: str, prefixes: Iterable[str]) -> bool:
@@ -411,6 +442,8 @@ def install(which: Union[str, Iterable[str]] = FAMILIES,
                     finder.packages[pkg] = family
             for alias, target in definition.aliases:
                 finder.aliases[alias] = (target, family)
+            for alias, target in definition.exact:
+                finder.exact[alias] = (target, family)
             finder.families[family] = fam_forced
             if fam_forced:
                 prefixes = _family_names(family)
@@ -437,6 +470,8 @@ def uninstall(which: Union[str, Iterable[str]] = FAMILIES) -> None:
                 del finder.packages[pkg]
             for alias in [a for a, (_, f) in finder.aliases.items() if f == family]:
                 del finder.aliases[alias]
+            for alias in [a for a, (_, f) in finder.exact.items() if f == family]:
+                del finder.exact[alias]
             prefixes = _family_names(family)
             for name in [n for n in sys.modules if _under(n, prefixes)]:
                 if _is_ours(sys.modules[name]):

@@ -77,11 +77,11 @@ print("WEIGHTS", json.dumps(weights))
 
 
 @pytest.mark.tf
-@pytest.mark.parametrize("family,import_line", [
-    ("horovod", "import horovod.tensorflow as hvd"),
-    ("smdistributed", "import smdistributed.dataparallel.tensorflow as hvd"),
+@pytest.mark.parametrize("family,import_line,module", [
+    ("horovod", "import horovod.tensorflow as hvd", "sdp.compat_horovod.tensorflow"),
+    ("smdistributed", "import smdistributed.dataparallel.tensorflow as hvd", "sdp.tensorflow"),
 ])
-def test_unmodified_script_runs_under_sdprun_compat(tmp_path, family, import_line):
+def test_unmodified_script_runs_under_sdprun_compat(tmp_path, family, import_line, module):
     pytest.importorskip("tensorflow")
     if compat._real_guard(family) is not None:
         pytest.skip(f"a real {family} is installed here; the shim would (rightly) defer to it")
@@ -89,7 +89,7 @@ def test_unmodified_script_runs_under_sdprun_compat(tmp_path, family, import_lin
     script.write_text(TRAIN.format(import_line=import_line))
     res = _sdprun("--compat", family, "-np", "2", sys.executable, str(script), timeout=90)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert _tagged(res.stdout, "MODULE") == {0: "sdp.tensorflow 2", 1: "sdp.tensorflow 2"}
+    assert _tagged(res.stdout, "MODULE") == {0: f"{module} 2", 1: f"{module} 2"}
     weights = {r: np.array(json.loads(w)) for r, w in _tagged(res.stdout, "WEIGHTS").items()}
     assert sorted(weights) == [0, 1]
     np.testing.assert_allclose(weights[0], weights[1], rtol=1e-6, atol=1e-7)
@@ -138,8 +138,13 @@ def test_install_in_process_aliases_the_same_module(installed_compat):
 
     import sdp.tensorflow
     import sdp.tensorflow.compression
-    assert hvd is sdp.tensorflow and smd is sdp.tensorflow
-    assert hvd.__spec__.name == "sdp.tensorflow"  # the real module keeps its own spec
+    assert smd is sdp.tensorflow
+    assert smd.__spec__.name == "sdp.tensorflow"  # the real module keeps its own spec
+    # horovod.tensorflow is sdp.tensorflow with Horovod's init(): every other name is sdp's object
+    assert hvd.__spec__.name == "sdp.compat_horovod.tensorflow"
+    assert hvd.allreduce is sdp.tensorflow.allreduce and hvd.Compression is sdp.tensorflow.Compression
+    assert hvd.AlreadyInitializedError is sdp.tensorflow.AlreadyInitializedError  # not in __all__
+    assert hvd.init is not sdp.tensorflow.init
     from horovod.tensorflow.compression import Compression  # submodules follow their prefix
     assert Compression is sdp.tensorflow.compression.Compression
     assert horovod.run is compat.run
@@ -159,12 +164,20 @@ def test_name_table():
     for family in compat.FAMILIES:
         for alias, target in compat._FAMILY_DEFS[family].aliases:
             finder.aliases[alias] = (target, family)
+        for alias, target in compat._FAMILY_DEFS[family].exact:
+            finder.exact[alias] = (target, family)
     expected = {
-        "horovod.tensorflow": "sdp.tensorflow",
-        "horovod.tensorflow.keras": "sdp.tensorflow.keras",
+        "horovod.tensorflow": "sdp.compat_horovod.tensorflow",
+        "horovod.tensorflow.util": "sdp.tensorflow.util",
+        "horovod.tensorflow.mpi_ops": "sdp.tensorflow.mpi_ops",
+        "horovod.tensorflow.keras": "sdp.compat_horovod.keras",
         "horovod.tensorflow.keras.callbacks": "sdp.tensorflow.keras.callbacks",
-        "horovod.keras": "sdp.tensorflow.keras",
+        "horovod.keras": "sdp.compat_horovod.keras",
         "horovod.keras.callbacks": "sdp.tensorflow.keras.callbacks",
+        "horovod.common.util": "sdp.common.util",
+        "horovod.common.exceptions": "sdp.common.errors",
+        "horovod.runner": "sdp.compat_horovod.runner",
+        "horovod.runner.util.threads": "sdp.compat_horovod.runner.util.threads",
         "smdistributed.dataparallel.tensorflow": "sdp.tensorflow",
         "smdistributed.dataparallel.tensorflow.keras": "sdp.tensorflow.keras",
         "kungfu.python": "sdp_kungfu_bridge.python",

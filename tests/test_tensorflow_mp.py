@@ -22,8 +22,10 @@ def test_distributed_gradient_tape_in_tf_function_averages():
 
 @pytest.mark.parametrize("slab,wire", [("0", "float16"), (None, "float32")])
 def test_fp16_compression_only_where_there_is_a_wire(slab, wire):
-    """Over ZeroMQ (SDP_SHM_SLAB_BYTES=0 stands in for a network) fp16 halves the bytes; between
-    ranks sharing memory it would only cost, so tensors stay float32."""
+    """Gradient reducers: over ZeroMQ (SDP_SHM_SLAB_BYTES=0 stands in for a network) fp16 halves
+    the bytes; between ranks sharing memory it would only cost, so gradients stay float32.
+    Compression.fp16 itself keeps Horovod's contract (always float16)."""
     env = {"SDP_SHM_SLAB_BYTES": slab} if slab else None
-    for w, out_dtype, vals in check_ok(run_workers(2, "workers_tf:fp16_wire_dtype", [], env=env, timeout=120)):
-        assert w == wire and out_dtype == "float32" and vals == [2.0, 4.0]
+    for w, contract, out_dtype, vals in check_ok(run_workers(2, "workers_tf:fp16_wire_dtype", [], env=env,
+                                                             timeout=120)):
+        assert w == wire and contract == "float16" and out_dtype == "float32" and vals == [2.0, 4.0]

@@ -26,7 +26,9 @@ def fp16_wire_dtype():
     import tensorflow as tf
 
     import sdp.tensorflow as hvd
+    from sdp.tensorflow.compression import gradient_compression
     x = tf.constant([1.0, 2.0])
-    wire, _ = hvd.Compression.fp16.compress(x)
+    wire, _ = gradient_compression(hvd.Compression.fp16).compress(x)  # what tapes/optimizers send
+    contract, _ = hvd.Compression.fp16.compress(x)  # Horovod's contract: always float16
     out = hvd.allreduce(x, compression=hvd.Compression.fp16, op=hvd.Sum)
-    return [wire.dtype.name, out.dtype.name, out.numpy().tolist()]
+    return [wire.dtype.name, contract.dtype.name, out.dtype.name, out.numpy().tolist()]

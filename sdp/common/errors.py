@@ -67,3 +67,39 @@ class CollectiveTimeoutError(SdpError, TimeoutError):
 
 class ProtocolError(SdpError):
     """A peer sent a message that does not fit the protocol (wrong tag, size or kind)."""
+
+
+# ---- Horovod's names (``horovod.common.exceptions`` is this module under ``--compat horovod``)
+
+HorovodInternalError = SdpError
+"""``horovod.common.exceptions.HorovodInternalError`` ("a collective operation failed"): every
+sdp error derives from :class:`SdpError`, so ``except HorovodInternalError`` catches a lost peer,
+a stall, a timeout or a mismatch."""
+
+
+class HostsUpdatedInterrupt(SdpError):
+    """The set of hosts of an elastic job changed.  Mirrors
+    ``horovod.common.exceptions.HostsUpdatedInterrupt`` (``skip_sync``: reset without restoring the
+    committed state).  sdp's Horovod face has no elastic mode yet, so sdp does not raise it."""
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__(f"the hosts of the job changed (skip_sync={skip_sync})")
+        self.skip_sync = skip_sync
+
+
+def get_version_mismatch_message(name: str, version: str, installed_version: str) -> str:
+    """The message of :class:`HorovodVersionMismatchError`.  Mirrors Horovod's function."""
+    return (f"Framework {name} installed with version {installed_version} but found version {version}. "
+            "This can result in unexpected behavior including runtime errors.")
+
+
+class HorovodVersionMismatchError(ImportError):
+    """A framework's version differs from the one a binary was built with.  Mirrors
+    ``horovod.common.exceptions.HorovodVersionMismatchError``; sdp has no such binary and does not
+    raise it."""
+
+    def __init__(self, name: str, version: str, installed_version: str):
+        super().__init__(get_version_mismatch_message(name, version, installed_version))
+        self.name = name
+        self.version = version
+        self.installed_version = installed_version

@@ -15,6 +15,12 @@ contributes zeros to the Sum/Average allreduces the other ranks still run (Avera
 ``size()``); it blocks until every rank has joined and returns the rank that joined last, as an
 int32 scalar tensor.  Other collectives that involve a joined rank raise ``TensorMismatchError``.
 
+``init()`` follows SMDDP (a second call raises ``AlreadyInitializedError``); the same module
+under Horovod's names (``import horovod.tensorflow as hvd`` with ``sdprun --compat horovod``) is
+:mod:`sdp.compat_horovod.tensorflow`, whose ``init()`` follows Horovod (a second call is a no-op).
+Horovod's submodules are here too: ``util``, ``mpi_ops``, ``functions``, ``compression``,
+``elastic`` (not yet supported: raises ``NotImplementedError``).
+
 Not available: process sets other than the global one, Adasum, ``tf.estimator`` (removed from
 TensorFlow 2.16; ``BroadcastGlobalVariablesHook`` works with
 ``tf.compat.v1.train.MonitoredTrainingSession``), XLA (collectives are ``tf.py_function`` ops;
@@ -44,11 +50,12 @@ from sdp.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 def init(*args, **kwargs):
     """Initialize sdp: read the topology, meet the other ranks, start the engine.
 
-    Mirrors ``smdistributed.dataparallel.tensorflow.init`` (a second call raises
-    ``AlreadyInitializedError``: "init() called more than once. smdistributed.dataparallel is
-    already initialized.") and ``horovod.tensorflow.init`` (its optional ``comm`` and
-    ``process_sets`` arguments are accepted; anything but the default raises
-    ``NotImplementedError``)."""
+    Mirrors ``smdistributed.dataparallel.tensorflow.init``: a second call raises
+    ``AlreadyInitializedError`` ("init() called more than once. smdistributed.dataparallel is
+    already initialized.").  Horovod's optional ``comm`` and ``process_sets`` arguments are
+    accepted; anything but the default raises ``NotImplementedError``.  Under Horovod's names
+    (``horovod.tensorflow.init`` with ``sdprun --compat horovod``) ``init`` is
+    :func:`sdp.tensorflow.mpi_ops.init`, for which a second call is a no-op, as in Horovod."""
     comm = kwargs.pop("comm", args[0] if args else None)
     process_sets = kwargs.pop("process_sets", args[1] if len(args) > 1 else None)
     if comm not in (None, []) or process_sets not in (None, [], "dynamic") or kwargs or len(args) > 2:

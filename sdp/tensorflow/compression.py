@@ -1,8 +1,27 @@
 """Gradient compression for the wire.  Mirrors ``horovod.tensorflow.Compression`` /
-``smdistributed.dataparallel.tensorflow.Compression`` (``none``, ``fp16``)."""
+``smdistributed.dataparallel.tensorflow.Compression`` (``none``, ``fp16``).
+
+``Compression.fp16`` keeps Horovod's contract exactly: ``compress(t)`` returns ``(float16 tensor,
+t.dtype)`` for every floating ``t`` (float16, bfloat16, float32, float64) and ``(t, t.dtype)``
+unchanged otherwise; ``decompress(t, ctx)`` casts back to ``ctx`` when it is floating.
+
+Where the cast does not pay, sdp skips it, at the place that issues the gradient collectives
+(``DistributedGradientTape`` and every ``DistributedOptimizer`` pass their ``compression``
+through :func:`gradient_compression`): when every rank shares this host's memory, the engine
+reduces through shared memory, no bytes cross a network, and numpy's float16 arithmetic (~0.3
+GB/s here, against ~3 GB/s for float32: see benchmarks/README.md) costs more than the halved size
+saves; gradients then travel in their own dtype (and more precisely).  ``SDP_FP16_SKIP_LOCAL=0``
+turns the skip off (gradients are always cast when ``Compression.fp16`` is asked for).  Explicit
+collectives (``hvd.allreduce(t, compression=Compression.fp16)``) always cast, as in Horovod.  The
+engine accumulates float16 payloads in float32, so sums do not overflow or lose small terms.
+"""
+import os
+
 import tensorflow as tf
 
 from sdp import api
+
+SKIP_LOCAL_ENV = "SDP_FP16_SKIP_LOCAL"
 
 
 class Compressor:
@@ -18,7 +37,7 @@ class Compressor:
 
 
 class NoneCompressor(Compressor):
-    """Sends tensors unchanged."""
+    """Sends tensors unchanged: ``compress(t) -> (t, None)``, ``decompress(t, ctx) -> t``."""
 
     @staticmethod
     def compress(tensor):
@@ -30,22 +49,51 @@ class NoneCompressor(Compressor):
 
 
 class FP16Compressor(Compressor):
-    """Casts floating-point tensors to float16 for the wire — where there is one.  When all
-    ranks share a host, the engine reduces through shared memory: no bytes cross a network, and
-    numpy's float16 arithmetic (~0.3 GB/s here, against ~3 GB/s for float32: see
-    benchmarks/README.md) would cost more than the halved size saves, so tensors go through
-    unchanged (and more precise).  The engine accumulates float16 payloads in float32, so sums do
-    not overflow or lose small terms on the way."""
+    """Casts every floating-point tensor (float16, bfloat16, float32, float64) to float16;
+    others pass unchanged.  ``ctx`` is the input's ``tf.DType``; ``decompress`` casts back to it
+    when it is floating.  Mirrors ``horovod.tensorflow.compression.FP16Compressor``."""
 
     @staticmethod
     def compress(tensor):
-        if tensor.dtype.is_floating and tensor.dtype != tf.float16 and api.has_wire():
-            return tf.cast(tensor, tf.float16), tensor.dtype
+        compressed = tf.cast(tensor, tf.float16) if tensor.dtype.is_floating else tensor
+        return compressed, tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tf.cast(tensor, ctx) if ctx is not None and ctx.is_floating else tensor
+
+
+class WireFP16Compressor(Compressor):
+    """:class:`FP16Compressor` when collectives cross a network (``sdp.api.has_wire()``, decided
+    when ``compress`` runs); otherwise tensors pass unchanged (``ctx`` ``None``).  What
+    :func:`gradient_compression` gives gradient reducers for ``Compression.fp16``."""
+
+    @staticmethod
+    def compress(tensor):
+        if api.has_wire():
+            return FP16Compressor.compress(tensor)
         return tensor, None
 
     @staticmethod
     def decompress(tensor, ctx):
-        return tf.cast(tensor, ctx) if ctx is not None else tensor
+        return FP16Compressor.decompress(tensor, ctx)
+
+
+def skip_local() -> bool:
+    """Whether gradient reducers skip the float16 cast without a network (``SDP_FP16_SKIP_LOCAL``,
+    default on; ``0``/``false``/``no``/``off`` turns it off)."""
+    return os.environ.get(SKIP_LOCAL_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def gradient_compression(compression):
+    """The compressor a gradient reducer (tape, optimizer) uses for the user's ``compression``:
+    :class:`WireFP16Compressor` for ``Compression.fp16`` while :func:`skip_local` holds,
+    ``Compression.none`` for ``None``, else ``compression`` itself."""
+    if compression is None:
+        return NoneCompressor
+    if compression is FP16Compressor and skip_local():
+        return WireFP16Compressor
+    return compression
 
 
 class Compression:

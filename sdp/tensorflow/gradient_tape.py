@@ -7,7 +7,7 @@ Mirrors ``smdistributed.dataparallel.tensorflow.DistributedGradientTape`` and
 import tensorflow as tf
 
 from sdp.common.reduce_ops import ReduceOp
-from sdp.tensorflow.compression import Compression
+from sdp.tensorflow.compression import Compression, gradient_compression
 from sdp.tensorflow.gradients import (GradientReducer, check_devices, check_process_set,  # noqa: F401
                                       global_process_set, resolve_groups)
 
@@ -20,7 +20,8 @@ class DistributedGradientTape(tf.GradientTape):
       device_dense, device_sparse: not supported; a non-empty value raises ``NotImplementedError``
         (as SMDDP documents).
       compression: ``Compression.none`` (default) or ``Compression.fp16`` (floats travel as
-        float16 and come back in their own dtype).
+        float16 and come back in their own dtype; skipped while no rank is across a network,
+        unless ``SDP_FP16_SKIP_LOCAL=0``: see :func:`sdp.tensorflow.compression.gradient_compression`).
       sparse_as_dense: make ``tf.IndexedSlices`` gradients dense before the allreduce; by default
         they are allgathered (values and indices) and stay ``IndexedSlices``.
       op: ``ReduceOp``/``hvd.Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``.
@@ -46,8 +47,8 @@ class DistributedGradientTape(tf.GradientTape):
         # Adopt the wrapped tape's recording state (the tape keeps recording into the same place).
         self.__dict__ = dict(gradtape.__dict__)
         self._sdp_tape = gradtape
-        self._sdp_reducer = GradientReducer("DistributedGradientTape", compression, sparse_as_dense, op,
-                                            gradient_predivide_factor, scale_local_gradients)
+        self._sdp_reducer = GradientReducer("DistributedGradientTape", gradient_compression(compression),
+                                            sparse_as_dense, op, gradient_predivide_factor, scale_local_gradients)
         self.process_set = global_process_set
         self.scale_local_gradients = scale_local_gradients
 

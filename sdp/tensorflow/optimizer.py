@@ -11,7 +11,7 @@ from sdp.common.config import bucket_cap_mb_to_bytes
 from sdp.common.reduce_ops import ReduceOp, resolve_op
 from sdp.tensorflow import keras_optimizer
 from sdp.tensorflow.aggregation import LocalAggregator
-from sdp.tensorflow.compression import Compression
+from sdp.tensorflow.compression import Compression, gradient_compression
 from sdp.tensorflow.gradients import (GradientReducer, check_devices, check_process_set, global_process_set,
                                       resolve_groups)
 
@@ -105,7 +105,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
 
     Positional arguments follow SMDDP: ``name`` (default ``"Distributed" + class name``),
     ``use_locking``, ``device_dense``/``device_sparse`` (not supported: a non-empty value raises
-    ``NotImplementedError``), ``compression`` (``Compression.none``/``fp16``),
+    ``NotImplementedError``), ``compression`` (``Compression.none``/``fp16``; the fp16 cast is
+    skipped while no rank is across a network unless ``SDP_FP16_SKIP_LOCAL=0``, see
+    :func:`sdp.tensorflow.compression.gradient_compression`),
     ``sparse_as_dense`` (densify ``IndexedSlices`` instead of allgathering them), ``op``
     (``ReduceOp``; default AVERAGE; Adasum raises ``NotImplementedError``), ``bucket_cap_mb``
     (fusion buffer size in MiB for the whole job; ``ValueError`` unless ``bucket_cap_mb * 2**20``
@@ -130,6 +132,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if int(backward_passes_per_step) < 1:
         raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step}")
+    compression = gradient_compression(compression)
     if isinstance(optimizer, _LegacyOptimizer):
         apply_bucket_cap(bucket_cap_mb)
         name = name or f"Distributed{type(optimizer).__name__}"

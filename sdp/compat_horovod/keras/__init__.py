@@ -1,0 +1,20 @@
+"""``horovod.tensorflow.keras`` / ``horovod.keras`` on sdp: :mod:`sdp.tensorflow.keras` with
+Horovod's ``init()`` (a second call is a no-op; see :mod:`sdp.compat_horovod.tensorflow`).  Every
+other name is :mod:`sdp.tensorflow.keras`'s own object; ``horovod.tensorflow.keras.<sub>`` (e.g.
+``callbacks``) is ``sdp.tensorflow.keras.<sub>``."""
+import sdp.tensorflow.keras as _face
+from sdp.tensorflow.keras import *  # noqa: F401,F403
+from sdp.tensorflow.mpi_ops import init  # noqa: F401
+
+__all__ = list(_face.__all__)
+
+
+def __getattr__(name):
+    try:
+        return getattr(_face, name)
+    except AttributeError:
+        raise AttributeError(f"module 'horovod.tensorflow.keras' (sdp) has no attribute {name!r}") from None
+
+
+def __dir__():
+    return sorted(set(globals()) | set(dir(_face)))

@@ -1,0 +1,1 @@
+"""``horovod.runner.util`` on sdp: :mod:`~sdp.compat_horovod.runner.util.threads`."""

@@ -1,0 +1,25 @@
+"""``horovod.tensorflow`` on sdp: :mod:`sdp.tensorflow` with Horovod's ``init()``.
+
+The one difference from :mod:`sdp.tensorflow` (which mirrors SageMaker's rule, shared with
+``smdistributed.dataparallel.tensorflow``): ``init()`` on an initialized process is a no-op, as in
+Horovod (:func:`sdp.tensorflow.mpi_ops.init`).  Every other name is :mod:`sdp.tensorflow`'s own
+object, looked up there (names added to :mod:`sdp.tensorflow` later appear here too).  This is a
+package only so that ``horovod.tensorflow.<sub>`` can be imported; :mod:`sdp.compat` maps those
+submodules to ``sdp.tensorflow.<sub>``.
+"""
+import sdp.tensorflow as _face
+from sdp.tensorflow import *  # noqa: F401,F403
+from sdp.tensorflow.mpi_ops import init  # noqa: F401
+
+__all__ = list(_face.__all__)
+
+
+def __getattr__(name):
+    try:
+        return getattr(_face, name)
+    except AttributeError:
+        raise AttributeError(f"module 'horovod.tensorflow' (sdp) has no attribute {name!r}") from None
+
+
+def __dir__():
+    return sorted(set(globals()) | set(dir(_face)))
