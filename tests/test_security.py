@@ -137,6 +137,38 @@ def test_malformed_rendezvous_requests_get_an_error_and_the_job_forms(caplog):
                for r in caplog.records) >= len(MALFORMED)
 
 
+def test_rank0_served_rendezvous_survives_intruders_and_malformed_requests():
+    """Issue 17: without a launcher (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and the user's
+    SDP_SECRET), rank 0 serves the rendezvous.  While rank 1 is still starting, an intruder without
+    the secret tries to register as rank 1 and a client with it sends every malformed request:
+    errors are answered, and the job forms when rank 1 arrives."""
+    with socket.socket() as s:  # a free port (the kernel may hand it out again: small race)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sdp_vars = ["SDP_RANK", "SDP_SIZE", "SDP_LOCAL_RANK", "SDP_LOCAL_SIZE", "SDP_CROSS_RANK", "SDP_CROSS_SIZE",
+                "SDP_RENDEZVOUS_ADDR"]
+
+    def env(r):
+        return dict({k: None for k in sdp_vars}, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port), SDP_SECRET=SECRET)
+
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("results", run_workers(
+        2, "workers_security:late_init", [[0, 6]], timeout=60, init=False, per_rank_env=env)))
+    t.start()
+    address = f"tcp://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while _raw_request(address, MALFORMED[0], SECRET, 0.5) is None:  # until rank 0 serves
+        assert time.monotonic() < deadline, "rank 0 never served the rendezvous"
+    body = json.dumps({"rank": 1, "size": 2, "host": "intruder", "endpoints": {"tcp": "tcp://6.6.6.6:1"}})
+    assert _raw_request(address, body.encode(), None, 0.5) is None
+    assert _raw_request(address, body.encode(), security.new_secret(), 0.5) is None
+    for b in MALFORMED:
+        assert "error" in _raw_request(address, b, SECRET), b[:40]
+    t.join(70)
+    assert check_ok(out["results"]) == [[0, 2, 3.0], [1, 2, 3.0]]
+
+
 # ------------------------------------------------------------------------------------ replays
 
 class RecordingProxy:

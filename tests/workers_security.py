@@ -100,3 +100,11 @@ def listening_and_modes(_):
     return {"listening": _listening(), "ipc_dir_mode": oct(stat.S_IMODE(os.stat(mesh._ipc_dir).st_mode)),
             "shm_mode": shm_mode, "sum": float(x[0])}
 
+
+
+def late_init(delays):
+    """sdp.init() after ``delays[rank]`` seconds, then one allreduce."""
+    time.sleep(delays[int(os.environ["RANK"])])
+    sdp.init()
+    x = sdp.allreduce(np.full(8, sdp.rank() + 1.0, np.float32), name="late", op=sdp.Sum)
+    return [sdp.rank(), sdp.size(), float(x[0])]
