@@ -56,17 +56,22 @@ def test_every_collective_across_hosts(counts, env, on):
                                              {"0": [0, 2, 3]}, {"1": [1, 2, 4]}]
 
 
-@pytest.mark.parametrize("counts, env", [
-    ([2, 2], {"SDP_SHM_SLAB_BYTES": "262144"}),  # several slabs per buffer
-    ([2, 1, 2], {"SDP_SHM_POOL_BYTES": "0"}),  # results copied out of the owners' halves
-    ([2, 1, 2], {"SDP_SHM_SLAB_BYTES": "65536", "SDP_FUSION_THRESHOLD": "0"}),
+@pytest.mark.parametrize("counts, env, zmq_barriers", [
+    ([2, 2], {"SDP_SHM_SLAB_BYTES": "262144"}, False),  # several slabs per buffer
+    ([2, 2], {}, True),  # barriers by ZeroMQ messages (group-tagged seqs)
+    ([2, 1, 2], {"SDP_SHM_POOL_BYTES": "0"}, False),  # results copied out of the owners' halves
+    ([2, 1, 2], {"SDP_SHM_SLAB_BYTES": "65536", "SDP_FUSION_THRESHOLD": "0"}, False),
+    ([2, 1, 1], {}, False),  # ranks 2 and 3 meet in the cross groups of both parts
+    ([1, 3], {"SDP_SHM_SLAB_BYTES": "65536"}, False),  # rank 0 alone owns all 3 parts
 ])
-def test_results_bit_identical_on_every_rank(counts, env):
+def test_results_bit_identical_on_every_rank(counts, env, zmq_barriers):
     n, per_rank = fake_hosts(counts)
-    values = check_ok(run_workers(n, "workers_hierarchical:digests", [[0, 1, 7, 1000, 30001, 300_000]],
+    values = check_ok(run_workers(n, "workers_hierarchical:digests", [[0, 1, 7, 1000, 30001, 300_000], zmq_barriers],
                                   env=env, per_rank_env=per_rank, timeout=120))
-    for rank, (digests, ok, hier) in enumerate(values):
+    for rank, (digests, ok, (hier, flag_barriers)) in enumerate(values):
         assert ok and hier > 0, (rank, ok, hier)
+        alone = counts[[h for h, k in enumerate(counts) for _ in range(k)][rank]] == 1
+        assert (flag_barriers == 0) == (zmq_barriers or alone), (rank, flag_barriers)
         assert digests == values[0][0], f"rank {rank} differs from rank 0"
 
 
