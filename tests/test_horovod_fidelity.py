@@ -97,7 +97,7 @@ import sdp.common.errors, sdp.tensorflow.keras
 out["modules"] = {m.__name__: m.__spec__.name for m in (hvd, hvd_keras, util, mpi_ops, functions, compression,
                   elastic, callbacks, keras_elastic, legacy_keras, exceptions, cutil, horovod.runner, rthreads)}
 out["same_objects"] = [hvd.allreduce is sdp.tensorflow.allreduce, hvd_keras.callbacks is callbacks,
-                       legacy_keras is hvd_keras, hvd.init is init, hvd_keras.init is init,
+                       legacy_keras is hvd_keras, hvd.elastic is elastic, hvd_keras.elastic is keras_elastic, hvd.init is init, hvd_keras.init is init,
                        smd is sdp.tensorflow, Compression is sdp.tensorflow.Compression,
                        issubclass(sdp.common.errors.PeerLostError, HorovodInternalError),
                        hvd_keras.DistributedOptimizer is sdp.tensorflow.keras.DistributedOptimizer]
@@ -162,7 +162,7 @@ def test_init_semantics_and_module_paths_under_sdprun_compat(tmp_path):
             "sdp.compat_horovod.runner": "sdp.compat_horovod.runner",
             "sdp.compat_horovod.runner.util.threads": "sdp.compat_horovod.runner.util.threads",
         }
-        assert out["same_objects"] == [True] * 9
+        assert out["same_objects"] == [True] * 11
         assert out["run_is_horovod_run"] == "sdp.compat_horovod.runner"
         # _allreduce defaults to Sum (Horovod's low-level op); the top-level default is Average
         assert out["low_level"] == [6.0, 3.0, 0, 1, "a_b_0", r, 2, True]

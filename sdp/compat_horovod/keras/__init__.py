@@ -4,6 +4,7 @@ other name is :mod:`sdp.tensorflow.keras`'s own object; ``horovod.tensorflow.ker
 ``callbacks``) is ``sdp.tensorflow.keras.<sub>``."""
 import sdp.tensorflow.keras as _face
 from sdp.tensorflow.keras import *  # noqa: F401,F403
+from sdp.tensorflow.keras import elastic  # noqa: F401  (Horovod's hvd.elastic.KerasState, ...)
 from sdp.tensorflow.mpi_ops import init  # noqa: F401
 
 __all__ = list(_face.__all__)

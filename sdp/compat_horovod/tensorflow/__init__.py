@@ -9,6 +9,7 @@ submodules to ``sdp.tensorflow.<sub>``.
 """
 import sdp.tensorflow as _face
 from sdp.tensorflow import *  # noqa: F401,F403
+from sdp.tensorflow import elastic  # noqa: F401  (Horovod's hvd.elastic.run, ...)
 from sdp.tensorflow.mpi_ops import init  # noqa: F401
 
 __all__ = list(_face.__all__)
