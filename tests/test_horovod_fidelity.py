@@ -193,7 +193,7 @@ def test_horovod_user_test_file_runs_unmodified():
             summaries[int(head.strip("[]"))] = (int(m.group(1)), rest)
     assert sorted(summaries) == [0, 1], res.stdout[-3000:]
     for rank, (passed, line) in summaries.items():
-        assert passed == 11 and "failed" not in line and "error" not in line, line
+        assert passed == 15 and "failed" not in line and "error" not in line, line
 
 
 def test_horovod_user_tests_are_not_collected_by_the_normal_suite():

@@ -119,6 +119,40 @@ class TensorFlowTests(tf.test.TestCase):
         for i, s in enumerate(summed):
             self.assertAllClose(s.numpy(), np.ones([2, 2]) * (i + 1) * size)
 
+    @run_in_graph_and_eager_modes
+    def test_horovod_size_op(self):
+        hvd.init()
+        self.assertEqual(self.evaluate(hvd.size_op()), hvd.size())
+        self.assertEqual(self.evaluate(hvd.rank_op()), hvd.rank())
+
+    @run_in_graph_and_eager_modes
+    def test_horovod_alltoall_cpu(self):
+        """Equal splits: rank r sends one row of value r to every rank and gets one from each."""
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        tensor = tf.fill([size, 2], rank)
+        received = self.evaluate(hvd.alltoall(tensor))
+        self.assertAllEqual(received, np.repeat(np.arange(size), 2).reshape(size, 2))
+
+    @run_in_graph_and_eager_modes
+    def test_horovod_reducescatter_cpu(self):
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        tensor = tf.ones([size * 2, 3]) * (rank + 1)
+        scattered = self.evaluate(hvd.reducescatter(tensor, op=hvd.Sum))
+        self.assertAllClose(scattered, np.full([2, 3], size * (size + 1) / 2.0))
+
+    def test_distributed_gradient_tape(self):
+        """Averaged gradients: rank r's loss is (r + 1) * sum(w)."""
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        w = tf.Variable(tf.ones([3]))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w) * (rank + 1)
+        tape = hvd.DistributedGradientTape(tape)
+        (grad,) = tape.gradient(loss, [w])
+        self.assertAllClose(grad.numpy(), np.full([3], (size + 1) / 2.0))
+
     def test_horovod_allreduce_in_thread(self):
         """Collectives may be called from another thread than the one that called init()."""
         hvd.init()
