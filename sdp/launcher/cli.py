@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default with -w: the built-in one, http://127.0.0.1:PORT/config); implies -w")
     p.add_argument("--builtin-config-port", "-builtin-config-port", dest="builtin_config_port",
                    type=int, metavar="PORT",
-                   help="port of the built-in config server on 127.0.0.1 (default: a free port); implies -w")
+                   help="port of the built-in config server (on sdprun's listen address, 127.0.0.1 for "
+                        "a local job; default: a free port); implies -w")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the program to run and its arguments")
     return p
@@ -367,7 +368,8 @@ def _launch(args, command, hosts, ranks, remote, host_addr, watch, secret, stdou
 
         try:
             elastic = ElasticController(hosts, None, make_envs, np, args.start_timeout,
-                                        port=args.builtin_config_port or 0, config_server=args.config_server)
+                                        port=args.builtin_config_port or 0, config_server=args.config_server,
+                                        host=host_addr, secret=secret)
         except OSError as e:
             log.error("cannot serve the config server on port %s: %s", args.builtin_config_port, e)
             server.stop()
