@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 
 from harness import check_ok, run_workers
+from sdp.engine.groups import TAG_SHIFT, Hierarchy
 from test_collectives_mp import make_cases
 
 def fake_hosts(counts):
-    """(world size, per-rank environment) for hosts of ``counts`` ranks, in rank order."""
-    names = [f"host{h}" for h, k in enumerate(counts) for _ in range(k)]
+    """(world size, per-rank environment) for hosts of ``counts`` ranks, in rank order, or (a
+    string) for the hosts named by each rank's letter."""
+    names = list(counts) if isinstance(counts, str) else [f"host{h}" for h, k in enumerate(counts) for _ in range(k)]
 
     def env(rank):
         same = [q for q, name in enumerate(names) if name == names[rank]]
@@ -63,6 +65,7 @@ def test_every_collective_across_hosts(counts, env, on):
     ([2, 1, 2], {"SDP_SHM_SLAB_BYTES": "65536", "SDP_FUSION_THRESHOLD": "0"}, False),
     ([2, 1, 1], {}, False),  # ranks 2 and 3 meet in the cross groups of both parts
     ([1, 3], {"SDP_SHM_SLAB_BYTES": "65536"}, False),  # rank 0 alone owns all 3 parts
+    ("abcac", {}, False),  # 2+1+2, round robin
 ])
 def test_results_bit_identical_on_every_rank(counts, env, zmq_barriers):
     n, per_rank = fake_hosts(counts)
@@ -70,7 +73,8 @@ def test_results_bit_identical_on_every_rank(counts, env, zmq_barriers):
                                   env=env, per_rank_env=per_rank, timeout=120))
     for rank, (digests, ok, (hier, flag_barriers)) in enumerate(values):
         assert ok and hier > 0, (rank, ok, hier)
-        alone = counts[[h for h, k in enumerate(counts) for _ in range(k)][rank]] == 1
+        names = counts if isinstance(counts, str) else [h for h, k in enumerate(counts) for _ in range(k)]
+        alone = names.count(names[rank]) == 1
         assert (flag_barriers == 0) == (zmq_barriers or alone), (rank, flag_barriers)
         assert digests == values[0][0], f"rank {rank} differs from rank 0"
 
@@ -124,3 +128,38 @@ def test_killed_rank_during_hierarchical_allreduces(victim):
         etype, msg, lost, seconds, wire = results[r].value
         assert wire and etype == "PeerLostError" and lost == victim, (r, etype, msg)
         assert seconds < 10, seconds
+
+
+class _Registered:
+    """What Hierarchy.build reads of a mesh: this rank, and what every rank registered."""
+
+    def __init__(self, rank, hosts, shm_paths=None):
+        self.rank, self.size, self.shm = rank, len(hosts), None
+        paths = shm_paths or [f"/dev/shm/seg{r}" for r in range(len(hosts))]
+        self.peers = [{"host": h, "shm": paths[r]} for r, h in enumerate(hosts)]
+        self.host_shm = object() if paths[rank] and hosts.count(hosts[rank]) > 1 else None
+
+
+@pytest.mark.parametrize("hosts, setting, shm_paths", [
+    (["a", "a", "a"], True, None),  # one host: shared memory everywhere instead
+    (["a", "b", "c"], True, None),  # one rank per host: nothing to gain
+    (["a", "a", "b", "b"], False, None),  # SDP_HIERARCHICAL=0
+    (["a", "a", "b", "b"], None, ["/dev/shm/s0", None, "/dev/shm/s2", "/dev/shm/s3"]),  # rank 1: no shm
+])
+def test_no_hierarchy(hosts, setting, shm_paths):
+    for rank in range(len(hosts)):
+        assert Hierarchy.build(_Registered(rank, hosts, shm_paths), hosts, setting, 1 << 20) is None
+
+
+def test_layout_of_uneven_hosts():
+    """2+1+2 (ranks in round-robin order): two parts; on the lone host rank 1 owns both."""
+    hosts = ["a", "b", "c", "a", "c"]
+    layout = {}
+    for rank in range(5):
+        h = Hierarchy.build(_Registered(rank, hosts), hosts, None, 1 << 20)
+        layout[rank] = (h.host.ranks, h.parts, {j: g.ranks for j, g in h.cross.items()})
+        assert len({g.tag for g in h.cross.values()} | {h.host.tag}) == len(h.cross) + 1
+        assert all(0 < g.tag < 1 << (64 - TAG_SHIFT) for g in [h.host, *h.cross.values()])
+    assert layout == {0: ([0, 3], [0], {0: [0, 1, 2]}), 3: ([0, 3], [1], {1: [3, 1, 4]}),
+                      1: ([1], [0, 1], {0: [0, 1, 2], 1: [3, 1, 4]}),
+                      2: ([2, 4], [0], {0: [0, 1, 2]}), 4: ([2, 4], [1], {1: [3, 1, 4]})}

@@ -117,18 +117,20 @@ class Hierarchy:
         self.allreduces = 0  # hierarchical allreduces run (counted for tests and benchmarks)
 
     @classmethod
-    def build(cls, mesh, hosts: List[str], setting: Optional[int], slab_bytes: int) -> Optional["Hierarchy"]:
+    def build(cls, mesh, hosts: List[str], setting: Optional[bool], slab_bytes: int) -> Optional["Hierarchy"]:
         """The hierarchy to run allreduces through, or None for the flat algorithms.
 
-        ``setting``: 1 on, 0 off, None automatic (on when the ranks span more than one host and
-        some host has several).  On needs every rank of a host with several ranks to have shared
-        memory (else, with a warning when asked for, off).  Every rank decides alike: from the
-        host names and shared-memory paths all ranks registered (and ``setting``, which must be
-        the same on every rank, as Horovod requires of its ``HOROVOD_*`` variables)."""
-        if mesh.size == 1 or len(hosts) != mesh.size or mesh.shm is not None or setting == 0:
+        ``setting`` (:attr:`Config.hierarchical`): False off; True or None (automatic) on wherever
+        there is a hierarchy: ranks on more than one host and some host with several (else the
+        flat algorithms are the same or, on one host, shared memory is better).  On needs every
+        rank of a host with several ranks to have shared memory (else off, with a warning when
+        asked for).  Every rank decides alike: from the host names and shared-memory paths all
+        ranks registered (and ``setting``, which must be the same on every rank, as Horovod
+        requires of its ``HOROVOD_*`` variables)."""
+        if mesh.size == 1 or len(hosts) != mesh.size or mesh.shm is not None or setting is False:
             return None
         counts = {h: hosts.count(h) for h in hosts}
-        if setting is None and (len(counts) == 1 or max(counts.values()) == 1):
+        if len(counts) == 1 or max(counts.values()) == 1:
             return None
         shared = all(p.get("shm") for p, h in zip(mesh.peers, hosts) if counts[h] > 1)
         if not shared or (counts[hosts[mesh.rank]] > 1 and mesh.host_shm is None):
