@@ -120,7 +120,8 @@ def unsupported(fn, *args):
 
 out["unsupported"] = [unsupported(elastic.run, lambda state: None),
                       unsupported(elastic.TensorFlowKerasState, None),
-                      unsupported(add_process_set, [0]), unsupported(keras_elastic.KerasState, None)]
+                      unsupported(add_process_set, [0]), unsupported(keras_elastic.KerasState, None),
+                      unsupported(hvd.ProcessSet, [0])]
 print("PROBE " + json.dumps(out), flush=True)
 """
 
@@ -170,6 +171,7 @@ def test_init_semantics_and_module_paths_under_sdprun_compat(tmp_path):
         assert out["unsupported"][0] == "horovod.tensorflow.elastic.run: not yet supported by sdp"
         assert out["unsupported"][1] == "horovod.tensorflow.elastic.TensorFlowKerasState: not yet supported by sdp"
         assert out["unsupported"][2].startswith("horovod.tensorflow.mpi_ops.add_process_set:")
+        assert out["unsupported"][4].startswith("horovod.tensorflow.mpi_ops.ProcessSet:")
         assert out["unsupported"][3] == "horovod.tensorflow.keras.elastic.KerasState: not yet supported by sdp"
 
 

@@ -3,23 +3,29 @@
 The one difference from :mod:`sdp.tensorflow` (which mirrors SageMaker's rule, shared with
 ``smdistributed.dataparallel.tensorflow``): ``init()`` on an initialized process is a no-op, as in
 Horovod (:func:`sdp.tensorflow.mpi_ops.init`).  Every other name is :mod:`sdp.tensorflow`'s own
-object, looked up there (names added to :mod:`sdp.tensorflow` later appear here too).  This is a
+object, looked up there (names added to :mod:`sdp.tensorflow` later appear here too), then in
+:mod:`sdp.tensorflow.mpi_ops` (Horovod's low-level names; process sets).  This is a
 package only so that ``horovod.tensorflow.<sub>`` can be imported; :mod:`sdp.compat` maps those
 submodules to ``sdp.tensorflow.<sub>``.
 """
 import sdp.tensorflow as _face
 from sdp.tensorflow import *  # noqa: F401,F403
 from sdp.tensorflow import elastic  # noqa: F401  (Horovod's hvd.elastic.run, ...)
+from sdp.tensorflow import mpi_ops as _mpi_ops
 from sdp.tensorflow.mpi_ops import init  # noqa: F401
 
 __all__ = list(_face.__all__)
 
 
 def __getattr__(name):
-    try:
-        return getattr(_face, name)
-    except AttributeError:
-        raise AttributeError(f"module 'horovod.tensorflow' (sdp) has no attribute {name!r}") from None
+    """sdp.tensorflow's name, else horovod.tensorflow.mpi_ops's (e.g. ``ProcessSet``, which raises
+    ``NotImplementedError`` naming the API while sdp lacks it)."""
+    for module in (_face, _mpi_ops):
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            pass
+    raise AttributeError(f"module 'horovod.tensorflow' (sdp) has no attribute {name!r}")
 
 
 def __dir__():
