@@ -454,6 +454,99 @@ def report_across_hosts(rows, link, hosts, n) -> None:
 
 
 # ---- main ------------------------------------------------------------------------------------------
+# ---- the API faces side by side (--api) -------------------------------------------------------------
+API_CHOICES = ("numpy", "tf-eager", "tf-function")
+TARGET_TF_1K_US = 500.0       # TF face, 1 KB allreduce, eager and in a tf.function (issue 19, item 5)
+TARGET_TF_VS_ENGINE = 0.9     # TF face busbw / engine (numpy) busbw at 1 MB and 64 MB
+
+
+def api_caller(api: str, buf: np.ndarray, name: str):
+    """A no-argument callable doing one SUM allreduce of ``buf`` through ``api``: ``numpy``
+    (``sdp.allreduce`` into a preallocated output), ``tf-eager`` (``sdp.tensorflow.allreduce``
+    called eagerly) or ``tf-function`` (the same inside a ``tf.function``)."""
+    if api == "numpy":
+        out = np.empty_like(buf)
+        return lambda: sdp.allreduce(buf, name=name, op=sdp.Sum, out=out)
+    import tensorflow as tf
+
+    import sdp.tensorflow as hvd
+    x = tf.constant(buf)
+    if api == "tf-eager":
+        return lambda: hvd.allreduce(x, op=hvd.Sum, name=name)
+    fn = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name=name))
+    return lambda: fn(x)
+
+
+def time_calls(call, iters: int, warmup: int, target_s: float, name: str):
+    """Per-iteration wall times of ``call()`` on this rank (iteration count planned from the
+    slowest rank's last warm-up iteration, as :func:`time_allreduce`)."""
+    last = 0.0
+    for _ in range(max(1, warmup)):
+        t0 = time.perf_counter()
+        call()
+        last = time.perf_counter() - t0
+    if not iters:
+        iters = plan_iters(max_over_ranks(last, f"{name}.plan"), target_s, 5, 2000)
+    times = []
+    sdp.barrier()
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def compare_apis(args, apis, sizes, dtype) -> int:
+    """``--api``: the same allreduce through each API, interleaved per size, printed side by side
+    (median over iterations, max over ranks) with the TF face's targets."""
+    n = sdp.size()
+    med = {}
+    for nbytes in sizes:
+        buf = np.ones(nbytes // dtype.itemsize, dtype)
+        for api in apis:
+            warmup = max(args.warmup, 20) if nbytes <= 4096 else args.warmup
+            iters = args.iters or (max(200, args.latency_iters) if nbytes <= 4096 else 0)
+            times = time_calls(api_caller(api, buf, f"api.{api}.{nbytes}"), iters, warmup, args.target_s,
+                               f"api.{api}.{nbytes}")
+            med[api, nbytes] = (max_over_ranks(statistics.median(times), f"api.{api}.med"), len(times))
+        del buf
+    if sdp.rank() == 0:
+        bf = busbw_factor(n)
+        print("", flush=True)
+        print(f"allreduce (SUM, {args.dtype}) by API, {n} ranks; time = median over iterations, max over "
+              f"ranks (us); busbw GB/s; numpy = sdp.allreduce into a preallocated output", flush=True)
+        hdr = f"{'size':>6} " + " ".join(f"{a + ' us':>15} {'busbw':>7}" for a in apis)
+        if "numpy" in apis:
+            hdr += "  " + " ".join(f"{a + '/numpy':>17}" for a in apis if a != "numpy")
+        print(hdr, flush=True)
+        print("-" * len(hdr), flush=True)
+        for nbytes in sizes:
+            line = f"{fmt_size(nbytes):>6} "
+            line += " ".join(f"{med[a, nbytes][0] * 1e6:15.1f} {nbytes / med[a, nbytes][0] / 1e9 * bf:7.3f}"
+                             for a in apis)
+            if "numpy" in apis:
+                line += "  " + " ".join(f"{med['numpy', nbytes][0] / med[a, nbytes][0]:16.2f}x"
+                                        for a in apis if a != "numpy")
+            print(line, flush=True)
+        print("", flush=True)
+        print(f"targets (2 ranks, float32; {'applicable' if n == 2 and args.dtype == 'float32' else 'n/a here'}):",
+              flush=True)
+        for api in (a for a in apis if a != "numpy"):
+            if 1024 in sizes:
+                t = med[api, 1024][0] * 1e6
+                print(f"  {api} 1 KB <= {TARGET_TF_1K_US:.0f} us: {t:.1f} us  "
+                      f"{'PASS' if t <= TARGET_TF_1K_US else 'FAIL'}", flush=True)
+            for nbytes in (1 << 20, 64 << 20):
+                if nbytes in sizes and "numpy" in apis:
+                    r = med["numpy", nbytes][0] / med[api, nbytes][0]
+                    print(f"  {api} busbw @{fmt_size(nbytes)} >= {TARGET_TF_VS_ENGINE}x numpy: {r:.2f}x  "
+                          f"{'PASS' if r >= TARGET_TF_VS_ENGINE else 'FAIL'}", flush=True)
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        print(f"load at end [{load}]", flush=True)
+    sdp.shutdown()
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="sdp allreduce benchmark (run under sdprun)")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes (default {DEFAULT_SIZES})")
@@ -470,7 +563,13 @@ def main(argv=None) -> int:
     p.add_argument("--fused-iters", type=int, default=0, help="gradient lists timed per mode (0: auto)")
     p.add_argument("--link-seconds", type=float, default=2.0,
                    help="seconds of the raw TCP test between two hosts (ranks on several hosts only)")
+    p.add_argument("--api", default="",
+                   help=f"comma-separated APIs ({','.join(API_CHOICES)}): time the same allreduce through "
+                        "each and print them side by side (default: the engine tables below)")
     args = p.parse_args(argv)
+    apis = [a.strip() for a in args.api.split(",") if a.strip()]
+    if any(a not in API_CHOICES for a in apis):
+        p.error(f"--api: expected some of {','.join(API_CHOICES)}, got {args.api!r}")
 
     dtype = np.dtype(args.dtype)
     sizes = sorted({max(dtype.itemsize, parse_size(s) // dtype.itemsize * dtype.itemsize)
@@ -478,6 +577,8 @@ def main(argv=None) -> int:
     sdp.init()
     n, rank = sdp.size(), sdp.rank()
     log0(summary_line(n, args.dtype))
+    if apis:
+        return compare_apis(args, apis, sizes, dtype)
     t_start = time.perf_counter()
 
     # 1. sizes ---------------------------------------------------------------------------------

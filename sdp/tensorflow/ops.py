@@ -1,21 +1,45 @@
-"""TensorFlow ops over the engine, built from ``tf.py_function``, so they work eagerly, inside
-``tf.function`` and in ``tf.compat.v1`` graphs.
+"""TensorFlow ops over the engine: eagerly, direct engine calls; in ``tf.function`` and
+``tf.compat.v1`` graphs, ops that never park one of TensorFlow's threads waiting for a peer.
 
-A list of tensors (:class:`Batch`) becomes non-blocking *submit* ops, one per bucket of at most
-the fusion threshold, that hand read-only views of their inputs to :mod:`sdp.api` (no copy) and
-return at once, and one blocking *wait* op that returns every result.  A bucket thus reaches the
-engine as soon as its tensors exist (in a backward pass, while TensorFlow still computes the
-other gradients), and a graph holds one blocking op per list instead of one per tensor
-(independent blocking ops could otherwise hold TensorFlow's threads in different orders on
-different ranks).  Results the engine aligned on 64 bytes are handed to TensorFlow through
-DLPack without a copy.  Other ops (alltoall, reducescatter, the ``*_op`` queries) are one
-``py_function`` each.
+**Eagerly** a collective hands read-only views of its inputs to :mod:`sdp.api` (no copy), waits
+on the Python thread that called it, and returns the engine's results as tensors through DLPack
+(no copy when the engine aligned them on 64 bytes, as it does).  No ``tf.py_function`` round
+trip; gradients come from ``tf.custom_gradient``, set up only while a tape may record.
 
+**In graphs** the engine cannot be called from a TensorFlow kernel of its own (sdp ships no C++
+op), and a ``tf.py_function`` that blocks until the peers submitted holds one of TensorFlow's
+inter-op threads (2 on a 2-core machine, 1 with ``inter_op_parallelism_threads=1``).  A graph
+with many independent collectives, created in a different order on each rank, then deadlocks:
+every thread of rank 0 waits in a collective whose submission on rank 1 is queued behind rank 1's
+own waiting threads (Horovod's kernels are asynchronous for this reason).  Inside a
+``tf.function`` it deadlocks even with many threads, because automatic control dependencies run
+stateful ops without resource inputs (``py_function`` is one) in program order.  The design:
+
+* A list of collectives (:class:`Batch`) becomes *submit* ops, one per bucket of at most the
+  fusion threshold: ``py_function`` ops without outputs that hand input views to the engine and
+  return at once (they never wait for a peer).  Inside a ``tf.function`` they are marked as
+  independent side effects (``AutomaticControlDependencies.run_independently``): they still
+  always run, but are not chained in program order with other stateful ops.
+* One *wait* op collects the results: ``IteratorGetNext`` on a per-op ``tf.data`` iterator over
+  an endless dataset whose ``map`` is a ``py_function`` that takes this step's handles (left by
+  the submit ops, on which the wait op has control dependencies) and blocks on them.
+  ``IteratorGetNext`` is an asynchronous kernel: the map function runs on the iterator's own
+  background thread, so the inter-op thread is released while the peers catch up.  Every
+  submit op can thus run whatever the number of inter-op threads and the order TensorFlow
+  picks, so every rank submits every collective whose inputs it has, and every wait ends.
+  The iterator is made once per op (eagerly, when a ``tf.function`` is traced; a one-shot
+  iterator in a ``tf.compat.v1`` graph), not per step.
+* Alltoall and reducescatter use the same pair (a submit op that leaves the input views, a wait
+  op that runs the collective).  Cost: a wait op adds ~0.2-0.3 ms per step to a graph (the
+  handover to the iterator's thread), paid once per list of tensors, not per tensor.
+
+Results the engine aligned on 64 bytes are handed to TensorFlow through DLPack without a copy.
 Names identify a collective across ranks (see :func:`unique_name`).  ``py_function`` cannot be
 compiled by XLA: every op here raises :class:`XlaNotSupportedError` when it is built inside a
 ``jit_compile=True`` function.
 """
-import itertools
+import collections
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -24,6 +48,22 @@ from sdp import api
 from sdp.common.errors import SdpError
 from sdp.common.reduce_ops import ReduceOp, check_dtype
 from sdp.engine.fusion import ALIGN_BYTES  # results start on this boundary: TensorFlow's EIGEN_MAX_ALIGN_BYTES
+
+def _autograph_skips_sdp() -> None:
+    """Tell AutoGraph not to convert sdp's own functions when a ``tf.function`` calls them, as it
+    does not convert TensorFlow's or Keras's: they use no Python control flow on tensors, and
+    converting them cost ~1 s of tracing per collective in a ``tf.function`` (30 collectives:
+    minutes).  A user's functions are still converted as usual."""
+    try:
+        from tensorflow.python.autograph.core import config, config_lib
+    except ImportError:  # pragma: no cover - TF internals moved: sdp is then converted, slowly
+        return
+    if not any(isinstance(r, config_lib.DoNotConvert) and r.matches("sdp") for r in config.CONVERSION_RULES):
+        config.CONVERSION_RULES = (config_lib.DoNotConvert("sdp"),) + tuple(config.CONVERSION_RULES)
+
+
+_autograph_skips_sdp()
+
 
 class XlaNotSupportedError(SdpError, NotImplementedError):
     """An sdp collective was placed in a function compiled with XLA (``jit_compile=True``).
@@ -96,25 +136,45 @@ def _as_tensor(t):
     return tf.convert_to_tensor(t)
 
 
-def run_numpy(fn, tensors, out_dtypes, out_shapes, name):
-    """Run ``fn(list of numpy arrays) -> list of arrays`` as one ``tf.py_function`` op.
+def _to_tensor(arr, dtype):
+    """An engine result as an eager tensor of ``dtype`` (through DLPack without a copy when
+    :func:`as_output` can)."""
+    out = as_output(np.asarray(arr, dtype=dtype.as_numpy_dtype))
+    return out if isinstance(out, tf.Tensor) else tf.convert_to_tensor(out, dtype)
+
+
+def run_numpy(fn, tensors, out_dtypes, out_shapes, name, blocking=False):
+    """Run ``fn(list of numpy arrays) -> list of arrays`` as a TensorFlow op.
 
     Inputs reach ``fn`` as read-only views (no copy); each output is cast to its entry of
     ``out_dtypes`` (TensorFlow dtypes) and handed out as in :func:`as_output`, then given its
-    entry of ``out_shapes``.  With no ``out_dtypes`` (a side effect) returns what
-    ``tf.py_function`` does: ``[]`` eagerly, the operation in graphs."""
-    np_dtypes = [tf.as_dtype(d).as_numpy_dtype for d in out_dtypes]
+    entry of ``out_shapes``.  Eagerly ``fn`` is called at once (no ``py_function``).  In graphs it
+    is one ``tf.py_function``, or with ``blocking=True`` (``fn`` waits for peers) a submit op and
+    an asynchronous wait op (see the module docstring), so it holds no inter-op thread.  With no
+    ``out_dtypes`` (a side effect) returns ``[]`` eagerly, the operation in graphs."""
+    out_dtypes = [tf.as_dtype(d) for d in out_dtypes]
+    np_dtypes = [d.as_numpy_dtype for d in out_dtypes]
+    if tf.executing_eagerly():
+        outs = fn([np.asarray(_as_tensor(t)) for t in tensors])
+        return [_to_tensor(o, d) for o, d in zip(outs, out_dtypes)] if out_dtypes else []
 
-    def body(*ts):
-        outs = fn([np.asarray(t) for t in ts])  # read-only input views
+    def results(outs):
         return [as_output(np.asarray(o, dtype=d)) for o, d in zip(outs, np_dtypes)]
 
-    outs = tf.py_function(func=body, inp=list(tensors), Tout=list(out_dtypes),
-                          name=_sanitize(name)[:100] if name else None)
-    if not out_dtypes:
-        return outs
-    if not isinstance(outs, (list, tuple)):
-        outs = [outs]
+    if blocking and out_dtypes:
+        pending = collections.deque()
+        submit = _submit_op(pending.append, tensors, name)
+        outs = _async_wait(lambda: results(fn(_take(pending))), out_dtypes, [submit], name)
+    else:
+        def body(*ts):
+            return results(fn([np.asarray(t) for t in ts]))  # read-only input views
+
+        outs = tf.py_function(func=body, inp=list(tensors), Tout=out_dtypes,
+                              name=_sanitize(name)[:100] if name else None)
+        if not out_dtypes:
+            return outs
+        if not isinstance(outs, (list, tuple)):
+            outs = [outs]
     outs = list(outs)
     for o, s in zip(outs, out_shapes):
         o.set_shape(s)
@@ -180,10 +240,11 @@ class Batch:
 
         The allreduces are split into buckets of at most the fusion threshold (bytes, walked from
         the last tensor to the first: in a backward pass the last layers' gradients are ready
-        first), each handed to the engine by its own non-blocking *submit* op as soon as its
-        inputs exist; one *wait* op then collects every result.  In a graph the engine thus
-        reduces the first buckets while TensorFlow still computes the others (Horovod's
-        per-gradient async ops, SMDDP's buckets)."""
+        first).  Eagerly every bucket is handed to the engine, then every result is awaited.  In
+        a graph each bucket is handed to the engine by its own non-blocking *submit* op as soon
+        as its inputs exist, and one asynchronous *wait* op collects every result (see the module
+        docstring): the engine reduces the first buckets while TensorFlow still computes the
+        others (Horovod's per-gradient async ops, SMDDP's buckets)."""
         api.runtime(f"{self.what}()")
         check_not_xla(self.what)
         if not self._tensors:
@@ -192,18 +253,30 @@ class Batch:
         if self._gather or self._bcast:
             groups.append(("other", self._gather + self._bcast))
         rargs = self._reduce_args
-        tokens, order = [], []
-        for kind, items in groups:
-            idx = [it[0] for it in items]
-            tokens.append(_submit_op(_starter(kind, items, rargs), [self._tensors[i] for i in idx],
-                                     items[0][1]))
-            order.extend(idx)
-        return _wait_op(tokens, [self._tensors[i].dtype for i in order], [self._shapes[i] for i in order],
-                        order, (self._reduce or self._gather or self._bcast)[0][1])
+        order = [it[0] for _, items in groups for it in items]
+        starters = [(_starter(kind, items, rargs), [self._tensors[it[0]] for it in items]) for kind, items in groups]
+        if tf.executing_eagerly():
+            handles = [h for start, ts in starters for h in start([np.asarray(t) for t in ts])]
+            result = [None] * len(order)
+            for i, h in zip(order, handles):
+                result[i] = _to_tensor(h.wait(), self._tensors[i].dtype)
+            return result
+        name = (self._reduce or self._gather or self._bcast)[0][1]
+        queues = [collections.deque() for _ in starters]
+        submits = [_submit_op(lambda arrays, q=q, start=start: q.append(start(arrays)), ts, f"{name}.{k}")
+                   for k, (q, (start, ts)) in enumerate(zip(queues, starters))]
+        np_dtypes = [self._tensors[i].dtype.as_numpy_dtype for i in order]
 
+        def wait():
+            handles = [h for q in queues for h in _take(q)]
+            return [as_output(np.asarray(h.wait(), dtype=d)) for h, d in zip(handles, np_dtypes)]
 
-_PENDING = {}  # token -> handles of one submit op, until the wait op takes them
-_TOKENS = itertools.count(1)
+        outs = _async_wait(wait, [self._tensors[i].dtype for i in order], submits, name)
+        result = [None] * len(order)
+        for i, o in zip(order, outs):
+            o.set_shape(self._shapes[i])
+            result[i] = o
+        return result
 
 
 def _buckets(reduce, tensors, threshold):
@@ -239,18 +312,72 @@ def _starter(kind, items, rargs):
     return start
 
 
-def _submit_op(start, tensors, name):
-    """A py_function that calls ``start(arrays)`` (non-blocking: it returns engine handles) and
-    outputs a scalar int64 token for :func:`_wait_op`."""
-    def body(*ts):
-        token = next(_TOKENS)
-        _PENDING[token] = start([np.asarray(t) for t in ts])  # read-only views, no copy (.numpy() copies)
-        return np.int64(token)
+def _take(queue):
+    """What this step's submit op left in ``queue`` (the newest entry: older ones belong to steps
+    that failed after their submit op ran, and are dropped)."""
+    if not queue:
+        raise SdpError("sdp wait op ran before its submit op (internal error)")
+    entry = queue.pop()
+    queue.clear()
+    return entry
 
-    tok = tf.py_function(func=body, inp=list(tensors), Tout=tf.int64,
-                         name=_sanitize("submit." + name)[:100] if name else None)
-    tok.set_shape([])
-    return tok
+
+def _submit_op(put, tensors, name):
+    """A ``py_function`` without outputs that calls ``put(arrays)`` (read-only input views; it
+    must not block) and returns at once.  Inside a ``tf.function`` it is marked as an independent
+    side effect: it always runs, but automatic control dependencies do not chain it in program
+    order with other stateful ops (which could make it wait for a collective of a peer)."""
+    def body(*ts):
+        put([np.asarray(t) for t in ts])  # read-only views, no copy (.numpy() copies)
+        return []
+
+    op = tf.py_function(func=body, inp=list(tensors), Tout=[],
+                        name=_sanitize("submit." + name)[:100] if name else None)
+    graph = op.graph
+    acd = getattr(graph, "experimental_acd_manager", None)
+    if acd is not None and getattr(graph, "_add_control_dependencies", False):
+        acd.run_independently(op)
+    return op
+
+
+_DATA_OPTIONS = tf.data.Options()
+# the map function must run only when the wait op asks for an element: no prefetching,
+# no parallel map, no autotuning or other rewrites
+_DATA_OPTIONS.experimental_optimization.apply_default_optimizations = False
+_DATA_OPTIONS.autotune.enabled = False
+for _opt in ("map_parallelization", "inject_prefetch", "parallel_batch"):
+    if hasattr(_DATA_OPTIONS.experimental_optimization, _opt):
+        setattr(_DATA_OPTIONS.experimental_optimization, _opt, False)
+if hasattr(_DATA_OPTIONS, "experimental_warm_start"):
+    _DATA_OPTIONS.experimental_warm_start = False
+
+
+_ITERATORS = weakref.WeakKeyDictionary()  # FuncGraph -> the iterators its wait ops use
+
+
+def _async_wait(wait, dtypes, deps, name):
+    """Tensors of ``dtypes`` returned by ``wait()`` (it may block for peers), computed on a
+    ``tf.data`` iterator's background thread by an ``IteratorGetNext`` op that runs after the ops
+    ``deps``; TensorFlow's inter-op thread is free meanwhile (see the module docstring)."""
+    dtypes = list(dtypes)
+
+    def element(_):
+        return tuple(tf.py_function(func=lambda _z: wait(), inp=[_], Tout=dtypes))
+
+    def dataset():
+        return tf.data.Dataset.from_tensors(np.int64(0)).repeat().map(
+            tf.autograph.experimental.do_not_convert(element)).with_options(_DATA_OPTIONS)
+
+    graph = tf.compat.v1.get_default_graph()
+    if getattr(graph, "building_function", False):
+        with tf.init_scope():  # made once, when the function is traced
+            it = iter(dataset()) if tf.executing_eagerly() else tf.compat.v1.data.make_one_shot_iterator(dataset())
+        _ITERATORS.setdefault(graph, []).append(it)  # they live as long as the function's graph
+    else:
+        it = tf.compat.v1.data.make_one_shot_iterator(dataset())
+    with tf.control_dependencies(deps):
+        outs = it.get_next()
+    return list(outs)
 
 
 def as_output(arr: np.ndarray):
@@ -266,30 +393,21 @@ def as_output(arr: np.ndarray):
     return arr
 
 
-def _wait_op(tokens, dtypes, shapes, order, name):
-    """One py_function that waits for every handle behind ``tokens``; returns the results in
-    tensor-index order (``order``: the tensor index of each handle, in token order)."""
-    np_dtypes = [d.as_numpy_dtype for d in dtypes]
-
-    def body(*toks):
-        handles = [h for t in toks for h in _PENDING.pop(int(t))]
-        return [as_output(np.asarray(h.wait(), dtype=d)) for h, d in zip(handles, np_dtypes)]
-
-    outs = tf.py_function(func=body, inp=tokens, Tout=list(dtypes), name=_sanitize(name)[:100] if name else None)
-    if not isinstance(outs, (list, tuple)):
-        outs = [outs]
-    result = [None] * len(order)
-    for i, o, s in zip(order, outs, shapes):
-        o.set_shape(s)
-        result[i] = o
-    return result
-
-
 def _grouped_allreduce_raw(tensors, names, op, prescale_factor=1.0, postscale_factor=1.0):
     b = Batch("allreduce")
     for t, n in zip(tensors, names):
         b.add_allreduce(t, n, op, prescale_factor, postscale_factor)
     return b.run()
+
+
+def _could_record() -> bool:
+    """False when no ``tf.GradientTape`` could record an eager op now (``tf.custom_gradient``
+    costs ~0.1 ms per call, for nothing then)."""
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:  # pragma: no cover - TF internals moved
+        return True
+    return record.could_possibly_record()
 
 
 def grouped_allreduce_tensors(tensors, names, op, prescale_factor=1.0, postscale_factor=1.0):
@@ -301,7 +419,8 @@ def grouped_allreduce_tensors(tensors, names, op, prescale_factor=1.0, postscale
     if not tensors:
         return []
     op = ReduceOp(int(op))
-    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE) or not all(t.dtype.is_floating for t in tensors):
+    if (op not in (ReduceOp.SUM, ReduceOp.AVERAGE) or not all(t.dtype.is_floating for t in tensors)
+            or (tf.executing_eagerly() and not _could_record())):
         return _grouped_allreduce_raw(tensors, names, op, prescale_factor, postscale_factor)
 
     @tf.custom_gradient
@@ -362,7 +481,7 @@ def alltoall_tensor(tensor, splits, name):
         return api.alltoall(a, None if s.size == 0 else [int(x) for x in s], name)
 
     out, rsplits = run_numpy(fn, [tensor, splits_t], [tensor.dtype, tf.int32],
-                              [_gathered_shape(tensor), tf.TensorShape([n])], name)
+                              [_gathered_shape(tensor), tf.TensorShape([n])], name, blocking=True)
     return out, rsplits
 
 
@@ -379,7 +498,7 @@ def reducescatter_tensor(tensor, name, op, prescale_factor=1.0, postscale_factor
     def fn(arrays):
         return [api.reducescatter(arrays[0], name, op, prescale_factor, postscale_factor)]
 
-    return run_numpy(fn, [tensor], [tensor.dtype], [_gathered_shape(tensor)], name)[0]
+    return run_numpy(fn, [tensor], [tensor.dtype], [_gathered_shape(tensor)], name, blocking=True)[0]
 
 
 def np_dtype(dtype) -> np.dtype:
