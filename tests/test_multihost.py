@@ -139,6 +139,26 @@ def test_check_reports_each_host(hosts):
     assert res.returncode == 1 and res.stdout.startswith("h2: UNREACHABLE (ssh): "), res.stdout
 
 
+def test_remote_exit_code_nic_and_unreachable_host(hosts, tmp_path):
+    """A remote rank's exit status is sdprun's and stops the job at once; -nic eth0 puts the
+    rendezvous on that interface; a host ssh cannot reach gives 255 with ssh's own message."""
+    code = ("import os, sys, time\n"
+            "print(os.environ['SDP_IFACE'], os.environ['SDP_RENDEZVOUS_ADDR'], flush=True)\n"
+            "sys.exit(5) if os.environ['SDP_RANK'] == '2' else time.sleep(60)\n")
+    t0 = time.monotonic()
+    res = sdprun(hosts, "-nic", "eth0", "-H", "h1:1,h2:1,h3:1", sys.executable, "-c", code, timeout=60)
+    assert res.returncode == 5, res.stderr
+    assert time.monotonic() - t0 < 10
+    assert "worker 2 (ssh pid" in res.stderr and "exited with code 5" in res.stderr
+    rows = _by_rank(res.stdout)
+    assert sorted(rows) == [0, 1, 2]
+    assert all(lines[0].startswith("eth0 tcp://10.77.0.1:") for lines in rows.values()), rows
+    res = sdprun(hosts, "-H", "h1:1,h2:1", "--ssh-port", "2", sys.executable, "-c", "print(1)", timeout=60)
+    assert res.returncode == 255, res.stderr
+    assert "[1]<stderr>:ssh: connect to host h2 port 2: Connection refused" in res.stderr.splitlines(), res.stderr
+    assert "ssh itself failed" in res.stderr
+
+
 COLLECTIVES = r"""
 import os, sys
 import numpy as np

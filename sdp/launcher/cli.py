@@ -34,15 +34,19 @@ the removed ones exit.  See :mod:`sdp.launcher.elastic`.
 
 =========================  =====================================================================
 ``-np N``                  ``-np N``: number of workers (the initial size with ``-w``)
-``-H h1:n1,h2:n2``         ``-H``: hosts and slots (only local hosts are started); with ``-w``
+``-H h1:n1,h2:n2``         ``-H``: hosts and slots (other hosts through ssh); with ``-w``
                            the slots bound how far the job can grow (default: 64 on this machine)
-``-nic IFACE``             ``-nic``: network interface, ``SDP_IFACE`` for the workers
+``-nic IFACE``             ``-nic``: network interface: sdprun's servers listen on its address,
+                           ``SDP_IFACE`` for the workers
 ``-w``                     ``-w`` / ``--watch``: elastic mode
 ``-builtin-config-port P`` ``--builtin-config-port P``: the built-in config server's port (implies -w)
 ``-config-server URL``     ``--config-server URL``: where workers read the desired size (implies -w)
 ``-strategy``, ``-q``,     accepted and ignored
 ``-logdir``
 =========================  =====================================================================
+
+horovodrun's ``-p/--ssh-port``, ``-i/--ssh-identity-file``, ``--hostfile``,
+``--network-interface``, ``--start-timeout`` and mpirun's ``-x NAME[=VALUE]`` mean the same here.
 
 For testing multi-host topologies without other hosts, set ``SDP_LAUNCHER_ALLOW_FAKE_HOSTS=1``:
 every process runs locally (no ssh) and ``SDP_HOSTNAME`` tells each worker its pretend host.
@@ -89,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``sdprun`` argument parser (horovodrun and kungfu-run spellings accepted)."""
     p = argparse.ArgumentParser(
         prog="sdprun", allow_abbrev=False,
-        usage="sdprun [-h] -np N [-H HOSTS | --hostfile FILE] [options] [--] COMMAND ...",
+        usage="sdprun [-h] -np N [-H HOSTS | --hostfile FILE] [options] [--] COMMAND ...\n"
+              "       sdprun --check [-H HOSTS | --hostfile FILE] [-p PORT] [-i FILE] [-nic IFACE]",
         description="Start N sdp worker processes on this machine and, through ssh, on other "
                     "hosts.  horovodrun and kungfu-run command lines are accepted.")
     p.add_argument("-np", "--num-proc", dest="np", type=int, metavar="N",
