@@ -79,7 +79,7 @@ def _bounds(n_elems, parts, unit=1):
     return edges
 
 
-def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, fill=None):
+def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, fill=None, done=None):
     """Reduce ``inp`` across all ranks with ``ufunc`` into ``out`` (both 1-D, contiguous, same
     size/dtype; ``out`` may be ``inp``).  ``inp`` is not modified unless it is ``out``.
 
@@ -92,7 +92,9 @@ def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, f
     ``fill(lo, hi)``, when given, writes elements ``[lo, hi)`` of ``inp`` (which must then be
     ``out``): a fusion bucket packed on demand.  Every element is filled before it is read; the
     ring fills the chunk it sends first segment by segment, each sent as soon as it is filled, so
-    packing overlaps the first sends."""
+    packing overlaps the first sends.  ``done(lo, hi)``, when given, is called as elements
+    ``[lo, hi)`` of ``out`` are final: by the ring as its allgather receives them (so the caller
+    can pass them on while the rest is in flight), else once for all of ``out``."""
     n = mesh.size
     shm = uses_shm(mesh, inp.nbytes, inp.size)
     ring = not shm and n > 1 and inp.nbytes > SMALL_BYTES and inp.size >= n
@@ -103,10 +105,18 @@ def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, f
     if n == 1 or inp.size == 0:
         if scale is not None:
             np.multiply(out, scale, out=out, casting="unsafe")
-        return
-    if shm:
+    elif shm:
         _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale)
+    else:
+        _wire_allreduce(mesh, out, ufunc, seq, segment_bytes, acc, scale, fill, done)
         return
+    if done is not None:
+        done(0, out.size)
+
+
+def _wire_allreduce(mesh, out, ufunc, seq, segment_bytes, acc, scale, fill, done):
+    """:func:`allreduce` over ZeroMQ, in place in ``out``."""
+    n = mesh.size
     if acc is not None and scale is not None and n > 2 and ufunc is np.add:
         # 16-bit partial sums of 2..n-1 ranks travel rounded: scale the contributions first, so
         # that no partial sum of an average can overflow (the last step adds in float32 anyway)
@@ -117,12 +127,14 @@ def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, f
         np.multiply(wide, scale, out=wide)
         out[...] = wide
         scale = None
-    if inp.nbytes <= SMALL_BYTES or inp.size < n:
+    if out.nbytes <= SMALL_BYTES or out.size < n:
         _recursive_doubling(mesh, out, ufunc, seq, acc, scale)
+        if done is not None:
+            done(0, out.size)
     else:
         edges = _bounds(out.size, n)
         _ring_reduce_scatter(mesh, out, ufunc, seq, segment_bytes, edges, acc, fill, scale)
-        _ring_allgather(mesh, out, seq, segment_bytes, edges)
+        _ring_allgather(mesh, out, seq, segment_bytes, edges, done)
 
 
 def uses_shm(mesh, nbytes, count) -> bool:
@@ -283,11 +295,14 @@ def allreduce_hierarchical(hier, inp, out, ufunc, seq, segment_bytes, acc=None, 
                 _reduce_chunk(ufunc, [(lo + a, src[lo + a:lo + b])], lo + a, halves, peers, target[a:b], [],
                               acc, host_scale)
 
-            allreduce(hier.cross[j], target, target, ufunc, seq, segment_bytes, acc, cross_scale, fill)
-            if direct:
-                for q in peers:
-                    np.copyto(seg.at(q, where[q] + lo * size, inp.dtype, hi - lo), target)
-            else:
+            pushes = [seg.at(q, where[q] + lo * size, inp.dtype, hi - lo) for q in peers] if direct else []
+
+            def done(a, b, target=target, pushes=pushes):  # final: into the local peers' out at once
+                for p in pushes:
+                    np.copyto(p[a:b], target[a:b])
+
+            allreduce(hier.cross[j], target, target, ufunc, seq, segment_bytes, acc, cross_scale, fill, done)
+            if not direct:
                 np.copyto(dst[lo:hi], target)
         barrier.sync(host, seq, 2 * k + 1)
         if not direct:
@@ -397,17 +412,22 @@ def _ring_reduce_scatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc, fill=
     w.finish()
 
 
-def _ring_allgather(mesh, buf, seq, segment_bytes, edges):
-    """Rank r starts owning chunk r; afterwards every rank has every chunk."""
+def _ring_allgather(mesh, buf, seq, segment_bytes, edges, done=None):
+    """Rank r starts owning chunk r; afterwards every rank has every chunk.  ``done(lo, hi)``:
+    called for chunk r first, then for each segment as it arrives."""
     n, r = mesh.size, mesh.rank
     right, left = (r + 1) % n, (r - 1) % n
     w = _Wire(mesh, seq, segment_bytes, buf.dtype)
+    if done is not None:
+        done(edges[r], edges[r + 1])
     for step in range(n - 1):
         si, ri = (r - step) % n, (r - step - 1) % n
         w.send(right, buf[edges[si]:edges[si + 1]])
         chunk = buf[edges[ri]:edges[ri + 1]]
         for s, seg in w.recv_each(left, chunk.size):
             chunk[s:s + seg.size] = seg
+            if done is not None:
+                done(edges[ri] + s, edges[ri] + s + seg.size)
     w.finish()
 
 
