@@ -47,6 +47,7 @@ import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import List, Optional, Tuple
 
@@ -227,7 +228,9 @@ def _request(url: str, method: str = "GET", body=None) -> dict:
     headers = {"Content-Type": "application/json"}
     secret = security.secret_from_env()
     if secret and url.startswith(control_url() or "\0"):  # sdprun's own endpoint: the job's token
-        headers["Authorization"] = f"Bearer {security.http_token(secret)}"
+        u = urllib.parse.urlsplit(url)
+        target = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        headers["Authorization"] = security.http_authorization(secret, method, target, data or b"")
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=_http_timeout()) as resp:

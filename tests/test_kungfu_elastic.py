@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -102,11 +103,12 @@ SECRET = security.new_secret()
 
 
 def _http(url, method="GET", body=None, secret=SECRET):
+    data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     if secret:
-        headers["Authorization"] = f"Bearer {security.http_token(secret)}"
-    req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers=headers)
+        headers["Authorization"] = security.http_authorization(secret, method, urllib.parse.urlsplit(url).path,
+                                                               data or b"")
+    req = urllib.request.Request(url, method=method, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status, json.loads(resp.read())

@@ -9,6 +9,7 @@ import struct
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -31,9 +32,22 @@ def test_keys_are_derived_from_the_secret():
     assert a == security.job_keys(str(SECRET))  # every rank derives the same keys
     assert len({a.server_public, a.client_public, b.server_public, b.client_public}) == 4
     assert zmq.curve_public(a.client_secret) == a.client_public
-    assert security.http_authorized(f"Bearer {security.http_token(SECRET)}", SECRET)
-    assert not security.http_authorized(f"Bearer {security.http_token(security.new_secret())}", SECRET)
-    assert not security.http_authorized(None, SECRET) and not security.http_authorized(SECRET, SECRET)
+
+
+def test_signed_http_requests_are_valid_once_and_cover_target_and_body():
+    v = security.HttpVerifier(SECRET, window_s=60)
+    h = security.http_authorization(SECRET, "PUT", "/config", b'{"size": 3}')
+    assert v.check(h, "PUT", "/config", b'{"size": 4}') is not None  # body changed
+    assert v.check(h, "PUT", "/resize", b'{"size": 3}') is not None  # target changed
+    assert v.check(h, "POST", "/config", b'{"size": 3}') is not None  # method changed
+    assert v.check(h, "PUT", "/config", b'{"size": 3}') is None
+    assert "replayed" in v.check(h, "PUT", "/config", b'{"size": 3}')
+    other = security.http_authorization(security.new_secret(), "GET", "/config")
+    assert "wrong signature" in v.check(other, "GET", "/config")
+    for bad in (None, "", "Bearer x", security.http_authorization(SECRET, "GET", "/")[:-1] + ",x=1", "SDP-HMAC-SHA256 " + "a" * 400):
+        assert v.check(bad, "GET", "/") is not None
+    old = security.HttpVerifier(SECRET, window_s=-1)  # every timestamp is "too old"
+    assert "timestamp" in old.check(security.http_authorization(SECRET, "GET", "/"), "GET", "/")
 
 
 def test_a_job_of_several_ranks_needs_a_secret():
@@ -320,36 +334,47 @@ def test_nothing_listens_on_every_interface():
 
 # -------------------------------------------------------------------------- elastic endpoint
 
-def _http(url, method="GET", body=None, headers=None, raw_length=None):
+def _http(url, method="GET", body=None, secret=SECRET, raw_length=None, authorization=None):
+    """One request to ``url``; signed with ``secret`` unless ``authorization`` gives the header
+    (None and no secret: unsigned).  Returns (status, JSON answer, the Authorization sent)."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, method=method, data=data, headers=dict(headers or {}))
+    if authorization is None and secret is not None:
+        authorization = security.http_authorization(secret, method, urllib.parse.urlsplit(url).path, data or b"")
+    req = urllib.request.Request(url, method=method, data=data)
+    if authorization is not None:
+        req.add_header("Authorization", authorization)
     if raw_length is not None:
         req.add_header("Content-Length", str(raw_length))
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
+            return resp.status, json.loads(resp.read()), authorization
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        return e.code, json.loads(e.read() or b"{}"), authorization
 
 
-def test_elastic_endpoint_needs_the_job_token():
+def test_elastic_endpoint_needs_signed_fresh_requests():
     group = []
     ctl = ElasticController([hosts.HostSlots("localhost", 4)], type("G", (), {"add": lambda s, r, e: group.append(r)})(),
                             lambda infos, addr, epoch: [i.env() for i in infos], initial_size=2, start_timeout=5,
                             secret=SECRET).start()
     try:
-        good = {"Authorization": f"Bearer {security.http_token(SECRET)}"}
-        wrong = {"Authorization": f"Bearer {security.http_token(security.new_secret())}"}
-        for headers in (None, wrong, {"Authorization": f"Bearer {SECRET}"}, {"Authorization": "Basic eDp5"}):
-            assert _http(ctl.url + "/config", headers=headers)[0] == 401
-            assert _http(ctl.url + "/config", "PUT", {"size": 3}, headers=headers)[0] == 401
-            assert _http(ctl.url + "/resize", "POST", {"size": 4, "epoch": 0}, headers=headers)[0] == 401
+        intruders = [dict(secret=None), dict(secret=security.new_secret()),
+                     dict(authorization=f"Bearer {SECRET}"), dict(authorization="Basic eDp5")]
+        for how in intruders:
+            assert _http(ctl.url + "/config", **how)[0] == 401
+            assert _http(ctl.url + "/config", "PUT", {"size": 3}, **how)[0] == 401
+            assert _http(ctl.url + "/resize", "POST", {"size": 4, "epoch": 0}, **how)[0] == 401
         assert group == [] and ctl.status()["epoch"] == 0 and ctl.status()["desired"] == 2
         # a body bigger than MAX_BODY_BYTES is refused from its header alone
-        code, err = _http(ctl.url + "/config", "PUT", {"size": 3}, headers=good, raw_length=1 << 40)
+        code, err, _ = _http(ctl.url + "/config", "PUT", {"size": 3}, raw_length=1 << 40)
         assert code == 400 and "at most" in err["error"]
-        assert _http(ctl.url + "/config", headers=good)[0] == 200
-        assert _http(ctl.url + "/config", "PUT", {"size": 3}, headers=good)[1]["size"] == 3
+        assert _http(ctl.url + "/config")[0] == 200
+        code, cfg, captured = _http(ctl.url + "/config", "PUT", {"size": 3})
+        assert code == 200 and cfg["size"] == 3
+        # a captured request replayed as is, and with another body under the captured signature
+        assert _http(ctl.url + "/config", "PUT", {"size": 3}, authorization=captured)[0] == 401
+        assert _http(ctl.url + "/config", "PUT", {"size": 4}, authorization=captured)[0] == 401
+        assert ctl.status()["desired"] == 3 and ctl.status()["version"] == 1
     finally:
         ctl.stop()
     with pytest.raises(ValueError, match="every interface"):

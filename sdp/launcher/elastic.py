@@ -29,12 +29,14 @@ desired size.  Workers whose rank is ``>= n`` detach and exit on their own (see
 a worker exiting non-zero stops the job as usual.
 
 Security: the endpoint listens on one address (``host``, default 127.0.0.1; never
-``*``/``0.0.0.0``), and every request must carry ``Authorization: Bearer <token>``, a token derived
-from the job secret (:func:`sdp.transport.security.http_token`; workers derive it from their
-``SDP_SECRET``), compared in constant time: anything else gets 401 and a log line, before its body
-is read.  Bodies are at most ``MAX_BODY_BYTES`` (413 above).  The token travels in the clear like
-any HTTP header: on a network where others can read packets, keep the endpoint on loopback or a
-private interface.
+``*``/``0.0.0.0``), and every request must be signed with the job secret
+(``Authorization: SDP-HMAC-SHA256 ts=..,nonce=..,sig=..``, an HMAC over method, target, time, nonce
+and body; :func:`sdp.transport.security.http_authorization`, which workers compute from their
+``SDP_SECRET``): a request without a well-formed header gets 401 before its body is read; one with
+a wrong signature, an old timestamp (more than 120 s off) or a nonce already used (a replay) gets
+401 too, with a (rate-limited) log line.  Bodies are at most ``MAX_BODY_BYTES`` (400 above).  The
+secret never travels; the bodies (cluster sizes, rendezvous address, rank environments without
+the secret) are not encrypted.
 """
 import http.server
 import json
@@ -100,6 +102,7 @@ class ElasticController:
         self.port = self._httpd.server_address[1]
         self.url = f"http://{host}:{self.port}"
         self._refused = security.LogLimiter(log)
+        self.verifier = security.HttpVerifier(self.secret)
         self.external_config = None
         if config_server and not self._is_own(config_server):
             self.external_config = config_server
@@ -221,24 +224,28 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _authorized(self) -> bool:
-        """Whether the request carries the job's bearer token; answers 401 (and logs) if not."""
-        if security.http_authorized(self.headers.get("Authorization"), self.ctl.secret):
+    def _authorized(self, body: bytes = b"") -> bool:
+        """Whether the request is signed with the job secret and new; answers 401 (and logs) if not."""
+        reason = self.ctl.verifier.check(self.headers.get("Authorization"), self.command, self.path, body)
+        if reason is None:
             return True
-        self.ctl._refused.warning("config server: refused %s %s from %s: no or wrong job token",
-                                  self.command, self.path[:100], self.client_address[0])
+        self._refuse(reason)
+        return False
+
+    def _refuse(self, reason: str) -> None:
+        self.ctl._refused.warning("config server: refused %s %s from %s: %s",
+                                  self.command, self.path[:100], self.client_address[0], reason)
         self.close_connection = True
-        data = json.dumps({"error": "unauthorized: requests need 'Authorization: Bearer <token of the job "
-                                    "secret>' (sdp.transport.security.http_token)"}).encode()
+        data = json.dumps({"error": f"unauthorized: {reason}; requests must be signed with the job secret "
+                                    "(sdp.transport.security.http_authorization)"}).encode()
         self.send_response(401)
-        self.send_header("WWW-Authenticate", 'Bearer realm="sdprun"')
+        self.send_header("WWW-Authenticate", f'{security.HTTP_SCHEME} realm="sdprun"')
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-        return False
 
-    def _body(self):
+    def _raw_body(self) -> bytes:
         try:
             n = int(self.headers.get("Content-Length") or 0)
         except ValueError:
@@ -246,8 +253,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if not 0 <= n <= MAX_BODY_BYTES:
             self.close_connection = True
             raise ValueError(f"request body of {n} bytes (at most {MAX_BODY_BYTES})")
+        return self.rfile.read(n)
+
+    @staticmethod
+    def _json(raw: bytes):
         try:
-            return json.loads(self.rfile.read(n) or b"{}")
+            return json.loads(raw or b"{}")
         except (ValueError, RecursionError):
             raise ValueError("the request body is not JSON") from None
 
@@ -266,14 +277,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(404, {"error": f"no such endpoint {path}"})
 
     def _write(self):
-        if not self._authorized():
+        if security.HttpVerifier.parse(self.headers.get("Authorization")) is None:
+            self._refuse(f"no {security.HTTP_SCHEME} authorization")  # before reading any body
+            return
+        try:
+            raw = self._raw_body()
+        except ValueError as e:
+            self._send(400, {"error": str(e)})
+            return
+        if not self._authorized(raw):
             return
         path = self._path()
         try:
             if path == "/config":
-                self._send(200, self.ctl.put_config(self._body()))
+                self._send(200, self.ctl.put_config(self._json(raw)))
             elif path == "/resize":
-                self._send(200, self.ctl.commit(self._body()))
+                self._send(200, self.ctl.commit(self._json(raw)))
             else:
                 self._send(404, {"error": f"no such endpoint {path}"})
         except ConflictError as e:
