@@ -2,6 +2,7 @@
 created in a different order on each rank, run in a ``tf.compat.v1.Session`` and in a
 ``tf.function`` with a given number of TensorFlow inter-op threads.  TensorFlow is imported
 inside the functions so that the thread count is set before TensorFlow initializes."""
+import gc
 import time
 
 import numpy as np
@@ -66,7 +67,10 @@ def graphs(n, threads, steps=2):
     step.get_concrete_function()
     out["trace_s"] = time.monotonic() - t0
     t0 = time.monotonic()
-    out["function"] = [[[o.numpy().tolist() for o in op] for op in step()] for _ in range(steps)]
+    out["function"] = []
+    for _ in range(steps):
+        out["function"].append([[o.numpy().tolist() for o in op] for op in step()])
+        gc.collect()  # the function's wait ops keep their iterators across collections
     out["function_s"] = time.monotonic() - t0
 
     with tf.Graph().as_default():
