@@ -244,17 +244,16 @@ def allreduce_hierarchical(hier, inp, out, ufunc, seq, segment_bytes, acc=None, 
 
     One slab (<= half a segment) at a time, as :func:`_shm_allreduce`: (1) copy the parts other
     local ranks own into my half; barrier (with every rank's ``out`` offset); (2) for each part I
-    own: reduce it from my input and the local peers' halves (as the cross ring sends it: see the
-    ``fill`` of :func:`allreduce`), allreduce it across hosts, copy it
-    into every local peer's ``out`` (direct) or leave it in my half; barrier; (3) unless direct,
-    copy the other parts from their owners' halves.  16-bit sums of an average are scaled in
+    own: allreduce it across hosts, reducing it from my input and the local peers' halves as the
+    cross ring sends it (``fill``) and copying each final segment into every local peer's ``out``
+    as it arrives (``done``; direct) or leaving it in my half; barrier; (3) unless direct, copy
+    the other parts from their owners' halves.  A rank alone on its host skips the shared memory.  16-bit sums of an average are scaled in
     float32 in (2) before they are rounded (the flat ring scales contributions likewise)."""
     host = hier.host
     pre = acc is not None and scale is not None and ufunc is np.add
     host_scale, cross_scale = (scale, None) if pre else (None, scale)
-    if out is not inp:
-        if host.shm is None or inp.size == 0:
-            np.copyto(out, inp)
+    if out is not inp and (host.shm is None or inp.size == 0):
+        np.copyto(out, inp)
     if inp.size == 0:
         if scale is not None:
             np.multiply(out, scale, out=out, casting="unsafe")
