@@ -321,6 +321,14 @@ def test_intruder_on_every_rank_endpoint_is_refused_and_the_job_finishes(encrypt
         assert v["ipc_dir_mode"] == "0o700"
 
 
+def test_a_message_claiming_the_receivers_own_rank_is_dropped():
+    """Issue 17: such messages were kept forever (512 MiB sent, +513 MiB resident)."""
+    results = run_workers(2, "workers_security:claims_own_rank", [None], timeout=60, env={"SDP_ENCRYPT": "1"})
+    for r, v in zip(results, check_ok(results)):
+        assert v == {"sum": 2.0, "stray": 0}
+        assert "dropping foreign/malformed message" in r.stderr, r.stderr[-2000:]
+
+
 def test_nothing_listens_on_every_interface():
     """Like `ss -ltn` inside the job: every rank's listening TCP sockets are on one address."""
     values = check_ok(run_workers(2, "workers_security:listening_and_modes", [None], timeout=60))

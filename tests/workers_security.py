@@ -49,6 +49,14 @@ print("intruder done", len(socks))
 """
 
 
+def _stray(mesh) -> int:
+    """Messages in the inbox that no job rank sent: from this rank itself, from a rank outside
+    the job, or DATA/ABORT left over after the last collective (a peer's BYE may be there)."""
+    from sdp.transport.zmq_mesh import ABORT, DATA
+    return sum(len(q) for (src, kind), q in mesh.inbox.items()
+               if src == mesh.rank or not 0 <= src < mesh.size or kind in (DATA, ABORT))
+
+
 def _listening():
     """(ip, port) of every TCP socket this process listens on."""
     import psutil
@@ -81,7 +89,7 @@ def attacked_job(intruder_env):
     res2 = sdp.allreduce(x, name="after_intruder_2", op=sdp.Sum)
     out["ok"] = bool(np.array_equal(res, np.arange(1000, dtype=np.float32) * 3) and np.array_equal(res, res2))
     out["aborted"] = {str(k): v for k, v in mesh.aborted.items()}
-    out["stray"] = sum(len(q) for q in mesh.inbox.values())
+    out["stray"] = _stray(mesh)
     out["refused_by_gatekeeper"] = mesh._gate.rejected
     out["listening"] = _listening()
     out["ipc_dir_mode"] = oct(stat.S_IMODE(os.stat(mesh._ipc_dir).st_mode))
@@ -108,3 +116,25 @@ def late_init(delays):
     sdp.init()
     x = sdp.allreduce(np.full(8, sdp.rank() + 1.0, np.float32), name="late", op=sdp.Sum)
     return [sdp.rank(), sdp.size(), float(x[0])]
+
+
+def claims_own_rank(_):
+    """A process holding the secret (this rank itself, over CURVE) sends this rank a well-formed
+    DATA message that claims to come from this very rank: the mesh drops and logs it."""
+    import zmq
+    from sdp.transport import security
+    from sdp.transport.zmq_mesh import DATA, HEADER, MAGIC
+    mesh = sdp.api.runtime().mesh
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 1000)
+    d.setsockopt(zmq.ROUTING_ID, (sdp.rank()).to_bytes(4, "little"))
+    security.secure_client(d, mesh._secret)
+    d.connect(mesh.endpoints["tcp"])
+    d.send_multipart([HEADER.pack(MAGIC, DATA, 0, 1), b"\x07" * (1 << 20)])
+    time.sleep(0.3)
+    d.close()
+    ctx.term()
+    x = sdp.allreduce(np.ones(4, np.float32), name="after_self_claim", op=sdp.Sum)
+    mesh.pump(100)
+    return {"sum": float(x[0]), "stray": _stray(mesh)}
