@@ -388,3 +388,99 @@ def test_elastic_endpoint_needs_signed_fresh_requests():
     with pytest.raises(ValueError, match="every interface"):
         ElasticController([hosts.HostSlots("localhost", 4)], None, None, 1, 5, host="0.0.0.0", secret=SECRET)
 
+
+
+# ------------------------------------------------------------------ an intruder on another host
+
+JOB = r"""
+import json, os, sys, time
+import numpy as np
+import sdp
+from sdp.transport.zmq_mesh import ABORT, DATA
+sdp.init()
+flag, mesh = sys.argv[1], sdp.api.runtime().mesh
+open(f"{flag}.ready.{sdp.rank()}", "w").close()
+deadline = time.monotonic() + 60
+while not os.path.exists(flag) and time.monotonic() < deadline:
+    time.sleep(0.05)
+x = sdp.allreduce(np.arange(1000, dtype=np.float32) * (sdp.rank() + 1), name="after", op=sdp.Sum)
+stray = sum(len(q) for (s, k), q in mesh.inbox.items() if s == mesh.rank or not 0 <= s < mesh.size or k in (DATA, ABORT))
+print("RESULT " + json.dumps({"ok": bool(np.array_equal(x, np.arange(1000, dtype=np.float32) * 3)),
+                              "aborted": len(mesh.aborted), "stray": stray, "refused": mesh._gate.rejected}))
+"""
+
+
+def _listening_python(hosts, host):
+    """(address, port) of every TCP socket a python process listens on inside ``host`` (`ss -ltnp`)."""
+    out = hosts.run(host, ["ss", "-Hltnp"], timeout=10).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and "python" in fields[5]:
+            addr, port = fields[3].rsplit(":", 1)
+            found.append((addr, int(port)))
+    return found
+
+
+@pytest.mark.slow
+def test_intruder_on_another_host_cannot_touch_a_two_host_job(tmp_path):
+    """Issue 15's acceptance: `sdprun -H h1:1,h2:1` across two emulated hosts (network namespaces
+    on a bridge, sshd each); `ss -ltnp` inside each host shows no sdp socket on 0.0.0.0/*; an
+    intruder on h3 sends well-formed ABORT/DATA messages to every port the job listens on (ranks'
+    mesh, sdprun's rendezvous) with no secret, a wrong one and guessed tokens; the job's result is
+    unchanged and nothing foreign reached a rank."""
+    import os
+    import subprocess
+    import sys
+
+    import emulated_hosts
+    from workers_security import INTRUDER
+
+    reason = emulated_hosts.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    hosts = emulated_hosts.EmulatedHosts(3, prefix="sdps", subnet="10.78.0")  # beside test_multihost's
+    try:
+        hosts.up()
+    except emulated_hosts.HostsUnavailable as e:
+        if "not permitted" in str(e).lower():
+            pytest.skip(f"cannot make emulated hosts: {e}")
+        raise
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SDP_SECRET", "SDP_SECRET_FILE", "SDP_IFACE", "SDP_LAUNCHER_ALLOW_FAKE_HOSTS")}
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    script, flag = tmp_path / "job.py", tmp_path / "go"
+    script.write_text(JOB)
+    job = None
+    try:
+        job = hosts.popen("h1", [sys.executable, "-m", "sdp.launcher.cli", "-np", "2", "-H", "h1:1,h2:1",
+                                 sys.executable, str(script), str(flag)],
+                          env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(f"{flag}.ready.{r}") for r in (0, 1)):
+            assert job.poll() is None, job.communicate()
+            assert time.monotonic() < deadline, "the job did not start within 60 s"
+            time.sleep(0.1)
+        endpoints = []
+        for h in ("h1", "h2"):
+            listening = _listening_python(hosts, h)
+            assert listening, f"nothing of the job listens on {h}?"
+            assert all(addr == hosts.address(h) for addr, _ in listening), (h, listening)  # not 0.0.0.0, *, [::]
+            endpoints += [f"tcp://{addr}:{port}" for addr, port in listening]
+        res = hosts.run("h3", [sys.executable, "-c", INTRUDER, json.dumps(endpoints), json.dumps([0, 1, 2, 2 ** 31]),
+                               zmq.curve_keypair()[0].decode()], env=env, timeout=60)
+        assert res.returncode == 0 and res.stdout.startswith("intruder done"), res.stderr
+        flag.touch()
+        out, err = job.communicate(timeout=60)
+        assert job.returncode == 0, out + err
+        results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
+        assert len(results) == 2, out
+        for v in results:
+            assert v["ok"] and v["aborted"] == 0 and v["stray"] == 0 and v["refused"] > 0, v
+        assert "dropping foreign/malformed message" not in err
+    finally:
+        if job is not None and job.poll() is None:
+            job.kill()
+            job.communicate()
+        hosts.down()
