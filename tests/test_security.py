@@ -59,6 +59,10 @@ def test_a_job_of_several_ranks_needs_a_secret():
                           per_rank_env=lambda r: {"SDP_SECRET": None})
     assert [r.error_type for r in results] == ["SecretError", "SecretError"], results[0].stderr[-2000:]
     assert max(r.elapsed for r in results) < 30
+    # one rank (a plain `python train.py`) opens no socket to anyone and needs none
+    one = run_workers(1, "workers_collectives:topology_values", [], timeout=60,
+                      per_rank_env=lambda r: {"SDP_SECRET": None})
+    assert one[0].ok, one[0].stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------- rendezvous
