@@ -6,7 +6,8 @@ import pytest
 
 from sdp.common.errors import TopologyError
 from sdp.common.topology import (
-    DEFAULT_RENDEZVOUS_PORT, SOURCES, Topology, expand_slurm_tasks_per_node, from_env)
+    DEFAULT_RENDEZVOUS_PORT, SOURCES, Topology, expand_nodelist, expand_slurm_tasks_per_node, from_env,
+    slurm_rendezvous_port)
 
 MASTER = {"MASTER_ADDR": "node0", "MASTER_PORT": "1234"}
 
@@ -225,6 +226,63 @@ def test_slurm_bad_tasks_per_node_names_variable():
         from_env(slurm(PROCID=0, NTASKS=4, NTASKS_PER_NODE="four"))
 
 
+@pytest.mark.parametrize("value, expected", [
+    ("n1", ["n1"]),
+    ("n[1-3,7],gpu05", ["n1", "n2", "n3", "n7", "gpu05"]),
+    ("node[08-10]", ["node08", "node09", "node10"]),
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+])
+def test_expand_nodelist(value, expected):
+    assert expand_nodelist(value) == expected
+
+
+@pytest.mark.parametrize("value", ["", "n[3-1]", "n[1-2", "n]"])
+def test_expand_nodelist_rejects(value):
+    with pytest.raises(TopologyError, match="SLURM_STEP_NODELIST"):
+        expand_nodelist(value, "SLURM_STEP_NODELIST")
+
+
+def plain_srun(**kw):
+    """What srun gives task 3 of `srun -N 2 --ntasks-per-node 2` in job 4711 (no MASTER_ADDR)."""
+    env = {"SLURM_JOB_ID": "4711", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "4",
+           "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
+           "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[07-08]",
+           "SLURM_STEP_NODELIST": "node[07-08]", "SLURM_TASKS_PER_NODE": "2(x2)",
+           "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    env.update(kw)
+    return env
+
+
+def test_slurm_plain_srun_rendezvous_on_first_node_at_job_port():
+    t = from_env(plain_srun())
+    assert layout(t) == (3, 4, 1, 2, 1, 2)
+    port = slurm_rendezvous_port(4711, 0)
+    assert port == 20000 + 4711 * 7 % 10000
+    assert (t.rendezvous_addr, t.serve_rendezvous) == (f"tcp://node07:{port}", True)
+
+
+def test_slurm_steps_and_jobs_get_different_ports():
+    ports = {slurm_rendezvous_port(job, step) for job in range(1000, 1100) for step in range(7)}
+    assert len(ports) == 700 and all(20000 <= p < 30000 for p in ports)
+    t = from_env(plain_srun(SLURM_STEP_ID="3", SLURM_STEP_NODELIST="node08"))  # a later step
+    assert t.rendezvous_addr == f"tcp://node08:{slurm_rendezvous_port(4711, 3)}"
+
+
+def test_slurm_rendezvous_overrides():
+    t = from_env(plain_srun(SDP_RENDEZVOUS_ADDR="tcp://10.1.1.1:99"))
+    assert (t.rendezvous_addr, t.serve_rendezvous) == ("tcp://10.1.1.1:99", False)
+    assert from_env(plain_srun(MASTER_ADDR="head", MASTER_PORT="5")).rendezvous_addr == "tcp://head:5"
+    assert from_env(plain_srun(MASTER_PORT="5")).rendezvous_addr == "tcp://node07:5"
+    env = plain_srun()
+    del env["SLURM_STEP_NODELIST"]
+    assert from_env(env).rendezvous_addr.startswith("tcp://node07:")  # the job's node list
+
+
+def test_slurm_bad_nodelist_names_variable():
+    with pytest.raises(TopologyError, match="SLURM_STEP_NODELIST"):
+        from_env(plain_srun(SLURM_STEP_NODELIST="node[08-07]"))
+
+
 def test_slurm_single_task():
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
            "SLURM_TASKS_PER_NODE": "1"}
@@ -316,6 +374,64 @@ def test_ipv6_master_addr_is_bracketed():
     assert t.rendezvous_addr == "tcp://[fd00::1]:5"
 
 
+def test_pytorchjob_master_and_workers():
+    # Kubeflow's PyTorchJob gives every pod MASTER_ADDR (the master replica's Service),
+    # MASTER_PORT, WORLD_SIZE and RANK (master 0, workers 1..).
+    env = {"MASTER_ADDR": "mnist-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "2",
+           "PYTHONUNBUFFERED": "0"}
+    t = from_env(env)
+    assert layout(t) == (2, 3, 0, 1, 2, 3) and t.source == "TORCHRUN"
+    assert (t.rendezvous_addr, t.serve_rendezvous) == ("tcp://mnist-master-0:23456", True)
+    assert t.assumed == ("local", "cross")
+
+
+def tf_config(kind, index, **cluster):
+    return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})}
+
+
+def test_tf_config_chief_then_workers():
+    cluster = dict(chief=["job-chief-0.job:2222"], worker=["job-worker-0.job:2222", "job-worker-1.job:2222"],
+                   ps=["job-ps-0.job:2222"])
+    for (kind, index), rank in {("chief", 0): 0, ("worker", 0): 1, ("worker", 1): 2}.items():
+        t = from_env(tf_config(kind, index, **cluster))
+        assert layout(t) == (rank, 3, 0, 1, rank, 3) and t.source == "TF_CONFIG"
+        assert (t.rendezvous_addr, t.serve_rendezvous) == ("tcp://job-chief-0.job:2222", True)
+    t = from_env({**tf_config("worker", 1, **cluster), "SDP_RENDEZVOUS_ADDR": "tcp://x:1"})
+    assert (t.rendezvous_addr, t.serve_rendezvous) == ("tcp://x:1", False)
+
+
+def test_tf_config_workers_only_and_ipv6():
+    t = from_env(tf_config("worker", 1, worker=["[fd00::1]:2222", "[fd00::2]:2222"]))
+    assert layout(t) == (1, 2, 0, 1, 1, 2)
+    assert t.rendezvous_addr == "tcp://[fd00::1]:2222"
+
+
+@pytest.mark.parametrize("value, match", [
+    ("{", "not a TF_CONFIG"),
+    (json.dumps({"cluster": {"worker": ["a:1"]}}), "not a TF_CONFIG"),
+    (json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": "0"}}), "not a TF_CONFIG"),
+    (json.dumps({"cluster": {"worker": ["a:1"], "ps": ["p:1"]}, "task": {"type": "ps", "index": 0}}),
+     "'ps' has no rank"),
+    (json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 1}}), "worker 1"),
+    (json.dumps({"cluster": {"worker": ["a"]}, "task": {"type": "worker", "index": 0}}), "host:port"),
+])
+def test_tf_config_bad_values(value, match):
+    with pytest.raises(TopologyError, match=match):
+        from_env({"TF_CONFIG": value})
+
+
+def test_indexed_job():
+    env = {"JOB_COMPLETION_INDEX": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "sdp-mnist-0.sdp-mnist",
+           "MASTER_PORT": "29500"}
+    t = from_env(env)
+    assert layout(t) == (1, 2, 0, 1, 1, 2) and t.source == "INDEXED_JOB"
+    assert (t.rendezvous_addr, t.serve_rendezvous) == ("tcp://sdp-mnist-0.sdp-mnist:29500", True)
+    with pytest.raises(TopologyError, match="INDEXED_JOB.*MASTER_ADDR"):
+        from_env({"JOB_COMPLETION_INDEX": "1", "WORLD_SIZE": "2"})
+    with pytest.raises(TopologyError, match="rank 2 is outside"):
+        from_env({**env, "JOB_COMPLETION_INDEX": "2"})
+
+
 def test_torchrun_local_rank_without_local_size_raises():
     # e.g. the legacy torch.distributed.launch, which sets no LOCAL_WORLD_SIZE
     env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", **MASTER}
@@ -334,7 +450,10 @@ ALL = {
     "PMI": {"PMI_RANK": "3", "PMI_SIZE": "5"},
     "SLURM": {"SLURM_PROCID": "4", "SLURM_NTASKS": "6"},
     "SAGEMAKER": {"SM_HOSTS": '["a", "b", "c", "d", "e", "f", "g"]', "SM_CURRENT_HOST": "f"},
-    "TORCHRUN": {"RANK": "6", "WORLD_SIZE": "8"},
+    "TF_CONFIG": {"TF_CONFIG": json.dumps({"cluster": {"worker": [f"w{i}:2222" for i in range(8)]},
+                                           "task": {"type": "worker", "index": 6}})},
+    "TORCHRUN": {"RANK": "7", "WORLD_SIZE": "10"},
+    "INDEXED_JOB": {"JOB_COMPLETION_INDEX": "8", "WORLD_SIZE": "10"},
 }
 
 
@@ -346,11 +465,12 @@ def test_precedence(first):
         env.update(ALL[name])
     t = from_env(env)
     assert t.source == names[first]
-    assert (t.rank, t.size) == (first, first + 2)
+    assert t.rank == first and t.size >= first + 2  # (TORCHRUN and INDEXED_JOB share WORLD_SIZE)
 
 
 def test_sources_order():
-    assert SOURCES == ("SDP", "HOROVOD", "OMPI", "PMI", "SLURM", "SAGEMAKER", "TORCHRUN", "default")
+    assert SOURCES == ("SDP", "HOROVOD", "OMPI", "PMI", "SLURM", "SAGEMAKER", "TF_CONFIG", "TORCHRUN",
+                       "INDEXED_JOB", "default")
 
 
 # ---------------------------------------------------------------------------------------------

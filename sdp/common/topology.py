@@ -18,8 +18,12 @@ SLURM         ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` or ``SLURM_NTASKS``, ``
               tasks per node from ``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE`` /
               ``SLURM_NTASKS_PER_NODE`` (``srun``; step values are preferred to job values)
 SAGEMAKER     ``SM_HOSTS`` (JSON list), ``SM_CURRENT_HOST``: one process per host
+TF_CONFIG     ``TF_CONFIG`` (JSON; Kubeflow's TFJob): ranks in the order of the ``chief``,
+              ``master`` and ``worker`` lists, one process per pod
 TORCHRUN      ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
-              ``GROUP_WORLD_SIZE`` (``torchrun``, Kubeflow and other Kubernetes operators)
+              ``GROUP_WORLD_SIZE`` (``torchrun``, Kubeflow's PyTorchJob and other operators)
+INDEXED_JOB   ``JOB_COMPLETION_INDEX`` (set by Kubernetes in an Indexed Job's pods),
+              ``WORLD_SIZE`` (set in the manifest): one process per pod
 default       nothing of the above: a world of size 1, so scripts run unchanged
 ============  =====================================================================================
 
@@ -28,8 +32,11 @@ The SDP source is taken literally (missing local/cross values are 0/1; the rende
 
 * Rendezvous: ``SDP_RENDEZVOUS_ADDR`` if set (someone else serves it, ``serve_rendezvous=False``),
   else ``tcp://{MASTER_ADDR}:{MASTER_PORT}`` with ``serve_rendezvous=True`` (rank 0 serves it;
-  ``MASTER_PORT`` defaults to :data:`DEFAULT_RENDEZVOUS_PORT`).  SageMaker falls back to the first
-  of the sorted ``SM_HOSTS`` when ``MASTER_ADDR`` is unset.  Horovod's own
+  ``MASTER_PORT`` defaults to :data:`DEFAULT_RENDEZVOUS_PORT`).  When ``MASTER_ADDR`` is unset,
+  Slurm falls back to the first node of ``SLURM_STEP_NODELIST`` / ``SLURM_JOB_NODELIST``
+  (expanded with python-hostlist) at the port :func:`slurm_rendezvous_port` derives from
+  ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``; SageMaker to the first of the sorted ``SM_HOSTS``;
+  ``TF_CONFIG`` to the ``host:port`` of its first chief/master/worker.  Horovod's own
   ``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT`` is an HTTP server that does not speak our protocol and
   is ignored.  Under ``torchrun`` with ``TORCHELASTIC_USE_AGENT_STORE=True`` the port
   ``MASTER_PORT`` is already taken by torchrun's own TCPStore, so ``MASTER_PORT + 1`` is used.
@@ -55,9 +62,10 @@ The SDP source is taken literally (missing local/cross values are 0/1; the rende
 import dataclasses
 import json
 import os
-import re
 import socket
 from typing import Callable, List, Mapping, Optional, Tuple
+
+import hostlist
 
 from sdp.common.errors import TopologyError
 
@@ -152,6 +160,7 @@ class _Raw:
     cross_rank: Optional[int] = None
     cross_size: Optional[int] = None
     default_master_host: Optional[str] = None  # rendezvous host when MASTER_ADDR is unset
+    default_master_port: int = DEFAULT_RENDEZVOUS_PORT  # rendezvous port when MASTER_PORT is unset
     port_offset: int = 0  # added to MASTER_PORT (torchrun's agent store occupies MASTER_PORT)
 
 
@@ -195,28 +204,61 @@ class _Source:
 
 _SLURM_TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
 _SLURM_NNODES = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
-_SLURM_ITEM = re.compile(r"^\s*(\d+)\s*(?:\(\s*x\s*(\d+)\s*\))?\s*$")
+_SLURM_NODELIST = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+#: Plain ``srun`` jobs rendezvous on their first node at
+#: ``SLURM_PORT_BASE + (SLURM_JOB_ID * 7 + SLURM_STEP_ID) % SLURM_PORT_SPAN`` (20000-29999: below
+#: Linux's ephemeral ports, so no outgoing connection holds it), so that concurrent steps of one
+#: allocation and neighbouring jobs on a shared first node get different ports.
+SLURM_PORT_BASE = 20000
+SLURM_PORT_SPAN = 10000
 
 
 def expand_slurm_tasks_per_node(value: str, name: str = "SLURM_TASKS_PER_NODE") -> List[int]:
-    """Expand Slurm's compressed tasks-per-node list into one count per node.
+    """Expand Slurm's compressed tasks-per-node list into one count per node, with
+    python-hostlist's ``hostlist.parse_slurm_tasks_per_node``.
 
     ``"4"`` -> ``[4]``, ``"4(x2)"`` -> ``[4, 4]``, ``"2(x3),1"`` -> ``[2, 2, 2, 1]``.
     Raises :class:`TopologyError` (naming ``name``) on anything else, or on a zero count.
     """
-    counts: List[int] = []
-    for item in value.split(","):
-        m = _SLURM_ITEM.match(item)
-        if not m or int(m.group(1)) < 1 or (m.group(2) is not None and int(m.group(2)) < 1):
-            raise TopologyError(
-                f"environment variable {name}={value!r} is not a Slurm tasks-per-node list "
-                "(expected e.g. '4', '4(x2)' or '2(x3),1')")
-        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    try:
+        counts = hostlist.parse_slurm_tasks_per_node(value)
+    except hostlist.BadHostlist:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise TopologyError(
+            f"environment variable {name}={value!r} is not a Slurm tasks-per-node list "
+            "(expected e.g. '4', '4(x2)' or '2(x3),1')")
     return counts
 
 
+def expand_nodelist(value: str, name: str = "SLURM_JOB_NODELIST") -> List[str]:
+    """Expand a Slurm host list (``"n[1-3,7],gpu05"`` -> ``["n1", "n2", "n3", "n7", "gpu05"]``)
+    with python-hostlist's ``hostlist.expand_hostlist``.  Raises :class:`TopologyError` (naming
+    ``name``) when it is malformed or empty."""
+    try:
+        nodes = hostlist.expand_hostlist(value)
+    except hostlist.BadHostlist as e:
+        raise TopologyError(f"environment variable {name}={value!r} is not a Slurm host list: {e}") from None
+    if not nodes:
+        raise TopologyError(f"environment variable {name}={value!r} names no node")
+    return nodes
+
+
+def slurm_rendezvous_port(job_id: int, step_id: int = 0) -> int:
+    """The port a plain ``srun`` job step rendezvous on (see :data:`SLURM_PORT_BASE`)."""
+    return SLURM_PORT_BASE + (job_id * 7 + step_id) % SLURM_PORT_SPAN
+
+
 def _slurm_adjust(env, raw: _Raw) -> None:
-    """Local size and cross rank/size from Slurm's node id and tasks-per-node list."""
+    """Local size and cross rank/size from Slurm's node id and tasks-per-node list; the
+    rendezvous default: the step's first node, port :func:`slurm_rendezvous_port`."""
+    nodelist_var = _first(env, _SLURM_NODELIST)
+    if nodelist_var is not None:
+        raw.default_master_host = expand_nodelist(env[nodelist_var], nodelist_var)[0]
+    if "SLURM_JOB_ID" in env:
+        step = env.get("SLURM_STEP_ID", "")
+        raw.default_master_port = slurm_rendezvous_port(
+            _int(env, "SLURM_JOB_ID"), _int(env, "SLURM_STEP_ID") if step.isdigit() else 0)
     nodeid, nodeid_var = _first_int(env, ("SLURM_NODEID",))
     nnodes, nnodes_var = _first_int(env, _SLURM_NNODES)
     tpn_var = _first(env, _SLURM_TASKS_PER_NODE)
@@ -281,6 +323,44 @@ def _sagemaker_read(env) -> Optional[_Raw]:
 
 
 # --------------------------------------------------------------------------------------------
+# Kubeflow TFJob
+
+
+TF_CONFIG_RANKED = ("chief", "master", "worker")  # TF_CONFIG task types that get ranks, in order
+
+
+def _tf_config_read(env) -> Optional[_Raw]:
+    """Ranks in the order chief, master, worker; rendezvous at the first of them (its
+    ``host:port``, the port the operator reserved for the task)."""
+    if "TF_CONFIG" not in env:
+        return None
+    bad = f"environment variable TF_CONFIG={env['TF_CONFIG']!r}"
+    try:
+        cfg = json.loads(env["TF_CONFIG"])
+        cluster, task = cfg["cluster"], cfg["task"]
+        kind, index = task["type"], task["index"]
+        members = [a for k in TF_CONFIG_RANKED for a in cluster.get(k, [])]
+        ok = (isinstance(kind, str) and isinstance(index, int) and index >= 0
+              and all(isinstance(a, str) and a for a in members))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise TopologyError(f"{bad} is not a TF_CONFIG ({{'cluster': {{'worker': ['host:port', ...]}}, "
+                            "'task': {'type': 'worker', 'index': 0}})")
+    if kind not in TF_CONFIG_RANKED:
+        raise TopologyError(f"{bad}: task type {kind!r} has no rank in a data-parallel job "
+                            f"(only {', '.join(TF_CONFIG_RANKED)} replicas run sdp)")
+    if index >= len(cluster.get(kind) or []):
+        raise TopologyError(f"{bad}: task {kind} {index} is not in the cluster's {kind} list")
+    rank = sum(len(cluster.get(k) or []) for k in TF_CONFIG_RANKED[:TF_CONFIG_RANKED.index(kind)]) + index
+    host, _, port = members[0].rpartition(":")
+    if not host or not port.isdigit():
+        raise TopologyError(f"{bad}: {members[0]!r} is not host:port")
+    return _Raw(rank=rank, size=len(members), default_master_host=host.strip("[]"),
+                default_master_port=int(port))
+
+
+# --------------------------------------------------------------------------------------------
 # torchrun
 
 
@@ -307,10 +387,14 @@ _SOURCES: Tuple[_Source, ...] = (
             rank=("SLURM_PROCID",), size=("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
             local_rank=("SLURM_LOCALID",), adjust=_slurm_adjust),
     _Source("SAGEMAKER", read=_sagemaker_read),
+    _Source("TF_CONFIG", read=_tf_config_read),
     _Source("TORCHRUN",
             rank=("RANK",), size=("WORLD_SIZE",),
             local_rank=("LOCAL_RANK",), local_size=("LOCAL_WORLD_SIZE",),
             cross_rank=("GROUP_RANK",), cross_size=("GROUP_WORLD_SIZE",), adjust=_torchrun_adjust),
+    # A Kubernetes Indexed Job: the Job controller sets JOB_COMPLETION_INDEX; the manifest sets
+    # WORLD_SIZE (= completions) and MASTER_ADDR (pod 0 through the headless Service).
+    _Source("INDEXED_JOB", rank=("JOB_COMPLETION_INDEX",), size=("WORLD_SIZE",)),
 )
 
 #: Names of every source, in order of precedence (what :attr:`Topology.source` can be).
@@ -358,7 +442,7 @@ def _rendezvous(env, src_name: str, raw: _Raw) -> Tuple[Optional[str], bool]:
         return addr, False
     host = env.get("MASTER_ADDR") or raw.default_master_host
     if host:
-        port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else DEFAULT_RENDEZVOUS_PORT
+        port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else raw.default_master_port
         port += raw.port_offset
         if not 1 <= port <= 65535:
             raise TopologyError(f"rendezvous port {port} (from MASTER_PORT) is outside [1, 65535]")
@@ -397,8 +481,8 @@ def from_env(env: Optional[Mapping[str, str]] = None) -> Topology:
     """Build the :class:`Topology` of this process from ``env`` (default ``os.environ``).
 
     Sources are tried in the order of :data:`SOURCES` (``SDP``, ``HOROVOD``, ``OMPI``, ``PMI``,
-    ``SLURM``, ``SAGEMAKER``, ``TORCHRUN``, ``default``); the first whose rank and size variables
-    are present wins.  See the module docstring for the variables and for how missing values
+    ``SLURM``, ``SAGEMAKER``, ``TF_CONFIG``, ``TORCHRUN``, ``INDEXED_JOB``, ``default``); the
+    first whose rank and size variables are present wins.  See the module docstring for the variables and for how missing values
     (local, cross, rendezvous) are filled in.
 
     Raises :class:`~sdp.common.errors.TopologyError` for non-integer or inconsistent values, and
