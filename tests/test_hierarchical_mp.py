@@ -31,9 +31,9 @@ def fake_hosts(counts):
     ([2, 1, 2], {"SDP_HIERARCHICAL": "0"}, False),
 ])
 def test_every_collective_across_hosts(counts, env, on):
-    """The whole collective matrix against numpy, and the path the allreduces took: with the
-    hierarchy, each rank ran hierarchical allreduces, the ranks of a two-rank host met at
-    shared-memory barriers, and the cross groups are the owners of a part on every host."""
+    """The whole collective matrix against numpy, and the path the allreduces and allgathers
+    took: with the hierarchy, each rank ran hierarchical ones, the ranks of a two-rank host met
+    at shared-memory barriers, and the cross groups are the owners of a part on every host."""
     n, per_rank = fake_hosts(counts)
     cases = make_cases()
     values = check_ok(run_workers(n, "workers_hierarchical:matrix_and_path", [cases], timeout=180,
@@ -42,10 +42,12 @@ def test_every_collective_across_hosts(counts, env, on):
         bad = [c for c, ok in zip(cases, oks) if not ok]
         assert not bad, f"rank {rank} wrong for {bad}"
     allreduces = sum(c[0].startswith("allreduce") for c in cases)
-    for rank, (_, (hier, barriers, parts, cross, host)) in enumerate(values):
+    allgathers = sum(c[0] == "allgather" for c in cases) + 3 * sum(c[0] == "grouped_allgather" for c in cases)
+    for rank, (_, (hier, barriers, parts, cross, host, gathers)) in enumerate(values):
         if not on:
-            assert (hier, barriers) == (0, 0), rank
+            assert (hier, barriers, gathers) == (0, 0, 0), rank
             continue
+        assert gathers == allgathers, (rank, gathers)
         assert hier >= allreduces - sum(c[0].startswith("allreduce") and c[3][0] == 0 for c in cases), rank
         if len(host) > 1:
             assert barriers >= 2 * hier, (rank, barriers, hier)

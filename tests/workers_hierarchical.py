@@ -8,16 +8,16 @@ from workers_collectives import every_collective
 
 
 def path_taken():
-    """How this rank's allreduces ran: [hierarchical allreduces, shared-memory barriers of its
-    host group, parts, cross-group job ranks by part, host-group job ranks]."""
+    """How this rank's collectives ran: [hierarchical allreduces, shared-memory barriers of its
+    host group, parts, cross-group job ranks by part, host-group job ranks, hierarchical allgathers]."""
     rt = sdp.api.runtime()
     h = rt.hierarchy
     if h is None:
         seg = rt.mesh.host_shm
-        return [0, 0 if seg is None else seg.barriers, [], {}, []]
+        return [0, 0 if seg is None else seg.barriers, [], {}, [], 0]
     seg = rt.mesh.host_shm
     return [h.allreduces, 0 if seg is None else seg.barriers, h.parts,
-            {str(j): g.ranks for j, g in h.cross.items()}, h.host.ranks]
+            {str(j): g.ranks for j, g in h.cross.items()}, h.host.ranks, h.allgathers]
 
 
 def matrix_and_path(cases):
@@ -27,7 +27,8 @@ def matrix_and_path(cases):
 
 def digests(sizes, zmq_barriers=False):
     """SHA-1 of the results of float32 SUM, float16 AVERAGE and float64 prescaled-SUM
-    allreduces of the given sizes, one fused list too: equal on every rank when bit-identical.
+    allreduces of the given sizes, one fused list too: equal on every rank when bit-identical;
+    whether all results (allgathers with rank-dependent rows too) equal numpy's.
     ``zmq_barriers``: barriers by ZeroMQ messages, as on CPUs without ordered stores."""
     if zmq_barriers:
         from sdp.engine import barrier
@@ -42,6 +43,10 @@ def digests(sizes, zmq_barriers=False):
         close = close and np.allclose(out[-1], ref, rtol=1e-5, atol=1e-5)
         out.append(sdp.allreduce((a * 1000).astype(np.float16), name=f"f16.{i}", op=sdp.Average))
         out.append(sdp.allreduce(a.astype(np.float64), name=f"f64.{i}", op=sdp.Sum, prescale_factor=0.5))
+    for rows in (lambda q: q % 3 + 1, lambda q: 0 if q % 2 else 300_000):  # some ranks without rows
+        got = sdp.allgather(np.full((rows(r), 2), r, np.int32), name="ag")
+        close = close and np.array_equal(got, np.concatenate([np.full((rows(q), 2), q, np.int32)
+                                                              for q in range(sdp.size())]))
     fused = sdp.grouped_allreduce([np.full(n, r + 0.25, np.float32) for n in sizes], op=sdp.Average)
     expect = [np.full(n, (sdp.size() - 1) / 2 + 0.25, np.float32) for n in sizes]
     return [[hashlib.sha1(o.tobytes()).hexdigest() for o in out],

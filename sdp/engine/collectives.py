@@ -13,7 +13,8 @@ agreed collective number), so that messages can be checked against what is expec
 * ``allreduce_hierarchical`` when the ranks span several hosts: shared memory within each host,
   ZeroMQ between hosts (one cross group per part of the buffer, see :mod:`sdp.engine.groups`).
 * ``broadcast``: binomial tree from ``root``.
-* ``allgatherv``: ring over variable-size blocks.
+* ``allgatherv``: ring over variable-size blocks (``allgatherv_hierarchical`` across hosts: cross
+  groups, then each host's ranks).
 * ``alltoallv``: pairwise exchange.
 * ``reducescatter``: the reduce-scatter half of the ring.
 """
@@ -414,19 +415,29 @@ def _ring_reduce_scatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc, fill=
 def _ring_allgather(mesh, buf, seq, segment_bytes, edges, done=None):
     """Rank r starts owning chunk r; afterwards every rank has every chunk.  ``done(lo, hi)``:
     called for chunk r first, then for each segment as it arrives."""
+    _ring_allgather_spans(mesh, buf, seq, segment_bytes, [[(edges[q], edges[q + 1])] for q in range(mesh.size)],
+                          done)
+
+
+def _ring_allgather_spans(mesh, buf, seq, segment_bytes, spans, done=None):
+    """:func:`_ring_allgather` where rank q owns the element ranges ``spans[q]`` (a list of
+    ``(lo, hi)``, possibly empty) instead of one chunk."""
     n, r = mesh.size, mesh.rank
     right, left = (r + 1) % n, (r - 1) % n
     w = _Wire(mesh, seq, segment_bytes, buf.dtype)
     if done is not None:
-        done(edges[r], edges[r + 1])
+        for lo, hi in spans[r]:
+            done(lo, hi)
     for step in range(n - 1):
         si, ri = (r - step) % n, (r - step - 1) % n
-        w.send(right, buf[edges[si]:edges[si + 1]])
-        chunk = buf[edges[ri]:edges[ri + 1]]
-        for s, seg in w.recv_each(left, chunk.size):
-            chunk[s:s + seg.size] = seg
-            if done is not None:
-                done(edges[ri] + s, edges[ri] + s + seg.size)
+        for lo, hi in spans[si]:
+            w.send(right, buf[lo:hi])
+        for lo, hi in spans[ri]:
+            chunk = buf[lo:hi]
+            for s, seg in w.recv_each(left, chunk.size):
+                chunk[s:s + seg.size] = seg
+                if done is not None:
+                    done(lo + s, lo + s + seg.size)
     w.finish()
 
 
@@ -440,6 +451,28 @@ def allgatherv(mesh, out, edges, seq, segment_bytes):
     """``out`` holds this rank's block at ``edges[rank]:edges[rank+1]``; fill in all others."""
     if mesh.size > 1 and out.size:
         _ring_allgather(mesh, out, seq, segment_bytes, edges)
+
+
+def allgatherv_hierarchical(hier, out, edges, seq, segment_bytes):
+    """:func:`allgatherv` across hosts: first each cross group (:class:`sdp.engine.groups.Hierarchy`,
+    the ranks of column ``j``) gathers the blocks of the ranks with local rank ``j`` on every
+    host (a host with fewer ranks adds none), then each host's ranks gather what their columns
+    brought among themselves.  A host's link carries (H-1)/H of the result, against
+    (n-1)/n on the flat ring's cross-host edges.  Same arguments and result as :func:`allgatherv`."""
+    if out.size == 0:
+        return
+    hier.allgathers += 1
+    members = hier.members
+    block = [(edges[g], edges[g + 1]) for g in range(len(edges) - 1)]
+    for j in hier.parts:
+        _ring_allgather_spans(hier.cross[j], out, seq, segment_bytes,
+                              [[block[m[j]]] if j < len(m) else [] for m in members])
+    host = hier.host
+    if host.size > 1:  # column j's blocks came to local rank j % L
+        column = {g: i for m in members for i, g in enumerate(m)}
+        _ring_allgather_spans(host, out, seq, segment_bytes,
+                              [[block[g] for g in range(len(block)) if column[g] % host.size == q]
+                               for q in range(host.size)])
 
 
 def broadcast(mesh, buf, root, seq, segment_bytes):

@@ -104,7 +104,8 @@ class Hierarchy:
 
     def __init__(self, mesh, hosts: List[str], segments=None, slab_bytes: int = 32 << 20):
         order = list(dict.fromkeys(hosts))  # hosts in the order of their first rank
-        members = [[r for r, h in enumerate(hosts) if h == host] for host in order]
+        #: the ranks of every host, in rank order; hosts in the order of their first rank
+        self.members = members = [[r for r, h in enumerate(hosts) if h == host] for host in order]
         self.nparts = max(len(m) for m in members)
         mine = members[order.index(hosts[mesh.rank])]
         self.host = Group(mesh, mine, self.nparts + 1, segments if len(mine) > 1 else None)
@@ -114,7 +115,7 @@ class Hierarchy:
         self.parts = [j for j in range(self.nparts) if self.owner[j] == local]
         self.cross = {j: Group(mesh, [m[j % len(m)] for m in members], 1 + j) for j in self.parts}
         self.slab_bytes = slab_bytes  # a collective's slab: the same on every rank (SDP_SHM_SLAB_BYTES)
-        self.allreduces = 0  # hierarchical allreduces run (counted for tests and benchmarks)
+        self.allreduces = self.allgathers = 0  # hierarchical collectives run (for tests and benchmarks)
 
     @classmethod
     def build(cls, mesh, hosts: List[str], setting: Optional[bool], slab_bytes: int) -> Optional["Hierarchy"]:

@@ -515,7 +515,10 @@ class Runtime:
             flat = fusion.aligned_empty(a.dtype, sum(dim0) * row)
             out = flat.reshape((sum(dim0),) + a.shape[1:])
             flat[edges[self.rank]:edges[self.rank + 1]] = a.reshape(-1)
-            collectives.allgatherv(self.mesh, flat, [int(e) for e in edges], seq, seg)
+            if self.hierarchy is None:
+                collectives.allgatherv(self.mesh, flat, [int(e) for e in edges], seq, seg)
+            else:
+                collectives.allgatherv_hierarchical(self.hierarchy, flat, [int(e) for e in edges], seq, seg)
             result = out
         elif req.kind == "alltoall":
             row = int(np.prod(a.shape[1:], dtype=np.int64))
