@@ -19,6 +19,10 @@ Prints (rank 0):
    raw TCP bandwidth between two hosts measured here, and the busbw a perfect algorithm would
    reach on that link (``SDP_LAUNCHER_ALLOW_FAKE_HOSTS=1 sdprun -np 4 -H a:2,b:2 ...`` fakes hosts).
 
+With ``--api numpy,tf-eager,tf-function`` it prints instead the same allreduce through the engine
+(``sdp.allreduce``), ``sdp.tensorflow.allreduce`` eagerly and inside a ``tf.function``, side by
+side per size, with the TF face's targets and the measured floor of a graph-mode op.
+
 Times are per-rank medians over the timed iterations, then the maximum over ranks.
 """
 import argparse
@@ -510,6 +514,15 @@ def compare_apis(args, apis, sizes, dtype) -> int:
                                f"api.{api}.{nbytes}")
             med[api, nbytes] = (max_over_ranks(statistics.median(times), f"api.{api}.med"), len(times))
         del buf
+    floors = {}
+    if "tf-function" in apis:  # what any tf.function step with a py_function op costs, no collective
+        import tensorflow as tf
+        x = tf.constant(np.ones(max(1, 1024 // dtype.itemsize), dtype))
+        empty = tf.function(lambda t: t + 1)
+        py = tf.function(lambda t: tf.py_function(lambda a: a, [t], t.dtype))
+        for label, fn in (("an empty tf.function call", empty), ("a tf.function with one py_function", py)):
+            times = time_calls(lambda: fn(x), 500, 20, args.target_s, "api.floor")
+            floors[label] = max_over_ranks(statistics.median(times), "api.floor.med")
     if sdp.rank() == 0:
         bf = busbw_factor(n)
         print("", flush=True)
@@ -541,6 +554,9 @@ def compare_apis(args, apis, sizes, dtype) -> int:
                     r = med["numpy", nbytes][0] / med[api, nbytes][0]
                     print(f"  {api} busbw @{fmt_size(nbytes)} >= {TARGET_TF_VS_ENGINE}x numpy: {r:.2f}x  "
                           f"{'PASS' if r >= TARGET_TF_VS_ENGINE else 'FAIL'}", flush=True)
+        if floors:
+            print("floor of a graph-mode op (same run, 1 KB, no collective): "
+                  + "; ".join(f"{k} {v * 1e6:.1f} us" for k, v in floors.items()), flush=True)
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         print(f"load at end [{load}]", flush=True)
     sdp.shutdown()
