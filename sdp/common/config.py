@@ -13,9 +13,9 @@
 | SDP_SHM_SLAB_BYTES        | 33554432 (B) | same-host shared-memory slab (0: no shared memory)         |
 | SDP_SHM_POOL_BYTES        | 134217728 (B)| same-host shared-memory pool that allreduce results are    |
 |                           |              | written into directly (0: copy results out of the slabs)   |
-| SDP_HIERARCHICAL          | auto         | 1: hierarchical allreduce across hosts (shared memory per  |
-|                           |              | host, then ZeroMQ between hosts); 0: flat; auto: on when   |
-|                           |              | ranks span several hosts and some host has several ranks   |
+| SDP_HIERARCHICAL          | auto         | 1: hierarchical allreduce/allgather across hosts (shared   |
+|                           |              | memory per host, ZeroMQ between hosts); 0: flat; auto: on  |
+|                           |              | when ranks span several hosts and a host has several ranks |
 | SDP_TIMELINE              | unset        | path of a Chrome-trace JSON timeline                       |
 | SDP_LOG_LEVEL             | WARNING      | level of the ``sdp`` logger                                |
 | SDP_ENCRYPT               | 0            | 1: encrypt rank-to-rank data (CURVE); 0: authenticate each |

@@ -1,5 +1,5 @@
 """Process groups: a subset of a job's ranks seen as a mesh of its own, and the two kinds of group
-a hierarchical collective uses (Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE`` layout).
+the hierarchical allreduce and allgather use (Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE`` layout).
 
 A :class:`Group` has the interface the algorithms of :mod:`sdp.engine.collectives` and
 :mod:`sdp.engine.barrier` are written against (``rank size shm send recv pump lost peer_error
