@@ -8,6 +8,14 @@ Names identify a collective across ranks: ranks may submit in different orders, 
 matches them by name.  Without a ``name``, one is generated from a per-process counter, which
 matches across ranks when every rank makes the same unnamed calls in the same order.
 
+Process sets (Horovod's ``process_set=``): every collective takes ``process_set``, a set id (int)
+or an object with a ``process_set_id`` (:class:`sdp.process_sets.ProcessSet`); 0, the default,
+is the whole job.  Only the set's ranks call a set's collective (another rank gets ``ValueError``
+naming the set and the rank, at once); roots (broadcast) are job ranks in the set; allgather
+concatenates and alltoall splits in the set's rank order; AVERAGE divides by the set's size.
+Sets are added with :func:`add_process_sets` on every rank alike; see
+:mod:`sdp.engine.process_sets` for how they are negotiated and run.
+
 Dtypes: reductions (allreduce, reducescatter) take bool (SUM/MAX: logical or, MIN/PRODUCT:
 logical and; no AVERAGE, no scale factors), int8/16/32/64, uint8-64, float16, bfloat16, float32
 and float64 (16-bit floats are summed and scaled in float32 and rounded once); allgather,
@@ -29,12 +37,14 @@ from sdp.common import topology as _topology
 from sdp.common.config import Config
 from sdp.common.errors import AlreadyInitializedError, NotInitializedError
 from sdp.common.reduce_ops import ReduceOp, resolve_op
+from sdp.engine.process_sets import MAX_SET_ID
 from sdp.engine.runtime import Handle, Request, Runtime
 
 _lock = threading.Lock()
 _runtime: Optional[Runtime] = None
 _counters = {}
 _counter_lock = threading.Lock()
+_set_ids = itertools.count(1)  # ids of process sets, in the order they are added (the same on every rank)
 
 
 def _setup_logging() -> None:
@@ -57,7 +67,7 @@ def init(config: Optional[Config] = None) -> None:
     under Horovod's names, :func:`sdp.tensorflow.mpi_ops.init`, turns that into a no-op),
     :class:`TopologyError` for a bad environment, :class:`RendezvousError` if the other ranks do
     not show up within ``SDP_START_TIMEOUT`` seconds."""
-    global _runtime
+    global _runtime, _set_ids
     with _lock:
         if _runtime is not None:
             raise AlreadyInitializedError()
@@ -68,6 +78,7 @@ def init(config: Optional[Config] = None) -> None:
             from sdp.engine import timeline
             timeline.start(_runtime, cfg.timeline)
         _counters.clear()
+        _set_ids = itertools.count(1)
 
 
 def shutdown() -> None:
@@ -163,20 +174,58 @@ def has_wire() -> bool:
     return rt.size > 1 and rt.mesh.shm is None
 
 
-def auto_name(kind: str) -> str:
-    """A name from a per-process, per-kind counter: ``allreduce.noname.7``."""
+def auto_name(kind: str, process_set=0) -> str:
+    """A name from a per-process, per-kind (and per process set) counter: ``allreduce.noname.7``."""
     with _counter_lock:
-        c = _counters.setdefault(kind, itertools.count())
+        c = _counters.setdefault((kind, process_set) if process_set else kind, itertools.count())
         return f"{kind}.noname.{next(c)}"
 
 
-def _submit(kind, tensor, name, **kw) -> Handle:
+def process_set_id(process_set) -> int:
+    """The id of ``process_set``: None or 0 -> 0 (all ranks), an int as is, else its
+    ``process_set_id`` (``ValueError`` if that is None: a set not registered or removed)."""
+    if process_set is None:
+        return 0
+    if isinstance(process_set, (int, np.integer)) and not isinstance(process_set, bool):
+        return int(process_set)
+    ps = getattr(process_set, "process_set_id", None)
+    if ps is None:
+        raise ValueError(f"{process_set}: not a registered process set (pass it to init(process_sets=...) or "
+                         "add_process_set() first; a removed set cannot be used)")
+    return int(ps)
+
+
+def _set_name(rt: Runtime, kind: str, name: Optional[str], process_set) -> tuple:
+    """``(engine name, set id)`` of a collective on ``process_set``: the name is ``<name>@ps<id>``
+    for sets other than the global one.  Raises ``ValueError`` when this rank is not in the set
+    or the set is not registered."""
+    ps = _check_set(rt, kind, name, process_set)
+    return (f"{name or auto_name(kind, ps)}@ps{ps}" if ps else name or auto_name(kind)), ps
+
+
+def _check_set(rt: Runtime, kind: str, name: Optional[str], process_set) -> int:
+    """The id of ``process_set`` after checking that it is registered and holds this rank."""
+    ps = process_set_id(process_set)
+    if not ps:
+        return 0
+    ranks = rt.process_sets.get(ps)
+    if ranks is None:
+        raise ValueError(f"{kind}: process set {ps} is not registered on rank {rt.rank} (registered: "
+                         f"{sorted(rt.process_sets)})")
+    if rt.rank not in ranks:
+        raise ValueError(f"{kind}{f' of {name!r}' if name else ''}: rank {rt.rank} is not in process set {ps} "
+                         f"(ranks {ranks}); only the set's ranks may call its collectives")
+    return ps
+
+
+def _submit(kind, tensor, name, process_set=0, **kw) -> Handle:
     rt = runtime(f"{kind}()")
-    return rt.submit(Request(name or auto_name(kind), kind, np.asarray(tensor), **kw))
+    name, ps = _set_name(rt, kind, name, process_set)
+    return rt.submit(Request(name, kind, np.asarray(tensor), ps=ps, **kw))
 
 
 def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0, out: Optional[np.ndarray] = None) -> Handle:
+                    postscale_factor: float = 1.0, out: Optional[np.ndarray] = None, process_set=0) -> Handle:
     """Start an allreduce of ``tensor`` (numpy array, any shape) and return a handle.
 
     ``op``: :class:`ReduceOp` (default AVERAGE).  Scale factors multiply before / after reduction.
@@ -185,103 +234,182 @@ def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor
     ``horovod.torch.allreduce_``), else into a new array.
     Mirrors ``horovod.torch.allreduce_async``.  Raises ``ValueError`` for an unusable ``out`` or
     an unsupported dtype/op (see the module docstring)."""
-    return _submit("allreduce", tensor, name, op=resolve_op(op), prescale=prescale_factor,
+    return _submit("allreduce", tensor, name, process_set, op=resolve_op(op), prescale=prescale_factor,
                    postscale=postscale_factor, out=out)
 
 
 def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, out: Optional[np.ndarray] = None) -> np.ndarray:
+              postscale_factor: float = 1.0, out: Optional[np.ndarray] = None, process_set=0) -> np.ndarray:
     """Reduce ``tensor`` across all ranks (default: average) and return the result everywhere
     (``out`` if given, see :func:`allreduce_async`).
 
     Shape, dtype, op and scale factors must agree on every rank, otherwise every rank raises
     :class:`TensorMismatchError`.  Mirrors ``horovod.tensorflow.allreduce`` on numpy arrays."""
-    return allreduce_async(tensor, name, op, prescale_factor, postscale_factor, out).wait()
+    return allreduce_async(tensor, name, op, prescale_factor, postscale_factor, out, process_set).wait()
 
 
 def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = None, op=None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[Handle]:
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set=0) -> List[Handle]:
     """Submit allreduces of several arrays in one batch (scheduled and fused together);
     ``names`` defaults to ``<auto>.0``, ``<auto>.1``, ...  Returns one handle per array."""
+    rt = runtime("grouped_allreduce()")
+    ps = _check_set(rt, "grouped_allreduce", None, process_set)
     if names is None:
-        base = auto_name("grouped_allreduce")
+        base = auto_name("grouped_allreduce", ps)
         names = [f"{base}.{i}" for i in range(len(tensors))]
+    if ps:
+        names = [f"{n}@ps{ps}" for n in names]
     op = resolve_op(op)
-    reqs = [Request(n, "allreduce", np.asarray(t), op=op, prescale=prescale_factor, postscale=postscale_factor)
-            for t, n in zip(tensors, names)]
-    return runtime("grouped_allreduce()").submit_many(reqs) if reqs else []
+    reqs = [Request(n, "allreduce", np.asarray(t), op=op, prescale=prescale_factor, postscale=postscale_factor,
+                    ps=ps) for t, n in zip(tensors, names)]
+    return rt.submit_many(reqs) if reqs else []
 
 
 def grouped_allreduce(tensors: Sequence, name: Optional[str] = None, op=None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[np.ndarray]:
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set=0) -> List[np.ndarray]:
     """Allreduce a list of arrays as one unit (they are fused together where dtypes allow).
 
     Mirrors ``horovod.tensorflow.grouped_allreduce``."""
     names = None if name is None else [f"{name}.{i}" for i in range(len(tensors))]
-    return [h.wait() for h in grouped_allreduce_async(tensors, names, op, prescale_factor, postscale_factor)]
+    return [h.wait() for h in grouped_allreduce_async(tensors, names, op, prescale_factor, postscale_factor,
+                                                      process_set)]
 
 
-def grouped_broadcast_async(tensors: Sequence, root_rank: int, names: Sequence[str]) -> List[Handle]:
-    """Submit broadcasts of several arrays from ``root_rank`` in one batch; one handle each."""
-    reqs = [Request(n, "broadcast", np.asarray(t), root=int(root_rank)) for t, n in zip(tensors, names)]
-    return runtime("broadcast()").submit_many(reqs) if reqs else []
+def grouped_broadcast_async(tensors: Sequence, root_rank: int, names: Sequence[str],
+                            process_set=0) -> List[Handle]:
+    """Submit broadcasts of several arrays from ``root_rank`` (a job rank) in one batch; one handle each."""
+    rt = runtime("broadcast()")
+    ps = _check_set(rt, "broadcast", names[0] if names else None, process_set)
+    reqs = [Request(f"{n}@ps{ps}" if ps else n, "broadcast", np.asarray(t), root=int(root_rank), ps=ps)
+            for t, n in zip(tensors, names)]
+    return rt.submit_many(reqs) if reqs else []
 
 
-def allgather_async(tensor, name: Optional[str] = None) -> Handle:
+def allgather_async(tensor, name: Optional[str] = None, process_set=0) -> Handle:
     """Start an allgather; see :func:`allgather`."""
-    return _submit("allgather", tensor, name)
+    return _submit("allgather", tensor, name, process_set)
 
 
-def allgather(tensor, name: Optional[str] = None) -> np.ndarray:
+def allgather(tensor, name: Optional[str] = None, process_set=0) -> np.ndarray:
     """Concatenate every rank's ``tensor`` along the first dimension, in rank order.
 
     The first dimension may differ per rank; all other dimensions and the dtype must agree.
     Mirrors ``horovod.tensorflow.allgather``."""
-    return allgather_async(tensor, name).wait()
+    return allgather_async(tensor, name, process_set).wait()
 
 
-def grouped_allgather(tensors: Sequence, name: Optional[str] = None) -> List[np.ndarray]:
+def grouped_allgather(tensors: Sequence, name: Optional[str] = None, process_set=0) -> List[np.ndarray]:
     """Allgather each array of a list.  Mirrors ``horovod.tensorflow.grouped_allgather``."""
-    base = name or auto_name("grouped_allgather")
-    handles = [allgather_async(t, f"{base}.{i}") for i, t in enumerate(tensors)]
+    base = name or auto_name("grouped_allgather", process_set_id(process_set))
+    handles = [allgather_async(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)]
     return [h.wait() for h in handles]
 
 
-def broadcast_async(tensor, root_rank: int, name: Optional[str] = None) -> Handle:
+def broadcast_async(tensor, root_rank: int, name: Optional[str] = None, process_set=0) -> Handle:
     """Start a broadcast; see :func:`broadcast`."""
-    return _submit("broadcast", tensor, name, root=int(root_rank))
+    return _submit("broadcast", tensor, name, process_set, root=int(root_rank))
 
 
-def broadcast(tensor, root_rank: int, name: Optional[str] = None) -> np.ndarray:
+def broadcast(tensor, root_rank: int, name: Optional[str] = None, process_set=0) -> np.ndarray:
     """Return ``root_rank``'s ``tensor`` on every rank.  Shape and dtype must agree; a
     ``root_rank`` outside [0, size) raises :class:`TensorMismatchError` on every rank.
     Mirrors ``horovod.tensorflow.broadcast``."""
-    return broadcast_async(tensor, root_rank, name).wait()
+    return broadcast_async(tensor, root_rank, name, process_set).wait()
 
 
-def alltoall(tensor, splits=None, name: Optional[str] = None):
+def alltoall(tensor, splits=None, name: Optional[str] = None, process_set=0):
     """Send ``splits[j]`` rows of ``tensor`` (in order) to rank j; return ``(received, received_splits)``.
 
     ``splits`` defaults to an equal split of the first dimension (which must then divide by
     size).  Mirrors ``horovod.tensorflow.alltoall``."""
     arr = np.asarray(tensor)
-    n = runtime("alltoall()").size
-    if splits is None:
+    rt = runtime("alltoall()")
+    ps = process_set_id(process_set)
+    n = len(rt.process_sets.get(ps, ())) if ps else rt.size
+    if splits is None and n:
         dim0 = arr.shape[0] if arr.ndim else 0
         splits = [dim0 // n] * n if dim0 % n == 0 else None
-    return _submit("alltoall", arr, name, splits=None if splits is None else list(np.asarray(splits).ravel())
+    return _submit("alltoall", arr, name, ps, splits=None if splits is None else list(np.asarray(splits).ravel())
                    ).wait()
 
 
 def reducescatter(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> np.ndarray:
+                  postscale_factor: float = 1.0, process_set=0) -> np.ndarray:
     """Reduce ``tensor`` across ranks and return this rank's share of the first dimension
     (split as evenly as possible, lower ranks get the extra rows).
     Mirrors ``horovod.tensorflow.reducescatter``.  Raises ``ValueError`` for a scalar or an
     unsupported dtype/op (see the module docstring)."""
     op = resolve_op(op)
-    return _submit("reducescatter", tensor, name, op=op, prescale=prescale_factor,
+    return _submit("reducescatter", tensor, name, process_set, op=op, prescale=prescale_factor,
                    postscale=postscale_factor).wait()
+
+
+def _set_ranks(ranks, size: int) -> List[int]:
+    try:
+        out = sorted(ranks)
+    except TypeError:
+        out = None
+    if (not out or any(not isinstance(r, (int, np.integer)) or isinstance(r, bool) or not 0 <= r < size
+                       for r in out) or len(set(out)) != len(out)):
+        raise ValueError(f"a process set is a non-empty list of distinct ranks in [0, {size}), got {ranks!r}")
+    return [int(r) for r in out]
+
+
+def add_process_sets(rank_lists: Sequence[Sequence[int]]) -> List[int]:
+    """Register process sets, each given by its job ranks, and return their ids (1, 2, ... in the
+    order sets are added in this job).  A collective over all ranks: every rank calls it with the
+    same lists in the same order (a set's collectives need it registered on every rank, members
+    or not), and it returns once every rank has registered them.
+
+    Raises ``ValueError`` on every rank when a list is empty, holds ranks outside ``[0, size)`` or
+    twice, repeats another set (given or already registered), or when the ranks pass different
+    lists (naming the ranks that differ).  Mirrors the registration of
+    ``horovod.tensorflow.init(process_sets=...)`` and ``add_process_set``."""
+    rt = runtime("add_process_set()")
+    given = [list(r) if isinstance(r, (list, tuple, range)) else r for r in rank_lists]
+    theirs = allgather_object(given, name=auto_name("add_process_sets"))
+    differ = [r for r, t in enumerate(theirs) if t != theirs[0]]
+    if differ:
+        raise ValueError(f"add_process_set: ranks must register the same process sets in the same order; "
+                         f"rank 0 has {theirs[0]!r}, " + ", ".join(f"rank {r} has {theirs[r]!r}" for r in differ))
+    sets = [_set_ranks(r, rt.size) for r in given]
+    known = {tuple(v): k for k, v in rt.process_sets.items()}
+    for i, ranks in enumerate(sets):
+        if tuple(ranks) in known or ranks in sets[:i]:
+            raise ValueError(f"process set {ranks} is a duplicate (of process set "
+                             f"{known.get(tuple(ranks), 'given before it')}); each set of ranks is registered once")
+    ids = [next(_set_ids) for _ in sets]
+    for ps, ranks in zip(ids, sets):
+        if ps > MAX_SET_ID:
+            raise ValueError(f"too many process sets: ids go up to {MAX_SET_ID}")
+        rt.add_process_set(ps, ranks)
+    barrier()  # rank 0's coordinator knows the sets before any rank can use them
+    return ids
+
+
+def remove_process_set(process_set) -> bool:
+    """Unregister a process set (id or object) on every rank; a collective over all ranks, called
+    after the set's collectives completed.  Returns False (on every rank) for the global set or
+    a set that is not registered.  Raises ``ValueError`` if the ranks name different sets."""
+    rt = runtime("remove_process_set()")
+    ps = process_set_id(process_set) if getattr(process_set, "process_set_id", 0) is not None else -1
+    theirs = allgather(np.array([ps], np.int64), name=auto_name("remove_process_set"))
+    if len(set(theirs.tolist())) > 1:
+        raise ValueError(f"remove_process_set: the ranks named different process sets: {theirs.tolist()} "
+                         "(in rank order)")
+    if ps <= 0 or ps not in rt.process_sets:
+        return False
+    rt.remove_process_set(ps)
+    return True
+
+
+def process_set_ranks(process_set) -> Optional[List[int]]:
+    """The job ranks of a registered process set (id or object), ascending; None if unknown."""
+    rt = runtime("process_set_ranks()")
+    ps = process_set_id(process_set)
+    return list(range(rt.size)) if ps == 0 else rt.process_sets.get(ps)
 
 
 def join() -> int:
@@ -293,30 +421,32 @@ def join() -> int:
     return _submit("join", np.zeros(0, np.uint8), JOIN).wait()
 
 
-def barrier() -> None:
-    """Block until every rank reaches the barrier.  Mirrors ``horovod.tensorflow.barrier``."""
-    allreduce(np.zeros(1, np.int32), name=auto_name("barrier"), op=ReduceOp.SUM)
+def barrier(process_set=0) -> None:
+    """Block until every rank (of ``process_set``) reaches the barrier.  Mirrors
+    ``horovod.tensorflow.barrier``."""
+    allreduce(np.zeros(1, np.int32), name=auto_name("barrier", process_set_id(process_set)), op=ReduceOp.SUM,
+              process_set=process_set)
 
 
-def broadcast_object(obj, root_rank: int = 0, name: Optional[str] = None):
-    """Pickle ``obj`` on ``root_rank`` and return it on every rank.
+def broadcast_object(obj, root_rank: int = 0, name: Optional[str] = None, process_set=0):
+    """Pickle ``obj`` on ``root_rank`` and return it on every rank (of ``process_set``).
     Mirrors ``horovod.tensorflow.broadcast_object``."""
     me = runtime("broadcast_object()").rank
-    base = name or auto_name("broadcast_object")
+    base = name or auto_name("broadcast_object", process_set_id(process_set))
     payload = np.frombuffer(pickle.dumps(obj), np.uint8) if me == root_rank else np.zeros(0, np.uint8)
-    length = broadcast(np.array([payload.size], np.int64), root_rank, f"{base}.len")
+    length = broadcast(np.array([payload.size], np.int64), root_rank, f"{base}.len", process_set)
     buf = payload if me == root_rank else np.zeros(int(length[0]), np.uint8)
-    data = broadcast(buf, root_rank, f"{base}.data")
+    data = broadcast(buf, root_rank, f"{base}.data", process_set)
     return obj if me == root_rank else pickle.load(io.BytesIO(data.tobytes()))
 
 
-def allgather_object(obj, name: Optional[str] = None) -> list:
-    """Pickle ``obj`` on every rank and return the list of all ranks' objects, in rank order.
-    Mirrors ``horovod.tensorflow.allgather_object``."""
-    base = name or auto_name("allgather_object")
+def allgather_object(obj, name: Optional[str] = None, process_set=0) -> list:
+    """Pickle ``obj`` on every rank (of ``process_set``) and return the list of their objects, in
+    rank order.  Mirrors ``horovod.tensorflow.allgather_object``."""
+    base = name or auto_name("allgather_object", process_set_id(process_set))
     payload = np.frombuffer(pickle.dumps(obj), np.uint8)
-    lengths = allgather(np.array([payload.size], np.int64), f"{base}.len")
-    data = allgather(payload, f"{base}.data")
+    lengths = allgather(np.array([payload.size], np.int64), f"{base}.len", process_set)
+    data = allgather(payload, f"{base}.data", process_set)
     out, off = [], 0
     for n in lengths:
         out.append(pickle.loads(data[off:off + int(n)].tobytes()))

@@ -14,6 +14,8 @@ key    meaning
 ``r``  root rank (broadcast) or None
 ``pre``/``post``  prescale / postscale factors
 ``sp`` alltoall splits (list of n ints) or None
+``ps`` process set id (int), only for sets other than the global one (see
+       :mod:`sdp.engine.process_sets`): ready once every rank of the set submitted it
 =====  =====================================================================
 
 A **response cache** keeps steady state cheap: the first time a meta is agreed it gets an integer
@@ -38,7 +40,7 @@ log = logging.getLogger("sdp.coordinator")
 
 # fields that must agree on every rank (allgather: all but the first dimension of the shape)
 CHECKED = (("k", "op"), ("d", "dtype"), ("o", "reduce op"), ("r", "root rank"),
-           ("pre", "prescale factor"), ("post", "postscale factor"))
+           ("pre", "prescale factor"), ("post", "postscale factor"), ("ps", "process set"))
 
 
 def wire_dtype(code: str) -> np.dtype:
@@ -69,6 +71,8 @@ def malformed(meta) -> Optional[str]:
     for key, ok in checks:
         if key not in meta or not ok(meta[key]):
             return f"bad or missing {key!r}: {meta.get(key)!r:.80}"
+    if "ps" in meta and type(meta["ps"]) is not int:
+        return f"bad 'ps': {meta['ps']!r:.80}"
     if meta["k"] in ("allreduce", "reducescatter") and meta["o"] is None:
         return f"{meta['k']} without a reduce op"
     try:
@@ -103,8 +107,9 @@ def _describe(values: Dict[int, object]) -> str:
     return ", ".join(parts)
 
 
-def check(metas: Dict[int, dict], size: int) -> Optional[str]:
-    """Return an error message if the ranks' metas for one name disagree, else None."""
+def check(metas: Dict[int, dict], size: int, ranks=None) -> Optional[str]:
+    """Return an error message if the ranks' metas for one name disagree, else None.
+    ``ranks``: the job ranks of the process set (default: all ``size`` ranks)."""
     first = metas[min(metas)]
     name, kind = first["n"], first["k"]
     if kind not in ("allgather", "alltoall", "broadcast") and all(m is first or m == first for m in metas.values()):
@@ -137,6 +142,8 @@ def check(metas: Dict[int, dict], size: int) -> Optional[str]:
     if len(set(map(json.dumps, vals.values()))) > 1:
         return f"{kind} of '{name}': {label} mismatch, {_describe(vals)}"
     root = first.get("r")
+    if kind == "broadcast" and ranks is not None:  # a process set: roots are job ranks in the set
+        return None if root in ranks else f"broadcast of '{name}': root rank {root} is not in the process set"
     if kind == "broadcast" and not (isinstance(root, int) and 0 <= root < size):
         return f"broadcast of '{name}': root rank {root} is not a valid rank (world size {size})"
     return None
@@ -172,6 +179,9 @@ class Coordinator:
         self._held: Dict[int, list] = {}  # rank -> ids: same-list requests held for the batch cache
         self._held_since = 0.0
         self._batches: Dict[tuple, Batch] = {}  # (ids, fusion threshold) -> cached response
+        #: process set id -> its job ranks, ascending (sdp.engine.process_sets; 0, all ranks, implicit)
+        self.sets: Dict[int, List[int]] = {}
+        self._set_cids = set()  # cache ids of process-set metas (they never take the batch cache)
 
     def _can_hold(self, rank: int, request: dict) -> bool:
         """Whether ``request`` may wait in the batch-cache fast path: cached ids only, nothing
@@ -184,7 +194,7 @@ class Coordinator:
             return ids == next(iter(self._held.values()))
         n = len(self.cache_meta)
         return (isinstance(ids, list) and all(type(c) is int and 0 <= c < n for c in ids)
-                and len(set(ids)) == len(ids))
+                and len(set(ids)) == len(ids) and (not self._set_cids or self._set_cids.isdisjoint(ids)))
 
     def _release_held(self) -> List[dict]:
         """Move held requests into the table, in arrival order (as if added normally)."""
@@ -229,6 +239,13 @@ class Coordinator:
                 if rank not in self.joined:
                     self.joined.append(rank)
                 continue
+            ps = meta.get("ps", 0)
+            if ps and rank not in self.sets.get(ps, ()):
+                why = ("is not registered" if ps not in self.sets
+                       else f"has ranks {self.sets[ps]}, not rank {rank}")
+                errors.append({"n": name, "err": f"{meta['k']} of '{name}' submitted by rank {rank} on process "
+                               f"set {ps}, which {why}", "ranks": [rank]})
+                continue
             entry = self.table.setdefault(name, {})
             if rank in entry:
                 errors.append({"n": name, "err": f"rank {rank} submitted '{name}' twice before it completed",
@@ -266,35 +283,48 @@ class Coordinator:
         joined = set(self.joined)
         for name in self.order:
             entry = self.table[name]
-            if len(entry) < self.size and (not joined or len(set(entry) | joined) < self.size):
+            ps = next(iter(entry.values())).get("ps", 0)
+            if ps:  # a process set: its ranks submit, no joins (see sdp.engine.process_sets)
+                members = self.sets.get(ps, ())
+                if len(entry) < len(members):
+                    keep.append(name)
+                    continue
+            elif len(entry) < self.size and (not joined or len(set(entry) | joined) < self.size):
                 keep.append(name)
                 continue
             del self.table[name]
             self.first_seen.pop(name, None)
             if self._warned:
                 self._warned.pop(name, None)
-            first = entry.get(0)
+            n = len(members) if ps else self.size
+            first = entry.get(members[0] if ps and members else 0)
             cid = self._cid_of.get(id(first))
-            if cid is not None and len(entry) == self.size and all(m is first for m in entry.values()):
-                items.append({"n": name, "id": cid})  # steady state: every rank sent the same cache id
+            if cid is not None and len(entry) == n and all(m is first for m in entry.values()):
+                # steady state: every rank sent the same cache id
+                items.append({"n": name, "id": cid, "ps": ps} if ps else {"n": name, "id": cid})
                 continue
-            absent = [] if len(entry) == self.size else sorted(set(range(self.size)) - set(entry))
-            err = check(entry, self.size)
+            absent = [] if len(entry) == self.size or ps else sorted(set(range(self.size)) - set(entry))
+            err = check(entry, n, members) if ps else check(entry, self.size)
+            if ps and not err and sorted(entry) != list(members):
+                err = f"'{name}': submitted by ranks {sorted(entry)}, process set {ps} has ranks {list(members)}"
             first = entry[min(entry)]
             if not err and absent and not (first["k"] == "allreduce" and first["o"] in (0, 1)):
                 err = (f"{first['k']} of '{name}': ranks {absent} have already called join(); after join "
                        "only allreduce with op SUM or AVERAGE can run")
             if err:
-                items.append({"n": name, "err": err, "ranks": list(range(self.size))})
+                if ps:
+                    err += f" (process set {ps}, ranks {list(members)})"
+                items.append({"n": name, "err": err, "ranks": list(members) if ps else list(range(self.size))})
                 continue
             meta = first
-            item = {"n": name}
+            item = {"n": name, "ps": ps} if ps else {"n": name}
             if absent:
                 item["jm"] = meta
+            order = members if ps else range(self.size)
             if meta["k"] in ("allgather", "alltoall"):
-                item["dim0"] = [entry[r]["s"][0] for r in range(self.size)]
+                item["dim0"] = [entry[r]["s"][0] for r in order]
                 if meta["k"] == "alltoall":
-                    item["splits"] = [entry[r]["sp"] for r in range(self.size)]
+                    item["splits"] = [entry[r]["sp"] for r in order]
             cid = self._cid_of.get(id(meta))  # steady state: a cached meta object, no JSON
             if cid is None:
                 sig = signature(meta)
@@ -305,6 +335,8 @@ class Coordinator:
                     self._cid_of[id(meta)] = cid
                     item["meta"] = meta
             item["id"] = cid
+            if ps:
+                self._set_cids.add(cid)
             items.append(item)
         self.order = keep
         self._plan_fusion(items)
@@ -330,7 +362,7 @@ class Coordinator:
         if info is None:
             m = self.cache_meta[cid]
             info = self._fusion_infos[cid] = (m["k"] == "allreduce", math.prod(m["s"]) * wire_dtype(m["d"]).itemsize,
-                                              (m["d"], m["o"], m["pre"], m["post"]))
+                                              (m["d"], m["o"], m["pre"], m["post"], m.get("ps", 0)))
         return info
 
     def stalls(self, now: Optional[float] = None) -> Tuple[List[str], Optional[str]]:
@@ -347,7 +379,9 @@ class Coordinator:
         for name in self.order:
             age = now - self.first_seen[name]
             if age >= first:
-                missing = sorted(set(range(self.size)) - set(self.table[name]))
+                entry = self.table[name]
+                ps = next(iter(entry.values())).get("ps", 0)
+                missing = sorted(set(self.sets.get(ps, ()) if ps else range(self.size)) - set(entry))
                 late[name] = (age, missing)
         if not late:
             return warnings, None

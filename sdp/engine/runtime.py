@@ -18,7 +18,7 @@ import numpy as np
 from sdp.common import errors
 from sdp.common.config import Config
 from sdp.common.reduce_ops import UFUNCS, ReduceOp, check_dtype
-from sdp.engine import collectives, fusion, groups, timeline
+from sdp.engine import collectives, fusion, groups, process_sets, timeline
 from sdp.engine.coordinator import JOIN, KINDS, Coordinator, wire_dtype
 from sdp.transport.zmq_mesh import CTRL, Mesh
 
@@ -86,10 +86,10 @@ class Handle:
 class Request:
     """One tensor submitted to one collective (see :mod:`sdp.engine.coordinator` for ``meta``)."""
 
-    __slots__ = ("name", "kind", "array", "op", "root", "prescale", "postscale", "splits", "handle", "out")
+    __slots__ = ("name", "kind", "array", "op", "root", "prescale", "postscale", "splits", "handle", "out", "ps")
 
     def __init__(self, name, kind, array, op=ReduceOp.SUM, root=None, prescale=1.0, postscale=1.0,
-                 splits=None, out=None):
+                 splits=None, out=None, ps=0):
         if kind not in KINDS:
             raise ValueError(f"unknown collective kind {kind!r}")
         if not isinstance(name, str):
@@ -108,16 +108,18 @@ class Request:
             raise ValueError(f"out= for '{name}' must be a writable C-contiguous {array.dtype} array of shape "
                              f"{array.shape} (allreduce only), got {out.dtype} {out.shape}")
         self.out = out
+        self.ps = ps  # process set id (0: all ranks; see sdp.engine.process_sets)
         self.handle = Handle(name)
 
     def key(self) -> tuple:
         """Everything that must agree across ranks, hashable: the response-cache key."""
         return (self.name, self.kind, self.array.dtype, self.array.shape, self.op, self.root,
-                self.prescale, self.postscale, None if self.splits is None else tuple(self.splits))
+                self.prescale, self.postscale, None if self.splits is None else tuple(self.splits), self.ps)
 
     def meta(self) -> dict:
         reduces = self.kind in ("allreduce", "reducescatter")
-        return {"n": self.name, "k": self.kind, "d": self.array.dtype.str if self.array.dtype.kind != "V"
+        ps = {"ps": self.ps} if self.ps else {}
+        return {**ps, "n": self.name, "k": self.kind, "d": self.array.dtype.str if self.array.dtype.kind != "V"
                 else self.array.dtype.name, "s": list(self.array.shape),
                 "o": int(self.op) if reduces else None, "r": self.root,
                 "pre": self.prescale, "post": self.postscale,
@@ -134,7 +136,9 @@ class Runtime:
         self.mesh = Mesh(topology, timeout_s=self.config.timeout_s,
                          start_timeout_s=self.config.start_timeout_s,
                          shm_slab_bytes=self.config.shm_slab_bytes,
-                         shm_pool_bytes=self.config.shm_pool_bytes)
+                         shm_pool_bytes=self.config.shm_pool_bytes,
+                         peer_timeout_s=self.config.peer_timeout_s,
+                         segment_bytes=self.config.segment_bytes)
         # local/cross values the launcher did not give, from the host names met at rendezvous
         self.topology = topology = topology.with_hosts([p["host"] for p in self.mesh.peers])
         # allreduces across hosts: shared memory on each host, ZeroMQ between (None: flat)
@@ -148,6 +152,9 @@ class Runtime:
         self._pending: Dict[str, Request] = {}
         self._cache: Dict[tuple, int] = {}  # Request.key() -> response-cache id (same on all ranks)
         self._batches: Dict[int, List[dict]] = {}  # batch-cache id -> response items (announced once)
+        #: process set id -> its job ranks, ascending (the same on every rank; 0, all ranks, implicit)
+        self.process_sets: Dict[int, List[int]] = {}
+        self._set_comms: Dict[int, process_sets.SetComm] = {}  # the sets this rank belongs to
         self._coord = Coordinator(self.size, self.config.stall_check_s, self.config.stall_shutdown_s,
                                   self.config.fusion_threshold) if self.rank == 0 else None
         self._seq = 0
@@ -348,6 +355,8 @@ class Runtime:
             submitted = req is not None
             if req is None and "jm" in item and JOIN in self._pending:
                 req = self._zeros_for_join(item["jm"])
+            if req is None and item.get("ps"):
+                continue  # a collective of a process set this rank is not in
             if req is None:
                 raise errors.ProtocolError(f"rank {self.rank}: coordinator scheduled '{item['n']}', "
                                            "which this rank did not submit")
@@ -447,6 +456,13 @@ class Runtime:
             for name in names:
                 tl.end(name, "QUEUE")
         dtype = first.array.dtype
+        if first.ps:
+            with timeline.span(tl, names, "ALLREDUCE"):
+                results = process_sets.allreduce_bucket(self._set_comms[first.ps], reqs, self.config.segment_bytes,
+                                                        accumulation_dtype)
+            for r, res in zip(reqs, results):
+                self._complete(r, res)
+            return
         if len(reqs) == 1:
             out = first.out
             if out is None:
@@ -498,7 +514,11 @@ class Runtime:
     def _run_single(self, req: Request, item: dict) -> None:
         self._timeline_mark(req.name, "QUEUE", None)
         with timeline.span(self.timeline, [req.name], req.kind.upper()):
-            self._complete(req, self._single_result(req, item))
+            if req.ps:
+                self._complete(req, process_sets.single_result(self._set_comms[req.ps], req, item,
+                                                               self.config.segment_bytes, accumulation_dtype))
+            else:
+                self._complete(req, self._single_result(req, item))
 
     def _single_result(self, req: Request, item: dict):
         seq, seg = self._next_seq(), self.config.segment_bytes
@@ -547,6 +567,23 @@ class Runtime:
         else:  # pragma: no cover - Request validates kinds
             raise errors.ProtocolError(f"unknown kind {req.kind}")
         return result
+
+    def add_process_set(self, ps: int, ranks: List[int]) -> None:
+        """Register process set ``ps`` (1 .. :data:`process_sets.MAX_SET_ID`) of job ranks ``ranks``
+        (ascending).  Every rank registers the same sets with the same ids (:mod:`sdp.api` does)."""
+        ranks = [int(r) for r in ranks]
+        if self.rank in ranks:
+            self._set_comms[ps] = process_sets.SetComm(self.mesh, ps, ranks)
+        self.process_sets[ps] = ranks
+        if self._coord is not None:
+            self._coord.sets[ps] = ranks
+
+    def remove_process_set(self, ps: int) -> None:
+        """Forget process set ``ps`` (its id is not reused)."""
+        self.process_sets.pop(ps, None)
+        self._set_comms.pop(ps, None)
+        if self._coord is not None:
+            self._coord.sets.pop(ps, None)
 
     @property
     def fusion_threshold(self) -> int:
