@@ -8,7 +8,11 @@
 | SDP_TIMEOUT               | 300 (s)      | deadline of any single receive inside a collective         |
 | SDP_START_TIMEOUT         | 60 (s)       | deadline for all ranks to meet at rendezvous               |
 | SDP_STALL_CHECK_TIME      | 60 (s)       | warn when a tensor waits this long for other ranks (0: off)|
-| SDP_STALL_SHUTDOWN_TIME   | 0 (s, off)   | raise StallError after this long                           |
+| SDP_STALL_SHUTDOWN_TIME   | 0 (s, off)   | raise StallError on every rank once a tensor waited this   |
+|                           |              | long for other ranks (names the tensors and missing ranks) |
+| SDP_PEER_TIMEOUT          | 30 (s)       | a peer process that is alive but answers nothing for this  |
+|                           |              | long (stopped, hung) is lost: PeerLostError.  Death and a  |
+|                           |              | cut link are seen sooner (see sdp.transport.zmq_mesh)      |
 | SDP_SEGMENT_BYTES         | 1048576 (B)  | size of one pipelined frame on the wire                    |
 | SDP_SHM_SLAB_BYTES        | 33554432 (B) | same-host shared-memory slab (0: no shared memory)         |
 | SDP_SHM_POOL_BYTES        | 134217728 (B)| same-host shared-memory pool that allreduce results are    |
@@ -57,6 +61,7 @@ class Config:
     start_timeout_s: float = 60.0
     stall_check_s: float = 60.0
     stall_shutdown_s: float = 0.0
+    peer_timeout_s: float = 30.0  # SDP_PEER_TIMEOUT
     segment_bytes: int = 1 << 20
     shm_slab_bytes: int = 32 << 20
     shm_pool_bytes: int = 128 << 20
@@ -76,6 +81,7 @@ class Config:
             stall_check_s=_get(env, ["SDP_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS"], 60.0, float),
             stall_shutdown_s=_get(env, ["SDP_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"],
                                   0.0, float),
+            peer_timeout_s=_get(env, ["SDP_PEER_TIMEOUT"], 30.0, float),
             segment_bytes=_get(env, ["SDP_SEGMENT_BYTES"], 1 << 20, int),
             shm_slab_bytes=_get(env, ["SDP_SHM_SLAB_BYTES"], 32 << 20, int),
             shm_pool_bytes=_get(env, ["SDP_SHM_POOL_BYTES"], 128 << 20, int),

@@ -5,9 +5,26 @@ Payloads of large messages are sent zero-copy (``copy=False``) and tracked, so a
 wait until ZeroMQ no longer reads a buffer before reusing it.  Messages from one peer arrive in
 order; the mesh demultiplexes them into per-(peer, kind) inboxes.
 
-Peer loss is seen through socket monitors on the DEALERs (``EVENT_DISCONNECTED``) and, on TCP,
-ZeroMQ heartbeats.  Every blocking wait has a deadline.  Foreign or malformed messages are
-logged and dropped.
+Peer loss.  Three cases, told apart by what is seen (socket monitors on the DEALERs report
+``EVENT_DISCONNECTED``; a dropped peer is lost after ``LOSS_GRACE_S``, or at once after its BYE):
+
+* **A process dies** (crash, ``kill -9``, OOM killer): its kernel closes its sockets, the
+  connection ends at once, and its peers raise :class:`PeerLostError` within ~1 s.
+* **A link or host goes away** (``ip link set ... down``, power loss): nothing closes anything,
+  but ZeroMQ's heartbeat PINGs (every ``HEARTBEAT_IVL_MS``) stay unacknowledged by the peer's
+  kernel, and ``TCP_USER_TIMEOUT`` (ZeroMQ's ``TCP_MAXRT``, ``LINK_TIMEOUT_MS``) closes the
+  connection: lost within ~7 s (1 s to the next PING + 5 s + ``LOSS_GRACE_S``).
+* **A process is alive but silent** (``SIGSTOP``, a debugger, heavy swapping, a hang that stops
+  ZeroMQ's I/O thread): its kernel still acknowledges every byte, so only the heartbeat notices,
+  after ``SDP_PEER_TIMEOUT`` seconds (default 30) without a PONG: "no message from rank 1 for 30 s:
+  stopped, hung or unreachable".  A stop or GC pause shorter than that is survived, the
+  collective just resumes.  On the same host (ipc) the peer's process state is read from
+  ``/proc/<pid>/stat`` (its pid comes from rendezvous) to say which it is.
+
+Every blocking wait has a deadline (``SDP_TIMEOUT``).  Foreign or malformed messages are logged and
+dropped; the ROUTER refuses (``MAXMSGSIZE``) any frame larger than the biggest legitimate one
+(a DATA segment of ``SDP_SEGMENT_BYTES``, at least ``SMALL_FRAME``, plus ``CTRL_HEADROOM`` for
+control messages) before ZeroMQ allocates it, and closes that connection.
 """
 import collections
 import json
@@ -37,12 +54,29 @@ COPY_BELOW = 64 * 1024  # bytes: smaller payloads are copied (cheaper than track
 REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 LOSS_GRACE_S = 1.0  # seconds a dropped peer's other connection may still deliver its last messages
+HEARTBEAT_IVL_MS = 1000  # ZeroMQ PING to every peer this often (ms)
+LINK_TIMEOUT_MS = 5000  # TCP: bytes unacknowledged this long (link down, host gone) end the connection
+SMALL_FRAME = 64 * 1024  # bytes: collectives send buffers up to this in one frame (recursive doubling)
+CTRL_HEADROOM = 16 << 20  # bytes: room for control messages (a request naming ~100,000 new tensors)
+
+
+def process_state(pid) -> Optional[str]:
+    """The state letter of process ``pid`` on this host from ``/proc/<pid>/stat`` (R, S, D, T
+    stopped, t traced, Z zombie...), or None if there is no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:][:1].decode()
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 class Mesh:
     """Sockets to every peer of a job of ``topology.size`` ranks.
 
-    ``timeout_s`` (seconds) bounds every receive.  Raises :class:`PeerLostError` when a peer that
+    ``timeout_s`` (seconds) bounds every receive; ``peer_timeout_s`` (default ``SDP_PEER_TIMEOUT``)
+    is how long a live peer may answer nothing before it is lost; ``segment_bytes`` (default
+    ``SDP_SEGMENT_BYTES``) bounds the frames accepted (see the module docstring).  Raises :class:`PeerLostError` when a peer that
     a wait depends on disconnects, :class:`CollectiveTimeoutError` when a deadline passes,
     :class:`~sdp.transport.security.SecretError` when ``size > 1`` and no job secret is set.
 
@@ -53,18 +87,25 @@ class Mesh:
     """
 
     def __init__(self, topology, timeout_s: float = 300.0, start_timeout_s: float = 60.0,
-                 shm_slab_bytes: int = 32 << 20, shm_pool_bytes: int = 0, encrypt: Optional[bool] = None):
+                 shm_slab_bytes: int = 32 << 20, shm_pool_bytes: int = 0, encrypt: Optional[bool] = None,
+                 peer_timeout_s: Optional[float] = None, segment_bytes: Optional[int] = None):
         self.rank = topology.rank
         self.size = topology.size
         self.timeout_s = timeout_s
         self._secret = security.require_secret(self.size)
-        self.encrypt = Config.from_env().encrypt if encrypt is None else bool(encrypt)
+        cfg = Config.from_env() if None in (encrypt, peer_timeout_s, segment_bytes) else None
+        self.encrypt = cfg.encrypt if encrypt is None else bool(encrypt)
+        self.peer_timeout_s = cfg.peer_timeout_s if peer_timeout_s is None else float(peer_timeout_s)
+        segment_bytes = cfg.segment_bytes if segment_bytes is None else int(segment_bytes)
+        #: bytes: the largest frame the ROUTER accepts; ZeroMQ drops the connection of a bigger one
+        self.max_frame_bytes = max(segment_bytes, SMALL_FRAME) + CTRL_HEADROOM
         self.ctx = zmq.Context(io_threads=1)
         self._gate = security.Gatekeeper(self.ctx, self._secret, f"rank {self.rank}") if self.size > 1 else None
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.RCVBUF, 4 << 20)
+        self.router.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         if self._gate is not None:
             security.secure_server(self.router, self._secret, self.encrypt)
         job = os.environ.get("SDP_JOB_ID") or os.urandom(6).hex()
@@ -81,6 +122,7 @@ class Mesh:
         self.inbox = collections.defaultdict(collections.deque)  # (src, kind) -> deque of (aux, seq, frames)
         self.lost: Dict[int, str] = {}
         self._suspects: Dict[int, float] = {}  # rank -> when its connection dropped (see _confirm_losses)
+        self._pids: Dict[int, int] = {}  # same-host peer rank -> its pid (from rendezvous)
         self.departed = set()  # ranks that said BYE
         self.stopping = False  # set by the engine's shutdown(): waits end at once
         self.aborted: Dict[int, dict] = {}  # rank -> {"lost": rank or None, "err": str} it failed with
@@ -110,7 +152,7 @@ class Mesh:
 
     # -- setup ---------------------------------------------------------------------------
     def _connect(self, topology, start_timeout_s: float) -> None:
-        info = {"rank": self.rank, "size": self.size, "host": topology.hostname,
+        info = {"rank": self.rank, "size": self.size, "host": topology.hostname, "pid": os.getpid(),
                 "endpoints": self.endpoints, "shm": self.shm.path if self.shm else None}
         if not self.encrypt:  # one single-use token per peer (see sdp.transport.security)
             info["tokens"] = {str(r): self._gate.issue_token(str(r)) for r in range(self.size) if r != self.rank}
@@ -124,13 +166,17 @@ class Mesh:
             self._ident_to_rank[struct.pack("<I", r)] = r
             same_host = peer["host"] == topology.hostname
             addr = peer["endpoints"]["ipc" if same_host else "tcp"]
+            if same_host and type(peer.get("pid")) is int:
+                self._pids[r] = peer["pid"]
             d = self.ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.ROUTING_ID, struct.pack("<I", self.rank))
             d.setsockopt(zmq.SNDHWM, 0)
             d.setsockopt(zmq.LINGER, 2000)
             d.setsockopt(zmq.SNDBUF, 4 << 20)
-            d.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-            d.setsockopt(zmq.HEARTBEAT_TIMEOUT, 8000)
+            d.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)  # (see the module docstring)
+            d.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.peer_timeout_s * 1000)))
+            if not same_host:
+                d.setsockopt(zmq.TCP_MAXRT, LINK_TIMEOUT_MS)  # TCP_USER_TIMEOUT
             if self.encrypt:
                 security.secure_client(d, self._secret)
             else:
@@ -219,10 +265,22 @@ class Mesh:
         for r, since in list(self._suspects.items()):
             if r in self.departed or now - since >= LOSS_GRACE_S:
                 del self._suspects[r]
-                reason = "it shut down" if r in self.departed else "connection closed (process died?)"
+                reason = "it shut down" if r in self.departed else self._loss_reason(r)
                 self.lost[r] = reason
                 if r not in self.departed:
                     log.error("rank %d: lost rank %d: %s", self.rank, r, reason)
+
+    def _loss_reason(self, r: int) -> str:
+        """Why rank ``r``'s connection dropped, as far as this host can tell (module docstring)."""
+        if r in self._pids:
+            state = process_state(self._pids[r])
+            if state is None or state in "ZXx":
+                return f"its process (pid {self._pids[r]}) died"
+            return (f"no message from rank {r} for {self.peer_timeout_s:g} s: stopped, hung or unreachable "
+                    f"(pid {self._pids[r]} is alive, state {state}; SDP_PEER_TIMEOUT={self.peer_timeout_s:g})")
+        return (f"connection closed or timed out: its process died, its host became unreachable "
+                f"({LINK_TIMEOUT_MS / 1000:g} s without TCP acknowledgement), or no message from rank {r} "
+                f"for {self.peer_timeout_s:g} s (stopped or hung; SDP_PEER_TIMEOUT)")
 
     def _drain_router(self) -> None:
         while True:

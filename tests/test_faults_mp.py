@@ -1,0 +1,26 @@
+"""Faults that must not lose a job by accident, and faults that must end it cleanly (issue 17)."""
+import pytest
+
+from harness import run_workers
+
+
+def test_a_rank_stopped_for_8_s_is_not_declared_dead():
+    """SIGSTOP for 8 s (a long GC pause, swapping): the collective waits and completes.  (Was
+    "lost connection to rank 1: connection closed (process died?)": heartbeat timeout 8 s.)"""
+    results = run_workers(2, "workers_faults:stop_peer", [8.0], timeout=60)
+    for r in results:
+        assert r.ok, (r.rank, r.error, r.stderr[-2000:])
+        etype, msg, seconds, out = r.value
+        assert (etype, out) == ("none", [2.0] * 4), (r.rank, msg)
+    assert results[0].value[2] >= 7.5  # it did wait for the stopped rank
+
+
+def test_a_silent_rank_is_lost_after_sdp_peer_timeout_with_what_was_seen():
+    """SDP_PEER_TIMEOUT=2: rank 1 stopped for 10 s is lost on rank 0 after ~2-3 s, and the
+    message says what was seen (alive but silent), not that the process died."""
+    results = run_workers(2, "workers_faults:stop_peer", [10.0], timeout=60, env={"SDP_PEER_TIMEOUT": "2"})
+    etype, msg, seconds, _ = results[0].value
+    assert etype == "PeerLostError", (etype, msg, results[0].stderr[-2000:])
+    assert "no message from rank 1 for 2 s: stopped, hung or unreachable" in msg, msg
+    assert "state T" in msg, msg
+    assert 1.5 < seconds < 6, seconds
