@@ -1,8 +1,8 @@
 """``sdprun`` across emulated hosts (tests/emulated_hosts.py): real sshd, real ssh, real sockets.
 
 Three hosts ``h1``, ``h2``, ``h3`` (network namespaces on a bridge, 10.77.0.0/24, each with its
-own hostname and sshd) are made once per session; ``sdprun`` always runs on ``h1`` and reaches
-the others through ssh.  Skipped where namespaces cannot be made (not root, no iproute2/OpenSSH).
+own hostname and sshd) are made once per session by the ``hosts`` fixture of tests/conftest.py;
+``sdprun`` always runs on ``h1`` and reaches the others through ssh.  Skipped where namespaces cannot be made (not root, no iproute2/OpenSSH).
 """
 import glob
 import json
@@ -23,20 +23,6 @@ MNIST_DIR = os.environ.get("SDP_MNIST_DIR", os.path.join(os.path.dirname(REPO), 
 
 pytestmark = pytest.mark.skipif(emulated_hosts.unavailable_reason() is not None,
                                 reason=str(emulated_hosts.unavailable_reason()))
-
-
-@pytest.fixture(scope="session")
-def hosts():
-    try:
-        h = emulated_hosts.EmulatedHosts(3).up()
-    except emulated_hosts.HostsUnavailable as e:
-        if "not permitted" in str(e).lower():  # root without CAP_NET_ADMIN/CAP_SYS_ADMIN (a container)
-            pytest.skip(f"cannot make emulated hosts: {e}")
-        raise
-    try:
-        yield h
-    finally:
-        h.down()
 
 
 def _env(**extra):
@@ -144,7 +130,10 @@ def test_remote_exit_code_nic_and_unreachable_host(hosts, tmp_path):
     rendezvous on that interface; a host ssh cannot reach gives 255 with ssh's own message."""
     code = ("import os, sys, time\n"
             "print(os.environ['SDP_IFACE'], os.environ['SDP_RENDEZVOUS_ADDR'], flush=True)\n"
-            "sys.exit(5) if os.environ['SDP_RANK'] == '2' else time.sleep(60)\n")
+            f"open(os.path.join({str(tmp_path)!r}, os.environ['SDP_RANK']), 'w').close()\n"
+            "if os.environ['SDP_RANK'] != '2': time.sleep(60)\n"
+            f"while len(os.listdir({str(tmp_path)!r})) < 3: time.sleep(0.05)\n"  # all have printed
+            "sys.exit(5)\n")
     t0 = time.monotonic()
     res = sdprun(hosts, "-nic", "eth0", "-H", "h1:1,h2:1,h3:1", sys.executable, "-c", code, timeout=60)
     assert res.returncode == 5, res.stderr

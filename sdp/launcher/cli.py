@@ -63,6 +63,7 @@ from typing import Dict, List, Optional
 
 from sdp.common import network
 from sdp.launcher import hosts as hostlib
+from sdp.launcher import mpi, slurm
 from sdp.launcher.local import LocalLauncher
 from sdp.launcher.procs import DEFAULT_GRACE_S, WorkerGroup
 from sdp.launcher.ssh import SshLauncher, SshOptions, probe_host
@@ -115,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-x", dest="export", action="append", default=[], metavar="NAME[=VALUE]",
                    help="also give every rank this variable (this environment's value, or VALUE); "
                         "repeatable (mpirun's -x)")
+    p.add_argument("--launcher", choices=("auto", "ssh", "mpi", "slurm"), default="auto",
+                   help="how ranks are started: ssh (this machine directly, other hosts through "
+                        "ssh), mpi (one Open MPI mpirun), slurm (one srun job step inside an "
+                        "allocation); default auto: slurm inside an allocation (SLURM_JOB_ID) "
+                        "without -H/--hostfile, else ssh")
     p.add_argument("--check", action="store_true",
                    help="check the hosts and exit: per host whether ssh reaches it, its Python and "
                         "sdp versions, free /dev/shm, and the interface it would use")
@@ -258,8 +264,21 @@ def with_streaming_copies(env: dict) -> dict:
 
 def worker_envs(ranks: List[hostlib.RankInfo], rendezvous_addr: str, job_id: str, args,
                 base_env=None, secret: Optional[str] = None) -> List[dict]:
-    """The full environment of each worker: ``base_env`` (default ``os.environ``), ``-x``
-    variables, plus the ``SDP_*`` variables of its rank (``SDP_SECRET`` when ``secret``)."""
+    """The full environment of each worker: :func:`job_env` plus the ``SDP_*`` variables of
+    its rank."""
+    base = job_env(rendezvous_addr, job_id, args, base_env, secret)
+    envs = []
+    for info in ranks:
+        env = dict(base)
+        env.update(info.env())
+        envs.append(env)
+    return envs
+
+
+def job_env(rendezvous_addr: str, job_id: str, args, base_env=None, secret: Optional[str] = None) -> dict:
+    """The environment every worker of the job shares: ``base_env`` (default ``os.environ``),
+    ``-x`` variables, ``SDP_RENDEZVOUS_ADDR``, ``SDP_JOB_ID``, ``SDP_START_TIMEOUT``, ``SDP_SECRET``
+    (when ``secret``), ``SDP_IFACE`` / ``SDP_COMPAT`` when asked; no rank variables."""
     base = with_streaming_copies(dict(os.environ if base_env is None else base_env))
     base.update(parse_exports(getattr(args, "export", []) or [], base))
     if secret:
@@ -277,12 +296,7 @@ def worker_envs(ranks: List[hostlib.RankInfo], rendezvous_addr: str, job_id: str
         from sdp.compat import SHIM_DIR
         base["SDP_COMPAT"] = args.compat
         base["PYTHONPATH"] = os.pathsep.join(p for p in (SHIM_DIR, base.get("PYTHONPATH")) if p)
-    envs = []
-    for info in ranks:
-        env = dict(base)
-        env.update(info.env())
-        envs.append(env)
-    return envs
+    return base
 
 
 def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=None) -> int:
@@ -315,7 +329,27 @@ def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=No
             log.error("%s", e)
             return EXIT_USAGE
         return check_hosts(hosts, remote_hosts(hosts), args)
+    if args.launcher == "auto":
+        args.launcher = "slurm" if (slurm.in_allocation() and not (args.hosts or args.hostfile)
+                                    and not watch) else "ssh"
+    if watch and args.launcher != "ssh":
+        parser.error(f"-w (elastic mode) starts ranks itself; it does not work with --launcher {args.launcher}")
+    if args.launcher == "slurm" and (args.hosts or args.hostfile):
+        parser.error("--launcher slurm places ranks with Slurm: drop -H/--hostfile "
+                     "(choose nodes with salloc/sbatch -N and --ntasks-per-node)")
+    tool = None
+    if args.launcher in ("mpi", "slurm"):
+        try:
+            tool = (mpi.find_mpirun if args.launcher == "mpi" else slurm.find_srun)(base_env)
+        except FileNotFoundError as e:
+            log.error("%s", e)
+            return EXIT_NOT_FOUND
     try:
+        if args.launcher == "slurm":
+            np = args.np if args.np is not None else slurm.default_ntasks()
+            if np is None:
+                raise ValueError("give the number of processes with -np N (SLURM_NTASKS is not set)")
+            args.hosts = ",".join(f"{n}:{np}" for n in slurm.allocation_nodes()) or None
         hosts = resolve_hosts(args)
         np = args.np if args.np is not None else hostlib.total_slots(hosts)
         if watch and not (args.hosts or args.hostfile):
@@ -323,7 +357,7 @@ def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=No
             hosts = [hostlib.HostSlots(socket.gethostname(), max(np, DEFAULT_ELASTIC_SLOTS))]
         ranks = hostlib.assign_ranks(hosts, np)
         remote = remote_hosts([h for h in hosts if any(r.hostname == h.host for r in ranks)]
-                              if not watch else hosts, allow_fake)
+                              if not watch and args.launcher != "slurm" else hosts, allow_fake)
         host_addr = listen_address(remote, args.nic)
         parse_exports(args.export, base_env)
     except (ValueError, OSError) as e:
@@ -336,7 +370,7 @@ def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=No
     os.environ[security.SECRET_ENV] = secret
     try:
         return _launch(args, command, hosts, ranks, remote, host_addr, watch, secret,
-                       stdout, stderr, base_env)
+                       stdout, stderr, base_env, tool)
     finally:
         for k, v in saved_secret.items():
             if v is None:
@@ -346,7 +380,7 @@ def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=No
 
 
 def _launch(args, command, hosts, ranks, remote, host_addr, watch, secret, stdout, stderr,
-            base_env) -> int:
+            base_env, tool=None) -> int:
     from sdp.transport.rendezvous import RendezvousServer  # pyzmq only needed for a real launch
 
     np = len(ranks)
@@ -362,6 +396,17 @@ def _launch(args, command, hosts, ranks, remote, host_addr, watch, secret, stdou
     def launcher_of(host: str):
         return ssh_launchers.get(host, local)
 
+    prefix = not args.no_prefix
+    if args.launcher in ("mpi", "slurm"):
+        # One mpirun / srun process starts every rank; they read their place from its variables.
+        env = job_env(server.address, job_id, args, base_env, secret)
+        if args.launcher == "mpi":
+            command = mpi.mpirun_argv(hosts, np, command, mpi.exported_names(env, forward), options,
+                                      args.nic, mpirun=tool)
+        else:
+            command = slurm.srun_argv(np, command, srun=tool)
+        envs, prefix = [env], False  # (mpirun --tag-output / srun --label prefix the lines)
+        log.debug("job %s: %s", job_id, " ".join(command))
     elastic = None
     if watch:
         from sdp.launcher.elastic import ElasticController
@@ -380,14 +425,14 @@ def _launch(args, command, hosts, ranks, remote, host_addr, watch, secret, stdou
             server.stop()
             return EXIT_USAGE
         envs = [dict(e, **elastic.worker_env(0)) for e in envs]
-    group = WorkerGroup(command, envs, stdout=stdout, stderr=stderr, prefix=not args.no_prefix,
+    group = WorkerGroup(command, envs, stdout=stdout, stderr=stderr, prefix=prefix,
                         grace_s=DEFAULT_GRACE_S, launcher_of=launcher_of)
     if elastic is not None:
         elastic.group = group
         elastic.start()
         log.info("elastic mode: config server %s (resize via %s/resize)", elastic.config_url, elastic.url)
     log.debug("job %s: %d ranks, rendezvous at %s", job_id, np, server.address)
-    for info in ranks:
+    for info in ranks if args.launcher == "ssh" else ():
         log.debug("rank %d: host %s (%s) local %d/%d cross %d/%d", info.rank, info.hostname,
                   launcher_of(info.hostname).name, info.local_rank, info.local_size,
                   info.cross_rank, info.cross_size)
