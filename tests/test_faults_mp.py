@@ -4,15 +4,16 @@ import pytest
 from harness import run_workers
 
 
-def test_a_rank_stopped_for_8_s_is_not_declared_dead():
-    """SIGSTOP for 8 s (a long GC pause, swapping): the collective waits and completes.  (Was
-    "lost connection to rank 1: connection closed (process died?)": heartbeat timeout 8 s.)"""
-    results = run_workers(2, "workers_faults:stop_peer", [8.0], timeout=60)
+def test_a_rank_stopped_for_10_s_is_not_declared_dead():
+    """SIGSTOP for 10.5 s (a long GC pause, swapping; the issue measured 8 s): the collective
+    waits and completes.  (Was "lost connection to rank 1: connection closed (process died?)"
+    on every run: the fixed heartbeat timeout of 8 s after a PING sent within 2 s of the stop.)"""
+    results = run_workers(2, "workers_faults:stop_peer", [10.5], timeout=60)
     for r in results:
         assert r.ok, (r.rank, r.error, r.stderr[-2000:])
         etype, msg, seconds, out = r.value
         assert (etype, out) == ("none", [2.0] * 4), (r.rank, msg)
-    assert results[0].value[2] >= 7.5  # it did wait for the stopped rank
+    assert results[0].value[2] >= 10  # it did wait for the stopped rank
 
 
 def test_a_silent_rank_is_lost_after_sdp_peer_timeout_with_what_was_seen():

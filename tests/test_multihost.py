@@ -280,7 +280,7 @@ def _ssh_client_of(job, rank):
             yield int(entry)
 
 
-LINK_DOWN_BOUND_S = 12
+LINK_DOWN_BOUND_S = 10
 
 
 @pytest.mark.slow
