@@ -25,3 +25,17 @@ def test_a_silent_rank_is_lost_after_sdp_peer_timeout_with_what_was_seen():
     assert "no message from rank 1 for 2 s: stopped, hung or unreachable" in msg, msg
     assert "state T" in msg, msg
     assert 1.5 < seconds < 6, seconds
+
+
+def test_a_frame_announcing_10_gib_is_refused_before_allocation_and_foreign_ranks_dropped():
+    """A holder of the secret speaks ZMTP by hand: a frame header announcing 10 GiB makes ZeroMQ
+    close that connection (MAXMSGSIZE) without reserving the memory (was +10 GiB of virtual
+    memory and the connection kept waiting for the bytes); a message from rank 7 of a 2-rank
+    job is dropped and logged; the job goes on."""
+    results = run_workers(2, "workers_faults:oversized_and_foreign", [10 << 30], timeout=60)
+    for r in results:
+        assert r.ok, (r.rank, r.error, r.stderr[-2000:])
+        assert r.value[1] == 2.0
+    closed, grown, stray = results[0].value[0]
+    assert closed and grown < (1 << 30) and stray == 0, (closed, grown, stray)
+    assert "dropping foreign/malformed message" in results[0].stderr

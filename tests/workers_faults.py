@@ -32,3 +32,71 @@ def stop_peer(stop_s):
             timer.cancel()
             os.kill(pids[1], signal.SIGCONT)
     return res
+
+
+def _zmtp_plain(endpoint, user, token, identity):
+    """A raw TCP connection that speaks ZMTP 3.0 with the PLAIN mechanism by hand (RFC 23/24), as a
+    DEALER with routing id ``identity``; returns the socket once the handshake is done."""
+    import socket
+    import struct
+    host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+
+    def command(name, body=b""):
+        data = bytes([len(name)]) + name + body
+        s.sendall(bytes([0x04, len(data)]) + data if len(data) < 256 else
+                  bytes([0x06]) + struct.pack(">Q", len(data)) + data)
+
+    def read_command():
+        flags, = s.recv(1, socket.MSG_WAITALL)
+        size = s.recv(1, socket.MSG_WAITALL)[0] if not flags & 0x02 else \
+            struct.unpack(">Q", s.recv(8, socket.MSG_WAITALL))[0]
+        body = s.recv(size, socket.MSG_WAITALL)
+        return body[1:1 + body[0]]
+
+    s.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"PLAIN".ljust(20, b"\x00") + b"\x00" * 32)
+    greeting = s.recv(64, socket.MSG_WAITALL)
+    assert greeting[12:17] == b"PLAIN", greeting
+    command(b"HELLO", bytes([len(user)]) + user + bytes([len(token)]) + token)
+    assert read_command() == b"WELCOME"
+
+    def prop(name, value):
+        return bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
+    command(b"INITIATE", prop(b"Socket-Type", b"DEALER") + prop(b"Identity", identity))
+    assert read_command() == b"READY"
+    return s
+
+
+def oversized_and_foreign(announce_bytes):
+    """Rank 0 (a holder of the secret, with a PLAIN token it issues itself) connects to its own
+    mesh by hand twice: as rank 7 (not in the job) it sends a well-formed DATA message; as rank 9
+    it sends a frame header announcing ``announce_bytes`` followed by 64 bytes.  Returns, on
+    rank 0: (was the second connection closed by the receiver, growth of virtual memory in bytes,
+    messages from outside the job in the inbox), then the result of an allreduce."""
+    import struct
+    import psutil
+    from sdp.transport.zmq_mesh import DATA, HEADER, MAGIC
+    mesh = sdp.api.runtime().mesh
+    out = None
+    if sdp.rank() == 0:
+        ep = mesh.endpoints["tcp"]
+        foreign = _zmtp_plain(ep, b"x7", mesh._gate.issue_token("x7").encode(), (7).to_bytes(4, "little"))
+        head = HEADER.pack(MAGIC, DATA, 0, 1)
+        foreign.sendall(bytes([0x01, len(head)]) + head + bytes([0x00, 64]) + b"\x07" * 64)
+        vms0 = psutil.Process().memory_info().vms
+        big = _zmtp_plain(ep, b"x9", mesh._gate.issue_token("x9").encode(), (9).to_bytes(4, "little"))
+        big.sendall(bytes([0x01, len(head)]) + head + bytes([0x02]) + struct.pack(">Q", announce_bytes)
+                    + b"\x07" * 64)
+        big.settimeout(3.0)
+        try:
+            closed = big.recv(1) == b""
+        except (TimeoutError, OSError):
+            closed = False
+        grown = psutil.Process().memory_info().vms - vms0
+        mesh.pump(100)
+        stray = sum(len(q) for (src, _), q in mesh.inbox.items() if not 0 <= src < mesh.size)
+        foreign.close()
+        big.close()
+        out = [closed, grown, stray]
+    x = sdp.allreduce(np.ones(4), name="after_oversized", op=sdp.Sum)
+    return [out, float(x[0])]
