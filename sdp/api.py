@@ -174,11 +174,18 @@ def has_wire() -> bool:
     return rt.size > 1 and rt.mesh.shm is None
 
 
+AUTO_NAMES = 1024  # distinct auto names per kind (as Horovod's response cache capacity, 1024)
+
+
 def auto_name(kind: str, process_set=0) -> str:
-    """A name from a per-process, per-kind (and per process set) counter: ``allreduce.noname.7``."""
+    """A name from a per-process, per-kind (and per process set) counter modulo ``AUTO_NAMES``:
+    ``allreduce.noname.7``.  Every rank makes the same names in the same order; names come back
+    after ``AUTO_NAMES`` calls, so the engine's response caches stay bounded in a loop of unnamed
+    collectives (unique names grew memory ~124 KB per step).  So at most ``AUTO_NAMES`` unnamed
+    collectives of one kind can be in flight at once (more: ``ValueError`` naming the name)."""
     with _counter_lock:
         c = _counters.setdefault((kind, process_set) if process_set else kind, itertools.count())
-        return f"{kind}.noname.{next(c)}"
+        return f"{kind}.noname.{next(c) % AUTO_NAMES}"
 
 
 def process_set_id(process_set) -> int:

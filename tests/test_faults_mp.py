@@ -39,3 +39,14 @@ def test_a_frame_announcing_10_gib_is_refused_before_allocation_and_foreign_rank
     closed, grown, stray = results[0].value[0]
     assert closed and grown < (1 << 30) and stray == 0, (closed, grown, stray)
     assert "dropping foreign/malformed message" in results[0].stderr
+
+
+def test_unnamed_collectives_in_a_loop_keep_the_caches_bounded():
+    """Auto names (``allreduce.noname.N``) come back after ``AUTO_NAMES`` calls, so the response
+    caches stop growing (were one entry per call: ~124 KB per step in a long numpy loop)."""
+    values = [v for v in run_workers(2, "workers_faults:unnamed_loop", [100, 8], timeout=120)]
+    for r in values:
+        assert r.ok, (r.rank, r.error, r.stderr[-2000:])
+        ours, coord, total = r.value
+        assert total == 2 * 99.0
+        assert ours <= 2 * 8 and coord <= (2 * 8 if r.rank == 0 else 0), r.value

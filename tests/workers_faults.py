@@ -100,3 +100,14 @@ def oversized_and_foreign(announce_bytes):
         out = [closed, grown, stray]
     x = sdp.allreduce(np.ones(4), name="after_oversized", op=sdp.Sum)
     return [out, float(x[0])]
+
+
+def unnamed_loop(steps, names):
+    """``steps`` unnamed allreduces and broadcasts with ``sdp.api.AUTO_NAMES = names``: returns the
+    sizes of this rank's response cache and (rank 0) the coordinator's, and the last sum."""
+    sdp.api.AUTO_NAMES = names
+    rt = sdp.api.runtime()
+    for i in range(steps):
+        x = sdp.allreduce(np.full(3, float(i)), op=sdp.Sum)
+        sdp.broadcast(np.ones(2), 0)
+    return [len(rt._cache), len(rt._coord.cache_meta) if rt._coord else 0, float(x[0])]
