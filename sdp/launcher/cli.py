@@ -349,6 +349,7 @@ def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=No
             np = args.np if args.np is not None else slurm.default_ntasks()
             if np is None:
                 raise ValueError("give the number of processes with -np N (SLURM_NTASKS is not set)")
+            args.np = np
             args.hosts = ",".join(f"{n}:{np}" for n in slurm.allocation_nodes()) or None
         hosts = resolve_hosts(args)
         np = args.np if args.np is not None else hostlib.total_slots(hosts)

@@ -1,0 +1,233 @@
+"""Slurm across emulated hosts (issue 16, item 1): a real slurmctld and one slurmd per host
+(tests/slurm_cluster.py on the ``hosts`` fixture of tests/conftest.py), real ``srun`` /
+``sbatch`` jobs, real sockets.  Started once per session on h1 and h2, stopped at its end.
+Skipped where Slurm or munge is not installed (``apt-get install slurm-wlm munge``) or
+emulated hosts cannot be made.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import emulated_hosts  # noqa: E402
+import slurm_cluster  # noqa: E402
+
+from sdp.common.topology import slurm_rendezvous_port  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MNIST_DIR = os.environ.get("SDP_MNIST_DIR", os.path.join(os.path.dirname(REPO), "shared", "data", "mnist"))
+SECRET = "5d9e" * 16
+
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.skipif(slurm_cluster.unavailable_reason() is not None,
+                       reason=str(slurm_cluster.unavailable_reason())),
+    pytest.mark.skipif(emulated_hosts.unavailable_reason() is not None,
+                       reason=str(emulated_hosts.unavailable_reason())),
+]
+
+
+@pytest.fixture(scope="session")
+def slurm(hosts):
+    cluster = slurm_cluster.SlurmCluster(hosts, ["h1", "h2"])
+    try:
+        cluster.up()
+    except slurm_cluster.SlurmUnavailable as e:
+        pytest.skip(f"cannot start Slurm on the emulated hosts: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+WORKER = r"""
+import json, os, signal, socket, sys, time
+import numpy as np
+import sdp
+from sdp.common.errors import PeerLostError
+if os.environ.get("T_DIR"):  # Slurm's SIGTERM to the survivors must not come before their report
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+sdp.init()
+r, n = sdp.rank(), sdp.size()
+for count in (0, 7, 300_001):
+    x = (np.arange(count) % 13 + r).astype(np.float32)
+    got = sdp.allreduce(x, op=sdp.Sum, name=f"ar{count}")
+    assert np.array_equal(got, sum((np.arange(count) % 13 + q).astype(np.float32) for q in range(n)))
+from sdp.common import topology
+t = topology.from_env()
+print("ROW " + json.dumps({"rank": r, "size": n, "local": [sdp.local_rank(), sdp.local_size()],
+                           "cross": [sdp.cross_rank(), sdp.cross_size()], "host": socket.gethostname(),
+                           "source": t.source, "rendezvous": t.rendezvous_addr,
+                           "job": os.environ.get("SLURM_JOB_ID"), "step": os.environ.get("SLURM_STEP_ID")}),
+      flush=True)
+if os.environ.get("T_DIR"):  # fault tests: report the pid, then allreduce until a peer is lost
+    with open(os.path.join(os.environ["T_DIR"], f"{r}.tmp"), "w") as f:
+        json.dump({"pid": os.getpid(), "job": os.environ["SLURM_JOB_ID"]}, f)
+    os.replace(os.path.join(os.environ["T_DIR"], f"{r}.tmp"), os.path.join(os.environ["T_DIR"], f"{r}.json"))
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            sdp.allreduce(np.ones(1000, np.float32), op=sdp.Sum, name="step")
+            time.sleep(0.01)
+    except PeerLostError as e:
+        print(f"LOST rank={e.rank} at={time.time():.3f}", flush=True)
+        sys.exit(3)
+"""
+
+EXPECTED = {0: ([0, 2], [0, 2], "h1"), 1: ([1, 2], [0, 2], "h1"),
+            2: ([0, 2], [1, 2], "h2"), 3: ([1, 2], [1, 2], "h2")}
+
+
+def _env(slurm, **extra):
+    env = slurm.env(**extra)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    for name in ("SDP_SECRET_FILE", "SDP_IFACE", "SDP_LAUNCHER_ALLOW_FAKE_HOSTS", "SDP_RENDEZVOUS_ADDR",
+                 "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env.setdefault("SDP_SECRET", SECRET)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _lines(out):
+    """{task: [lines]} from ``srun --label`` output (``TASK: text``)."""
+    rows = {}
+    for line in out.splitlines():
+        m = re.match(r"\s*(\d+): (.*)", line)
+        if m:
+            rows.setdefault(int(m.group(1)), []).append(m.group(2))
+    return rows
+
+
+def _rows(out):
+    return {r: json.loads(ln[4:]) for r, lines in _lines(out).items() for ln in lines if ln.startswith("ROW ")}
+
+
+def _check_rows(rows, source):
+    assert sorted(rows) == [0, 1, 2, 3], rows
+    for r, (local, cross, host) in EXPECTED.items():
+        assert (rows[r]["rank"], rows[r]["size"], rows[r]["local"], rows[r]["cross"], rows[r]["host"],
+                rows[r]["source"]) == (r, 4, local, cross, host, source), rows[r]
+
+
+def test_plain_srun_forms_the_job(slurm, tmp_path):
+    """srun -N 2 --ntasks-per-node 2 python w.py, no sdprun: topology from SLURM_*, rank 0 serves
+    the rendezvous on the first node (h1) at the port derived from the job and step ids."""
+    (tmp_path / "w.py").write_text(WORKER)
+    res = subprocess.run(slurm.argv("h1", ["srun", "-N", "2", "--ntasks-per-node", "2", "--label",
+                                           sys.executable, str(tmp_path / "w.py")]),
+                         env=_env(slurm), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = _rows(res.stdout)
+    _check_rows(rows, "SLURM")
+    job, step = int(rows[0]["job"]), int(rows[0]["step"])
+    assert {row["rendezvous"] for row in rows.values()} == {f"tcp://h1:{slurm_rendezvous_port(job, step)}"}
+
+
+def test_sdprun_in_salloc_uses_srun(slurm, tmp_path):
+    """salloc -N 2 --ntasks-per-node 2 sdprun python w.py (no -H, no -np): sdprun picks the Slurm
+    launcher, makes the secret, serves the rendezvous on h1's address towards h2 and starts the
+    4 ranks with one srun."""
+    (tmp_path / "w.py").write_text(WORKER)
+    env = _env(slurm)
+    del env["SDP_SECRET"]  # sdprun makes the job's secret
+    res = subprocess.run(slurm.argv("h1", ["salloc", "-N", "2", "--ntasks-per-node", "2", sys.executable,
+                                           "-m", "sdp.launcher.cli", "--verbose", sys.executable,
+                                           str(tmp_path / "w.py")]),
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "srun --ntasks 4 --kill-on-bad-exit=1 --label" in res.stderr, res.stderr
+    rows = _rows(res.stdout)
+    _check_rows(rows, "SLURM")
+    assert all(row["rendezvous"].startswith("tcp://10.77.0.1:") for row in rows.values()), rows
+
+
+def _start_fault_job(slurm, tmp_path):
+    (tmp_path / "w.py").write_text(WORKER)
+    proc = subprocess.Popen(slurm.argv("h1", ["srun", "-N", "2", "--ntasks-per-node", "2", "--label",
+                                              sys.executable, str(tmp_path / "w.py")]),
+                            env=_env(slurm, T_DIR=str(tmp_path)), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("*.json"))) < 4:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"ranks did not start: {proc.communicate()}")
+        time.sleep(0.1)
+    time.sleep(0.5)
+    return proc, {int(p.stem): json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+
+
+def test_killed_task_gives_peer_lost_and_leaves_nothing(slurm, hosts, tmp_path):
+    """Rank 3 (on h2) killed with SIGKILL: ranks 0-2 raise PeerLostError naming it within 10 s,
+    srun exits non-zero, no task is left on h1 or h2."""
+    proc, ranks = _start_fault_job(slurm, tmp_path)
+    try:
+        t0 = time.time()
+        os.kill(ranks[3]["pid"], signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, err
+    lost = {}
+    for rank, lines in _lines(out).items():
+        for m in filter(None, (re.match(r"LOST rank=(\d+) at=([\d.]+)", ln) for ln in lines)):
+            lost[rank] = (int(m.group(1)), float(m.group(2)) - t0)
+    assert sorted(lost) == [0, 1, 2], out + err[-3000:]
+    assert all(r == 3 and dt < 10 for r, dt in lost.values()), lost
+    _nothing_left(hosts, tmp_path)
+
+
+def test_scancel_ends_every_task(slurm, hosts, tmp_path):
+    """scancel of the running job (SIGTERM, which the tasks here ignore, then SIGKILL after
+    KillWait=3 s): srun ends, the job is CANCELLED, no task is left on h1 or h2 within 15 s."""
+    proc, ranks = _start_fault_job(slurm, tmp_path)
+    try:
+        res = subprocess.run(slurm.argv("h1", ["scancel", ranks[0]["job"]]), env=slurm.env(),
+                             capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0, res.stderr
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "CANCELLED" in err, err
+    _nothing_left(hosts, tmp_path)
+    deadline = time.monotonic() + 15
+    while True:  # COMPLETING while slurmd cleans up, then CANCELLED
+        res = subprocess.run(slurm.argv("h1", ["scontrol", "show", "job", ranks[0]["job"]]), env=slurm.env(),
+                             capture_output=True, text=True, timeout=30)
+        if "JobState=COMPLETING" not in res.stdout or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert "JobState=CANCELLED" in res.stdout, res.stdout + res.stderr
+
+
+def _nothing_left(hosts, tmp_path):
+    for h in ("h1", "h2"):
+        left = hosts.wait_no_processes(h, match=str(tmp_path / "w.py"), timeout_s=15)
+        assert not left, f"processes left on {h}: {left}"
+
+
+@pytest.mark.slow
+@pytest.mark.tf
+@pytest.mark.skipif(not os.path.isdir(MNIST_DIR), reason=f"no MNIST data in {MNIST_DIR}")
+def test_mnist_plain_srun(slurm):
+    """The issue's acceptance run: srun -N 2 --ntasks-per-node 2 python examples/tf2_mnist.py."""
+    res = subprocess.run(slurm.argv("h1", ["srun", "-N", "2", "--ntasks-per-node", "2", "--label",
+                                           sys.executable, "examples/tf2_mnist.py", "--data-dir", MNIST_DIR]),
+                         env=_env(slurm), cwd=REPO, capture_output=True, text=True, timeout=500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = _lines(res.stdout)
+    sums = {r: [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("weights checksum:")]
+            for r, lines in rows.items()}
+    assert sorted(sums) == [0, 1, 2, 3] and all(len(s) == 1 for s in sums.values()), sums
+    assert len({s[0] for s in sums.values()}) == 1, sums
+    acc = [float(ln.split(":")[1]) for ln in rows[0] if ln.startswith("test accuracy:")]
+    assert acc and acc[0] >= 0.97, rows[0]
