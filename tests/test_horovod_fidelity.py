@@ -120,8 +120,15 @@ def unsupported(fn, *args):
 
 out["unsupported"] = [unsupported(elastic.run, lambda state: None),
                       unsupported(elastic.TensorFlowKerasState, None),
-                      unsupported(add_process_set, [0]), unsupported(keras_elastic.KerasState, None),
-                      unsupported(hvd.ProcessSet, [0])]
+                      unsupported(keras_elastic.KerasState, None)]
+try:
+    add_process_set([0])
+    no_dynamic = "no error"
+except ValueError as e:
+    no_dynamic = str(e)
+out["process_sets"] = [no_dynamic, hvd.ProcessSet([1, 0]).ranks, global_process_set.ranks,
+                       global_process_set is hvd.global_process_set is hvd_keras.global_process_set,
+                       hvd.ProcessSet is ProcessSet, int(process_set_included_op().numpy())]
 print("PROBE " + json.dumps(out), flush=True)
 """
 
@@ -170,9 +177,9 @@ def test_init_semantics_and_module_paths_under_sdprun_compat(tmp_path):
         assert out["objects"] == [{"r": 0}, [0, 1]]
         assert out["unsupported"][0] == "horovod.tensorflow.elastic.run: not yet supported by sdp"
         assert out["unsupported"][1] == "horovod.tensorflow.elastic.TensorFlowKerasState: not yet supported by sdp"
-        assert out["unsupported"][2].startswith("horovod.tensorflow.mpi_ops.add_process_set:")
-        assert out["unsupported"][4].startswith("horovod.tensorflow.mpi_ops.ProcessSet:")
-        assert out["unsupported"][3] == "horovod.tensorflow.keras.elastic.KerasState: not yet supported by sdp"
+        assert out["unsupported"][2] == "horovod.tensorflow.keras.elastic.KerasState: not yet supported by sdp"
+        assert out["process_sets"] == ["Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding process sets after "
+                                       "Horovod initialization.", [0, 1], [0, 1], True, True, 1]
 
 
 # ---------------------------------------------------------------- a Horovod user's test file

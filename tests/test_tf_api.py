@@ -67,7 +67,7 @@ def test_collectives_eager_match_numpy():
             "adasum": "NotImplementedError", "join": "no error", "init_twice": "AlreadyInitializedError",
             "bad_param_index": "ValueError", "bucket_cap": "ValueError", "not_an_optimizer": "ValueError",
             "global_vars_eager": "RuntimeError", "sync_bn_fused": "ValueError", "predivide_sum": "ValueError",
-            "process_set": "NotImplementedError", "xla": "XlaNotSupportedError", "string_allreduce": "ValueError",
+            "process_set": "ValueError", "xla": "XlaNotSupportedError", "string_allreduce": "ValueError",
             "string_allgather": "ValueError", "complex_reducescatter": "ValueError", "bool_average": "ValueError"}
 
 

@@ -13,6 +13,7 @@ from sdp import api
 from sdp.common.reduce_ops import ReduceOp, resolve_op
 from sdp.tensorflow import ops
 from sdp.tensorflow.compression import Compression
+from sdp.process_sets import set_size
 from sdp.tensorflow.gradients import check_devices, check_process_set, global_process_set
 
 
@@ -22,16 +23,16 @@ def _check_op(op):
     return op
 
 
-def _sparse_allreduce(tensor, op, prescale_factor, postscale_factor, name):
+def _sparse_allreduce(tensor, op, prescale_factor, postscale_factor, name, process_set=0):
     if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
     if prescale_factor != 1.0 or postscale_factor != 1.0:
         raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
     base = ops._base_name("allreduce", tensor.values, name)
     values, indices = ops.grouped_allgather_tensors([tensor.values, tensor.indices],
-                                                    [base + ".values", base + ".indices"])
+                                                    [base + ".values", base + ".indices"], process_set)
     if op == ReduceOp.AVERAGE:
-        values = values / tf.cast(api.size(), values.dtype)
+        values = values / tf.cast(set_size(process_set), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
 
 
@@ -61,14 +62,14 @@ def allreduce(tensor, param_index=0, num_params=1, compression=Compression.none,
         raise ValueError(f"param_index={param_index!r} and num_params={num_params!r}: expected integers with "
                          "0 <= param_index < num_params")
     check_devices(device_dense, device_sparse)
-    check_process_set(process_set)
+    ps = check_process_set(process_set)
     op = _check_op(resolve_op(op, average))
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse_allreduce(tensor, op, prescale_factor, postscale_factor, name)
+        return _sparse_allreduce(tensor, op, prescale_factor, postscale_factor, name, ps)
     tensor = ops._as_tensor(tensor)
     compressed, ctx = compression.compress(tensor)
     out = ops.allreduce_tensor(compressed, ops._base_name("allreduce", tensor, name), op, prescale_factor,
-                               postscale_factor)
+                               postscale_factor, ps)
     return compression.decompress(out, ctx)
 
 
@@ -79,7 +80,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     the same shapes and dtypes (``IndexedSlices`` are allgathered, as in :func:`allreduce`).
     Mirrors ``horovod.tensorflow.grouped_allreduce``."""
     check_devices(device_dense, device_sparse)
-    check_process_set(process_set)
+    ps = check_process_set(process_set)
     op = _check_op(resolve_op(op, average))
     tensors = list(tensors)
     if not tensors:
@@ -90,11 +91,11 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     dense_idx = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
-            out[i] = _sparse_allreduce(t, op, prescale_factor, postscale_factor, f"{base}.{i}")
+            out[i] = _sparse_allreduce(t, op, prescale_factor, postscale_factor, f"{base}.{i}", ps)
     if dense_idx:
         comp = [compression.compress(ops._as_tensor(tensors[i])) for i in dense_idx]
         reduced = ops.grouped_allreduce_tensors([c for c, _ in comp], [f"{base}.{i}" for i in dense_idx], op,
-                                                prescale_factor, postscale_factor)
+                                                prescale_factor, postscale_factor, ps)
         for i, r, (_, ctx) in zip(dense_idx, reduced, comp):
             out[i] = compression.decompress(r, ctx)
     return out
@@ -118,29 +119,30 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
     """Return ``root_rank``'s ``tensor`` on every rank (same shape and dtype everywhere).
     Mirrors ``smdistributed.dataparallel.tensorflow.broadcast`` / ``horovod.tensorflow.broadcast``.
     A ``root_rank`` outside ``[0, size)`` raises ``TensorMismatchError`` on every rank."""
-    check_process_set(process_set)
+    ps = check_process_set(process_set)
     tensor = ops._as_tensor(tensor)
-    return ops.grouped_broadcast_tensors([tensor], [ops._base_name("broadcast", tensor, name)], int(root_rank))[0]
+    return ops.grouped_broadcast_tensors([tensor], [ops._base_name("broadcast", tensor, name)], int(root_rank),
+                                         ps)[0]
 
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along the first dimension, in rank order (the first
     dimension may differ per rank; the others and the dtype must agree).  The result's static
     first dimension is unknown.  Mirrors ``horovod.tensorflow.allgather``."""
-    check_process_set(process_set)
+    ps = check_process_set(process_set)
     tensor = ops._as_tensor(tensor)
-    return ops.allgather_tensor(tensor, ops._base_name("allgather", tensor, name))
+    return ops.allgather_tensor(tensor, ops._base_name("allgather", tensor, name), ps)
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
     """:func:`allgather` of each tensor of a list, in one op.  Mirrors
     ``horovod.tensorflow.grouped_allgather``."""
-    check_process_set(process_set)
+    ps = check_process_set(process_set)
     tensors = [ops._as_tensor(t) for t in tensors]
     if not tensors:
         return []
     base = ops._base_name("grouped_allgather", tensors[0], name)
-    return ops.grouped_allgather_tensors(tensors, [f"{base}.{i}" for i in range(len(tensors))])
+    return ops.grouped_allgather_tensors(tensors, [f"{base}.{i}" for i in range(len(tensors))], ps)
 
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -148,9 +150,9 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     sent here, concatenated in rank order.  ``splits`` (ints, length ``size``, summing to the first
     dimension) defaults to an equal split.  Returns the tensor, or ``(tensor, received_splits)``
     (int32, shape ``[size]``) when ``splits`` is given.  Mirrors ``horovod.tensorflow.alltoall``."""
-    check_process_set(process_set)
+    ps = check_process_set(process_set)
     tensor = ops._as_tensor(tensor)
-    out, rsplits = ops.alltoall_tensor(tensor, splits, ops._base_name("alltoall", tensor, name))
+    out, rsplits = ops.alltoall_tensor(tensor, splits, ops._base_name("alltoall", tensor, name), ps)
     return (out, rsplits) if splits is not None else out
 
 
@@ -161,12 +163,12 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Redu
     the first dimension (lower ranks get one extra row when it does not divide evenly).
     ``op`` defaults to AVERAGE.  Mirrors ``horovod.tensorflow.reducescatter``."""
     check_devices(device_dense, "")
-    check_process_set(process_set)
+    ps = check_process_set(process_set)
     op = _check_op(resolve_op(op))
     tensor = ops._as_tensor(tensor)
     compressed, ctx = compression.compress(tensor)
     out = ops.reducescatter_tensor(compressed, ops._base_name("reducescatter", tensor, name), op,
-                                   prescale_factor, postscale_factor)
+                                   prescale_factor, postscale_factor, ps)
     return compression.decompress(out, ctx)
 
 
@@ -189,8 +191,7 @@ def join():
 
 def barrier(process_set=global_process_set):
     """Block until every rank reaches the barrier.  Mirrors ``horovod.tensorflow.barrier``."""
-    check_process_set(process_set)
-    api.barrier()
+    api.barrier(check_process_set(process_set))
 
 
 def _runtime_int(fn, name, what):
@@ -204,11 +205,9 @@ def _runtime_int(fn, name, what):
 
 
 def size_op(process_set_id=0, name=None):
-    """A scalar int32 op returning ``size()`` when it runs (not when it is built).
-    Mirrors ``horovod.tensorflow.size_op``."""
-    if process_set_id != 0:
-        raise NotImplementedError("sdp supports only the global process set (process_set_id=0)")
-    return _runtime_int(api.size, name, "size_op()")
+    """A scalar int32 op returning the size of process set ``process_set_id`` (0: ``size()``) when it
+    runs (not when it is built; an unknown set then raises).  Mirrors ``horovod.tensorflow.size_op``."""
+    return _runtime_int(lambda: set_size(int(process_set_id)), name, "size_op()")
 
 
 def local_size_op(name=None):
@@ -227,7 +226,10 @@ def local_rank_op(name=None):
 
 
 def process_set_included_op(process_set_id=0, name=None):
-    """1 for the global process set (every rank belongs to it).  Mirrors Horovod's op."""
-    if process_set_id != 0:
-        raise NotImplementedError("sdp supports only the global process set (process_set_id=0)")
-    return tf.constant(1, tf.int32, name=name)
+    """A scalar int32 op: 1 if this rank is in process set ``process_set_id`` when it runs, 0 if
+    not, -3 (Horovod's HOROVOD_PROCESS_SET_ERROR_UNKNOWN_SET) for an unknown set.  Mirrors
+    ``horovod.tensorflow.process_set_included_op``."""
+    def included():
+        ranks = api.process_set_ranks(int(process_set_id))
+        return -3 if ranks is None else int(api.rank() in ranks)
+    return _runtime_int(included, name, "process_set_included_op()")

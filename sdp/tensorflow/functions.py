@@ -29,10 +29,10 @@ def _check_variables(variables, what):
     return variables
 
 
-def _broadcast_assign(variables, root_rank, base):
+def _broadcast_assign(variables, root_rank, base, process_set=0):
     prefix = ops.unique_name(base)  # eagerly: ``base`` itself (calls complete one after another)
     names = [f"{prefix}.{i}" for i in range(len(variables))]
-    new = ops.grouped_broadcast_tensors([_value(v) for v in variables], names, root_rank)
+    new = ops.grouped_broadcast_tensors([_value(v) for v in variables], names, root_rank, process_set)
     assigns = [v.assign(n) for v, n in zip(variables, new)]
     return new, assigns
 
@@ -45,12 +45,13 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     ``tf.compat.v1``) it returns the grouped assign op, to be run (``session.run``).  Shapes and
     dtypes must agree on every rank (``TensorMismatchError`` otherwise); a ``root_rank`` outside
     ``[0, size)`` raises ``TensorMismatchError``; a non-variable raises ``TypeError``.
-    ``inplace`` is accepted for Horovod compatibility (sdp always assigns in place)."""
-    check_process_set(process_set)
+    ``inplace`` is accepted for Horovod compatibility (sdp always assigns in place).
+    ``process_set``: only its ranks take part (``root_rank``, a job rank, must be one of them)."""
+    ps = check_process_set(process_set)
     variables = _check_variables(variables, "broadcast_variables")
     if not variables:
         return None if tf.executing_eagerly() else tf.no_op()
-    _, assigns = _broadcast_assign(variables, root_rank, "broadcast_variables")
+    _, assigns = _broadcast_assign(variables, root_rank, "broadcast_variables", ps)
     if tf.executing_eagerly():
         return None
     return tf.group(*[a for a in assigns if a is not None])
@@ -59,11 +60,11 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """In-place broadcast: assign ``root_rank``'s values to ``variables`` and return the new values
     (a list of tensors).  Mirrors ``horovod.tensorflow.broadcast_``."""
-    check_process_set(process_set)
+    ps = check_process_set(process_set)
     variables = _check_variables(variables, "broadcast_")
     if not variables:
         return []
-    new, assigns = _broadcast_assign(variables, root_rank, name or "broadcast_")
+    new, assigns = _broadcast_assign(variables, root_rank, name or "broadcast_", ps)
     if tf.executing_eagerly():
         return new
     with tf.control_dependencies([a for a in assigns if a is not None]):
@@ -87,19 +88,18 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=glob
     """Pickle ``obj`` on ``root_rank`` and return it on every rank (runs at once, in graph mode
     too; ``session`` is accepted for TF1 compatibility).  Mirrors
     ``horovod.tensorflow.broadcast_object``."""
-    check_process_set(process_set)
-    return api.broadcast_object(obj, root_rank, name)
+    return api.broadcast_object(obj, root_rank, name, check_process_set(process_set))
 
 
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
     """Return ``fn(obj) -> obj`` that broadcasts ``obj`` from ``root_rank`` each time it is
     called.  Mirrors ``horovod.tensorflow.broadcast_object_fn``."""
-    check_process_set(process_set)
+    ps = check_process_set(process_set)
     base = name or "broadcast_object_fn"
     calls = itertools.count()
 
     def _bcast(obj):
-        return api.broadcast_object(obj, root_rank, f"{base}.{next(calls)}")
+        return api.broadcast_object(obj, root_rank, f"{base}.{next(calls)}", ps)
 
     return _bcast
 
@@ -107,5 +107,4 @@ def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """Pickle ``obj`` on every rank and return the list of all ranks' objects, in rank order.
     Mirrors ``horovod.tensorflow.allgather_object``."""
-    check_process_set(process_set)
-    return api.allgather_object(obj, name)
+    return api.allgather_object(obj, name, check_process_set(process_set))

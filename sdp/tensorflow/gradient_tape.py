@@ -6,6 +6,8 @@ Mirrors ``smdistributed.dataparallel.tensorflow.DistributedGradientTape`` and
 """
 import tensorflow as tf
 
+from sdp import api
+
 from sdp.common.reduce_ops import ReduceOp
 from sdp.tensorflow.compression import Compression, gradient_compression
 from sdp.tensorflow.gradients import (GradientReducer, check_devices, check_process_set,  # noqa: F401
@@ -28,7 +30,8 @@ class DistributedGradientTape(tf.GradientTape):
       gradient_predivide_factor: with AVERAGE, scale by ``1/f`` before and ``f/size`` after the sum.
       num_groups, groups: accepted and validated as Horovod does; no effect on the results (the
         engine fuses all gradients of a call by itself).
-      process_set: only the global process set (``NotImplementedError`` otherwise).
+      process_set: the ranks that reduce together (``hvd.ProcessSet``; default all); only they
+        may call ``gradient()``, and AVERAGE divides by the set's size.
       scale_local_gradients: divide gradients of sources registered with
         :meth:`register_local_source` by ``size()`` (Horovod's default, True).
 
@@ -42,14 +45,15 @@ class DistributedGradientTape(tf.GradientTape):
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
         check_devices(device_dense, device_sparse)
-        check_process_set(process_set)
+        api.process_set_id(process_set)  # a registered set (membership is checked when reducing)
         resolve_groups(num_groups, groups)
         # Adopt the wrapped tape's recording state (the tape keeps recording into the same place).
         self.__dict__ = dict(gradtape.__dict__)
         self._sdp_tape = gradtape
         self._sdp_reducer = GradientReducer("DistributedGradientTape", gradient_compression(compression),
-                                            sparse_as_dense, op, gradient_predivide_factor, scale_local_gradients)
-        self.process_set = global_process_set
+                                            sparse_as_dense, op, gradient_predivide_factor, scale_local_gradients,
+                                            process_set)
+        self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
 
     def register_local_source(self, source):

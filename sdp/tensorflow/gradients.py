@@ -13,37 +13,26 @@ import tensorflow as tf
 
 from sdp import api
 from sdp.common.reduce_ops import ReduceOp, resolve_op
+from sdp.process_sets import global_process_set, set_size  # noqa: F401  (Horovod's hvd.global_process_set)
 from sdp.tensorflow import ops
 from sdp.tensorflow.compression import Compression
 
 
-class _GlobalProcessSet:
-    """The only process set sdp has: all ranks.  Mirrors ``horovod.tensorflow.global_process_set``."""
-
-    process_set_id = 0
-    ranks = None
-
-    def size(self) -> int:
-        return api.size()
-
-    def rank(self) -> int:
-        return api.rank()
-
-    def included(self) -> bool:
-        return True
-
-    def __repr__(self):
-        return "ProcessSet(process_set_id=0, ranks=all)"
-
-
-global_process_set = _GlobalProcessSet()
-
-
-def check_process_set(process_set) -> None:
-    """Only the global process set exists: raise ``NotImplementedError`` for anything else."""
-    if process_set is None or process_set is global_process_set or getattr(process_set, "process_set_id", None) == 0:
-        return
-    raise NotImplementedError(f"process_set={process_set!r}: sdp supports only the global process set")
+def check_process_set(process_set) -> int:
+    """The engine id of ``process_set`` (a :class:`sdp.process_sets.ProcessSet`, an id, or None
+    for the global set).  Raises ``ValueError`` for a set that is not registered (or was removed)
+    or that does not hold this rank, naming the set and the rank."""
+    ps = api.process_set_id(process_set)
+    if ps:
+        ranks = api.process_set_ranks(ps)
+        me = api.rank()
+        if ranks is None:
+            raise ValueError(f"{process_set}: process set {ps} is not registered (hvd.init(process_sets=...) or "
+                             "hvd.add_process_set())")
+        if me not in ranks:
+            raise ValueError(f"rank {me} is not in process set {ps} (ranks {ranks}); only the set's ranks may "
+                             "call its collectives")
+    return ps
 
 
 def check_devices(device_dense, device_sparse) -> None:
@@ -81,11 +70,14 @@ class GradientReducer:
     MIN, MAX, PRODUCT; Adasum raises ``NotImplementedError``).  ``gradient_predivide_factor``
     (AVERAGE only, else ``ValueError``) scales by ``1/f`` before the sum and ``f/size`` after.
     ``scale_local_gradients``: divide gradients of local variables by ``size()``, as Horovod does.
+    ``process_set``: the set whose ranks reduce together (an id or a ``ProcessSet``; checked on
+    every call, see :func:`check_process_set`); AVERAGE divides by its size.
     """
 
     def __init__(self, name, compression=Compression.none, sparse_as_dense=False, op=ReduceOp.AVERAGE,
-                 gradient_predivide_factor=1.0, scale_local_gradients=True):
+                 gradient_predivide_factor=1.0, scale_local_gradients=True, process_set=global_process_set):
         self.name = name
+        self.process_set = process_set
         self.compression = compression if compression is not None else Compression.none
         self.sparse_as_dense = bool(sparse_as_dense)
         self.op = resolve_op(op)
@@ -116,8 +108,9 @@ class GradientReducer:
         if self._local and (variables is None or len(variables) != len(grads)):
             raise ValueError("local variables are registered: pass the variables matching the gradients")
         local = [bool(self._local) and _ref(v) in self._local for v in (variables or [None] * len(grads))]
+        ps = check_process_set(self.process_set)
         prefix = ops.unique_name(self.name)
-        batch = ops.Batch("gradient allreduce")
+        batch = ops.Batch("gradient allreduce", ps)
         plan = []
         for i, (g, is_local) in enumerate(zip(grads, local)):
             if g is None or is_local:
@@ -139,7 +132,7 @@ class GradientReducer:
                 plan.append(("dense", ctx, ri))
         results = batch.run()
         out = []
-        n = api.size()
+        n = set_size(ps)
         for g, p, is_local in zip(grads, plan, local):
             if p is None:
                 if is_local and g is not None and self.scale_local_gradients and n > 1:

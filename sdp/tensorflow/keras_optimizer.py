@@ -220,12 +220,14 @@ def _copy_state(old, new):
 
 
 def make(optimizer, name=None, compression=None, sparse_as_dense=False, op=None, gradient_predivide_factor=1.0,
-         backward_passes_per_step=1, average_aggregated_gradients=False, scale_local_gradients=True):
-    """Build the reducer/aggregator for ``optimizer`` and return the distributed optimizer."""
+         backward_passes_per_step=1, average_aggregated_gradients=False, scale_local_gradients=True,
+         process_set=None):
+    """Build the reducer/aggregator for ``optimizer`` (reducing among ``process_set``'s ranks;
+    None: all) and return the distributed optimizer."""
     from sdp.common.reduce_ops import ReduceOp
     reducer = GradientReducer(name or f"DistributedOptimizer.{type(optimizer).__name__}", compression,
                               sparse_as_dense, ReduceOp.AVERAGE if op is None else op,
-                              gradient_predivide_factor, scale_local_gradients)
+                              gradient_predivide_factor, scale_local_gradients, process_set)
     aggregator = None
     if backward_passes_per_step > 1:
         aggregator = LocalAggregator(backward_passes_per_step, reducer, average_aggregated_gradients,

@@ -19,9 +19,9 @@ Horovod's *low-level* ops and their conventions, which differ from the top-level
   ``rank``, ``local_size``, ``local_rank``, ``cross_size``, ``cross_rank``, ``is_initialized``,
   ``shutdown``, ``start_timeline``, ``stop_timeline``, ``is_homogeneous`` and the build queries
   (``mpi_built`` ... ``rocm_built``); ``global_process_set``.
-- Process sets other than the global one (``ProcessSet``, ``add_process_set``,
-  ``remove_process_set``) come from :mod:`sdp.tensorflow` when it has them; until then using
-  them raises ``NotImplementedError`` naming the API.  ``MPI_LIB`` (Horovod's compiled op
+- Process sets: ``ProcessSet``, ``add_process_set``, ``remove_process_set``,
+  ``global_process_set`` (:mod:`sdp.process_sets`); ``init(process_sets=[...] or "dynamic")``
+  registers static sets (every rank passes the same list).  ``MPI_LIB`` (Horovod's compiled op
   library) does not exist in sdp.
 """
 import re
@@ -30,6 +30,7 @@ from sdp.common import reduce_ops as _reduce_ops
 from sdp.common.errors import AlreadyInitializedError as _AlreadyInitializedError
 from sdp.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
 from sdp.common.util import get_average_backwards_compatibility_fun, num_rank_is_power_2
+from sdp.process_sets import ProcessSet, add_process_set, init_process_sets, remove_process_set  # noqa: F401
 from sdp.tensorflow import (allgather, alltoall, barrier, broadcast, broadcast_, ccl_built,  # noqa: F401
                             cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
                             global_process_set, grouped_allgather, grouped_allreduce, grouped_reducescatter,
@@ -44,18 +45,23 @@ from sdp.tensorflow.util import _executing_eagerly  # noqa: F401
 handle_average_backwards_compatibility = get_average_backwards_compatibility_fun(_reduce_ops)
 check_num_rank_power_of_2 = num_rank_is_power_2
 
-_PROCESS_SET_API = ("ProcessSet", "add_process_set", "remove_process_set")
 
-
-def init(*args, **kwargs):
+def init(comm=None, process_sets=None):
     """Initialize sdp, or do nothing if it already is.  Mirrors ``horovod.tensorflow.init``
-    (Horovod initializes once; later calls return at once).  The arguments (``comm``,
-    ``process_sets``) are checked on every call as :func:`sdp.tensorflow.init` checks them;
-    unsupported values raise ``NotImplementedError``."""
+    (Horovod initializes once; later calls return at once).  ``comm``: None or ``[]`` (all
+    ranks; anything else raises ``NotImplementedError``, checked on every call).
+    ``process_sets``: a list of :class:`ProcessSet` registered as static sets (every rank passes
+    the same list; their ``process_set_id`` is set; ``ValueError`` for a duplicate), or
+    ``"dynamic"`` (sets ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` for :func:`add_process_set`); used by
+    the call that initializes."""
+    from sdp import api
+    first = not api.is_initialized()
     try:
-        _sdp_init(*args, **kwargs)
+        _sdp_init(comm)
     except _AlreadyInitializedError:
         pass  # Horovod's rule: init() on an initialized process is a no-op
+    if first:
+        init_process_sets(process_sets)
 
 
 def _normalize_name(name: str) -> str:
@@ -97,18 +103,3 @@ def _grouped_reducescatter(tensors, name=None, op=Sum, ignore_name_scope=False, 
     return grouped_reducescatter(tensors, op=op, process_set=process_set)
 
 
-def _process_set_unsupported(api_name):
-    def unsupported(*args, **kwargs):
-        raise NotImplementedError(f"horovod.tensorflow.mpi_ops.{api_name}: process sets other than the "
-                                  "global one are not supported by sdp yet")
-    unsupported.__name__ = api_name
-    unsupported.__qualname__ = api_name
-    return unsupported
-
-
-def __getattr__(name):
-    if name in _PROCESS_SET_API:
-        import sdp.tensorflow as _tf
-        value = _tf.__dict__.get(name)
-        return value if value is not None else _process_set_unsupported(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

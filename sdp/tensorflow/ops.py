@@ -206,8 +206,9 @@ class Batch:
     and broadcasts, started by submit ops and collected by one wait op (see :meth:`run`).
     ``add_*`` returns the index of the result in :meth:`run`'s list."""
 
-    def __init__(self, what: str = "collective"):
+    def __init__(self, what: str = "collective", process_set: int = 0):
         self.what = what
+        self.process_set = process_set  # process set id (sdp.api), 0: all ranks
         self._reduce = []  # (index, tensor, name)
         self._reduce_args = None
         self._gather = []
@@ -264,7 +265,8 @@ class Batch:
             groups.append(("other", self._gather + self._bcast))
         rargs = self._reduce_args
         order = [it[0] for _, items in groups for it in items]
-        starters = [(_starter(kind, items, rargs), [self._tensors[it[0]] for it in items]) for kind, items in groups]
+        starters = [(_starter(kind, items, rargs, self.process_set), [self._tensors[it[0]] for it in items])
+                    for kind, items in groups]
         if tf.executing_eagerly():
             handles = [h for start, ts in starters for h in start([np.asarray(t) for t in ts])]
             result = [None] * len(order)
@@ -303,20 +305,20 @@ def _buckets(reduce, tensors, threshold):
     return buckets
 
 
-def _starter(kind, items, rargs):
-    """``fn(arrays) -> handles`` that hands ``items``' collectives to the engine."""
+def _starter(kind, items, rargs, ps=0):
+    """``fn(arrays) -> handles`` that hands ``items``' collectives (of process set ``ps``) to the engine."""
     def start(arrays):
         if kind == "allreduce":
             op, pre, post = rargs
-            return api.grouped_allreduce_async(arrays, [it[1] for it in items], op, pre, post)
+            return api.grouped_allreduce_async(arrays, [it[1] for it in items], op, pre, post, process_set=ps)
         handles, by_root = {}, {}
         for a, it in zip(arrays, items):
             if len(it) == 2:
-                handles[it[0]] = api.allgather_async(a, it[1])
+                handles[it[0]] = api.allgather_async(a, it[1], process_set=ps)
             else:
                 by_root.setdefault(it[2], []).append((it[0], a, it[1]))
         for root, group in by_root.items():
-            hs = api.grouped_broadcast_async([a for _, a, _ in group], root, [n for *_, n in group])
+            hs = api.grouped_broadcast_async([a for _, a, _ in group], root, [n for *_, n in group], process_set=ps)
             handles.update((i, h) for (i, _, _), h in zip(group, hs))
         return [handles[it[0]] for it in items]
     return start
@@ -451,8 +453,8 @@ def as_output(arr: np.ndarray):
     return arr
 
 
-def _grouped_allreduce_raw(tensors, names, op, prescale_factor=1.0, postscale_factor=1.0):
-    b = Batch("allreduce")
+def _grouped_allreduce_raw(tensors, names, op, prescale_factor=1.0, postscale_factor=1.0, process_set=0):
+    b = Batch("allreduce", process_set)
     for t, n in zip(tensors, names):
         b.add_allreduce(t, n, op, prescale_factor, postscale_factor)
     return b.run()
@@ -468,7 +470,7 @@ def _could_record() -> bool:
     return record.could_possibly_record()
 
 
-def grouped_allreduce_tensors(tensors, names, op, prescale_factor=1.0, postscale_factor=1.0):
+def grouped_allreduce_tensors(tensors, names, op, prescale_factor=1.0, postscale_factor=1.0, process_set=0):
     """Allreduce a list of tensors in one op (fused by the engine); same shapes/dtypes out.
 
     Differentiable for SUM and AVERAGE: the gradient is the same allreduce of the incoming
@@ -479,16 +481,16 @@ def grouped_allreduce_tensors(tensors, names, op, prescale_factor=1.0, postscale
     op = ReduceOp(int(op))
     if (op not in (ReduceOp.SUM, ReduceOp.AVERAGE) or not all(t.dtype.is_floating for t in tensors)
             or (tf.executing_eagerly() and not _could_record())):
-        return _grouped_allreduce_raw(tensors, names, op, prescale_factor, postscale_factor)
+        return _grouped_allreduce_raw(tensors, names, op, prescale_factor, postscale_factor, process_set)
 
     @tf.custom_gradient
     def reduce(*xs):
-        ys = _grouped_allreduce_raw(list(xs), names, op, prescale_factor, postscale_factor)
+        ys = _grouped_allreduce_raw(list(xs), names, op, prescale_factor, postscale_factor, process_set)
 
         def grad(*dys):
             dys = [tf.zeros_like(x) if d is None else d for d, x in zip(dys, xs)]
             return _grouped_allreduce_raw(dys, [n + ".grad" for n in names], op, prescale_factor,
-                                          postscale_factor)
+                                          postscale_factor, process_set)
 
         return ys, grad
 
@@ -496,39 +498,39 @@ def grouped_allreduce_tensors(tensors, names, op, prescale_factor=1.0, postscale
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def allreduce_tensor(tensor, name, op, prescale_factor=1.0, postscale_factor=1.0):
-    return grouped_allreduce_tensors([tensor], [name], op, prescale_factor, postscale_factor)[0]
+def allreduce_tensor(tensor, name, op, prescale_factor=1.0, postscale_factor=1.0, process_set=0):
+    return grouped_allreduce_tensors([tensor], [name], op, prescale_factor, postscale_factor, process_set)[0]
 
 
-def grouped_broadcast_tensors(tensors, names, root_rank):
+def grouped_broadcast_tensors(tensors, names, root_rank, process_set=0):
     """Broadcast a list of tensors from ``root_rank`` in one op."""
-    b = Batch("broadcast")
+    b = Batch("broadcast", process_set)
     for t, n in zip(tensors, names):
         b.add_broadcast(t, n, root_rank)
     return b.run()
 
 
-def grouped_allgather_tensors(tensors, names):
+def grouped_allgather_tensors(tensors, names, process_set=0):
     """Concatenate every rank's tensors along dimension 0, for each tensor of the list, in one op."""
-    b = Batch("allgather")
+    b = Batch("allgather", process_set)
     for t, n in zip(tensors, names):
         b.add_allgather(t, n)
     return b.run()
 
 
-def allgather_tensor(tensor, name):
+def allgather_tensor(tensor, name, process_set=0):
     """Concatenate every rank's tensor along dimension 0."""
-    return grouped_allgather_tensors([tensor], [name])[0]
+    return grouped_allgather_tensors([tensor], [name], process_set)[0]
 
 
-def alltoall_tensor(tensor, splits, name):
+def alltoall_tensor(tensor, splits, name, process_set=0):
     """Send ``splits[j]`` rows of ``tensor`` to rank j; returns ``(received, received_splits)``
     (``received_splits`` is int32 of shape ``[size]``).  ``splits=None``: an equal split."""
     api.runtime("alltoall()")
     check_not_xla("alltoall")
     tensor = _as_tensor(tensor)
     _check_dtype(tensor, "alltoall", name)
-    n = api.size()
+    n = len(api.process_set_ranks(process_set) or ())
     if splits is None:
         splits_t = tf.zeros([0], tf.int32)
     else:
@@ -536,14 +538,14 @@ def alltoall_tensor(tensor, splits, name):
 
     def fn(arrays):
         a, s = arrays
-        return api.alltoall(a, None if s.size == 0 else [int(x) for x in s], name)
+        return api.alltoall(a, None if s.size == 0 else [int(x) for x in s], name, process_set)
 
     out, rsplits = run_numpy(fn, [tensor, splits_t], [tensor.dtype, tf.int32],
                               [_gathered_shape(tensor), tf.TensorShape([n])], name, blocking=True)
     return out, rsplits
 
 
-def reducescatter_tensor(tensor, name, op, prescale_factor=1.0, postscale_factor=1.0):
+def reducescatter_tensor(tensor, name, op, prescale_factor=1.0, postscale_factor=1.0, process_set=0):
     """Reduce ``tensor`` over ranks and return this rank's rows of dimension 0 (lower ranks get
     the extra rows when it does not divide evenly)."""
     api.runtime("reducescatter()")
@@ -554,7 +556,7 @@ def reducescatter_tensor(tensor, name, op, prescale_factor=1.0, postscale_factor
     _check_dtype(tensor, "reducescatter", name, ReduceOp(int(op)), float(prescale_factor), float(postscale_factor))
 
     def fn(arrays):
-        return [api.reducescatter(arrays[0], name, op, prescale_factor, postscale_factor)]
+        return [api.reducescatter(arrays[0], name, op, prescale_factor, postscale_factor, process_set)]
 
     return run_numpy(fn, [tensor], [tensor.dtype], [_gathered_shape(tensor)], name, blocking=True)[0]
 

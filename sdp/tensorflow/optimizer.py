@@ -118,12 +118,12 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     accumulating locally in between; TF1 optimizers need graph mode for N > 1, as in Horovod),
     ``average_aggregated_gradients`` (divide the accumulated sum by N), ``gradient_predivide_factor``
     (AVERAGE only), ``num_groups``/``groups`` (validated; no effect on results),
-    ``process_set`` (global only), ``scale_local_gradients``.
+    ``process_set`` (the ranks that reduce together; default all), ``scale_local_gradients``.
 
     Mirrors ``smdistributed.dataparallel.tensorflow.DistributedOptimizer`` and
     ``horovod.tensorflow.DistributedOptimizer``."""
     check_devices(device_dense, device_sparse)
-    check_process_set(process_set)
+    api.process_set_id(process_set)  # a registered set (membership is checked when reducing)
     resolve_groups(num_groups, groups)
     op = resolve_op(op)
     if op == ReduceOp.ADASUM:
@@ -137,7 +137,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         apply_bucket_cap(bucket_cap_mb)
         name = name or f"Distributed{type(optimizer).__name__}"
         reducer = GradientReducer(name, compression, sparse_as_dense, op, gradient_predivide_factor,
-                                  scale_local_gradients)
+                                  scale_local_gradients, process_set)
         aggregator = None
         if backward_passes_per_step > 1:
             if tf.executing_eagerly():
@@ -152,6 +152,6 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         apply_bucket_cap(bucket_cap_mb)
         return keras_optimizer.make(optimizer, name, compression, sparse_as_dense, op, gradient_predivide_factor,
                                     backward_passes_per_step, average_aggregated_gradients,
-                                    scale_local_gradients)
+                                    scale_local_gradients, process_set)
     raise ValueError("Provided optimizer doesn't inherit from either legacy TensorFlow or Keras optimizer: "
                      f"{optimizer!r}")

@@ -5,9 +5,9 @@ other name is :mod:`sdp.tensorflow.keras`'s own object; ``horovod.tensorflow.ker
 import sdp.tensorflow.keras as _face
 from sdp.tensorflow.keras import *  # noqa: F401,F403
 from sdp.tensorflow.keras import elastic  # noqa: F401  (Horovod's hvd.elastic.KerasState, ...)
-from sdp.tensorflow.mpi_ops import init  # noqa: F401
+from sdp.tensorflow.mpi_ops import ProcessSet, add_process_set, init, remove_process_set  # noqa: F401
 
-__all__ = list(_face.__all__)
+__all__ = list(_face.__all__) + ["ProcessSet", "add_process_set", "remove_process_set"]
 
 
 def __getattr__(name):

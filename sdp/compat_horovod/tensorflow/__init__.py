@@ -2,7 +2,9 @@
 
 The one difference from :mod:`sdp.tensorflow` (which mirrors SageMaker's rule, shared with
 ``smdistributed.dataparallel.tensorflow``): ``init()`` on an initialized process is a no-op, as in
-Horovod (:func:`sdp.tensorflow.mpi_ops.init`).  Every other name is :mod:`sdp.tensorflow`'s own
+Horovod, and takes Horovod's ``process_sets`` (:func:`sdp.tensorflow.mpi_ops.init`).  Process
+sets (``ProcessSet``, ``add_process_set``, ``remove_process_set``, ``global_process_set``) are
+:mod:`sdp.process_sets`'s.  Every other name is :mod:`sdp.tensorflow`'s own
 object, looked up there (names added to :mod:`sdp.tensorflow` later appear here too), then in
 :mod:`sdp.tensorflow.mpi_ops` (Horovod's low-level names; process sets).  This is a
 package only so that ``horovod.tensorflow.<sub>`` can be imported; :mod:`sdp.compat` maps those
@@ -12,14 +14,13 @@ import sdp.tensorflow as _face
 from sdp.tensorflow import *  # noqa: F401,F403
 from sdp.tensorflow import elastic  # noqa: F401  (Horovod's hvd.elastic.run, ...)
 from sdp.tensorflow import mpi_ops as _mpi_ops
-from sdp.tensorflow.mpi_ops import init  # noqa: F401
+from sdp.tensorflow.mpi_ops import ProcessSet, add_process_set, init, remove_process_set  # noqa: F401
 
-__all__ = list(_face.__all__)
+__all__ = list(_face.__all__) + ["ProcessSet", "add_process_set", "remove_process_set"]
 
 
 def __getattr__(name):
-    """sdp.tensorflow's name, else horovod.tensorflow.mpi_ops's (e.g. ``ProcessSet``, which raises
-    ``NotImplementedError`` naming the API while sdp lacks it)."""
+    """sdp.tensorflow's name, else horovod.tensorflow.mpi_ops's (Horovod's low-level names)."""
     for module in (_face, _mpi_ops):
         try:
             return getattr(module, name)
