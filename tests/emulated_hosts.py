@@ -154,6 +154,16 @@ class EmulatedHosts:
                 return left
             time.sleep(0.1)
 
+    def set_aliases(self, aliases: Dict[str, List[str]]) -> None:
+        """Make every host resolve the names ``aliases[host]`` to ``host``'s address (as a
+        cluster's DNS would: a headless Service's pod names, SageMaker's ``algo-N``), by
+        rewriting ``/etc/netns/NS/hosts``; ``{}`` removes them again."""
+        lines = ["127.0.0.1 localhost"] + [
+            " ".join([self.address(h), h] + list(aliases.get(h, ()))) for h in self.names]
+        for h in self.names:
+            with open(os.path.join(NETNS_ETC, self.netns(h), "hosts"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+
     def link(self, host: str, up: bool) -> None:
         """Cut (``up=False``) or restore ``host``'s link to the bridge (``ip link set ... down``)."""
         _run(["ip", "-n", self.netns(host), "link", "set", "eth0", "up" if up else "down"])

@@ -1,0 +1,46 @@
+"""Replay a cluster's per-process environments on emulated hosts (tests/emulated_hosts.py).
+
+A Kubernetes pod or a SageMaker instance is a process with a given environment on a host with a
+given DNS name; :func:`run_processes` starts one such process per ``(host, env)`` at once in the
+hosts' namespaces (nothing but the environment tells sdp where it is) and waits for all."""
+import os
+import subprocess
+import sys
+import time
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers_cluster.py")
+# What a container image would provide besides the manifest's env: the interpreter and sdp.
+BASE_NAMES = ("PATH", "HOME", "LANG", "TMPDIR")
+
+
+def base_env(**extra) -> Dict[str, str]:
+    env = {k: os.environ[k] for k in BASE_NAMES if k in os.environ}
+    env["PYTHONPATH"] = REPO
+    env.update(extra)
+    return env
+
+
+def run_processes(hosts, procs: Sequence[Tuple[str, Mapping[str, str]]], argv: Sequence[str],
+                  timeout_s: float = 120.0, cwd: str = REPO) -> List[subprocess.CompletedProcess]:
+    """Run ``argv`` once per ``(host, env)`` of ``procs``, all at once; return their results in
+    order.  Every process still running after ``timeout_s`` seconds is killed (its result then
+    has return code -9)."""
+    started = [hosts.popen(host, list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for host, env in procs]
+    deadline = time.monotonic() + timeout_s
+    results = []
+    for (host, _), p in zip(procs, started):
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+def python_argv(script: str = WORKER, *args: str) -> List[str]:
+    return [sys.executable, script, *args]
