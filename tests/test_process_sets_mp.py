@@ -43,6 +43,15 @@ def test_error_cases_name_the_set_and_rank():
             assert out["after"] == [3.0, 3.0]
 
 
+def test_disjoint_sets_do_not_wait_for_each_other():
+    """Set [2, 3] completes 20 allreduces while set [0, 1] still waits for its late rank 1
+    (negotiated by rank 0, which is in the other set)."""
+    values = check_ok(run_workers(4, "workers_process_sets:disjoint_sets", timeout=60))
+    fast = max(v[0] for v in values[2:])
+    slow = min(v[1] for v in values[:2])
+    assert slow >= 2.0 and fast < 1.5, values
+
+
 def test_coordinator_refuses_a_rank_outside_the_set():
     """A peer that skips the local check (or lies) is refused by rank 0's coordinator: an error item
     naming the set and the rank, and the set's collective still runs for its members."""

@@ -185,3 +185,26 @@ def hvd_face(dynamic):
         out["a_after"] = a.process_set_id
     hvd.barrier()
     return out
+
+
+def disjoint_sets():
+    """Sets [0, 1] and [2, 3]: while set [0, 1] waits 2 s for rank 1, set [2, 3] runs 20
+    allreduces.  Returns (seconds set [2, 3] took or None, seconds set [0, 1] took or None)."""
+    import time
+    from sdp import api
+    me = api.rank()
+    low, high = api.add_process_sets([[0, 1], [2, 3]])
+    t0 = time.monotonic()
+    if me in (0, 1):
+        if me == 1:
+            time.sleep(2.0)
+        out = api.allreduce(np.ones(4), "slow", op=api.ReduceOp.SUM, process_set=low)
+        assert out.tolist() == [2.0] * 4
+        took = (None, time.monotonic() - t0)
+    else:
+        for i in range(20):
+            out = api.allreduce(np.full(1000, me, np.float32), "fast", op=api.ReduceOp.SUM, process_set=high)
+            assert out[0] == 5.0
+        took = (time.monotonic() - t0, None)
+    api.barrier()
+    return took
