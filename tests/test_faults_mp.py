@@ -1,5 +1,7 @@
 """Faults that must not lose a job by accident, and faults that must end it cleanly (issue 17)."""
-import pytest
+import glob
+import os
+
 
 from harness import run_workers
 
@@ -50,3 +52,20 @@ def test_unnamed_collectives_in_a_loop_keep_the_caches_bounded():
         ours, coord, total = r.value
         assert total == 2 * 99.0
         assert ours <= 2 * 8 and coord <= (2 * 8 if r.rank == 0 else 0), r.value
+
+
+def test_a_rank_killed_in_start_up_leaves_nothing_in_dev_shm():
+    """Without sdprun (whose exit sweep would remove it): rank 1 dies (SIGKILL) right after
+    making its segment; rank 0's failed start removes the orphan (was left: 192 MiB a rank)."""
+    job = "faults" + os.urandom(4).hex()
+    try:
+        results = run_workers(2, "workers_faults:killed_in_startup", [job], timeout=60, init=False,
+                              env={"SDP_JOB_ID": job, "SDP_START_TIMEOUT": "3"})
+        assert results[1].returncode == -9, results[1].stderr[-2000:]
+        assert results[0].ok, results[0].stderr[-2000:]
+        etype, left = results[0].value
+        assert etype in ("RendezvousError", "CollectiveTimeoutError", "PeerLostError"), etype
+        assert left == [] and glob.glob(f"/dev/shm/sdp-{job}-*") == [], left
+    finally:
+        for path in glob.glob(f"/dev/shm/sdp-{job}-*"):
+            os.unlink(path)

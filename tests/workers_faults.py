@@ -42,20 +42,27 @@ def _zmtp_plain(endpoint, user, token, identity):
     host, port = endpoint[len("tcp://"):].rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=5)
 
+    def recv_exact(n):
+        data = b""
+        while len(data) < n:
+            more = s.recv(n - len(data))
+            assert more, "connection closed in the handshake"
+            data += more
+        return data
+
     def command(name, body=b""):
         data = bytes([len(name)]) + name + body
         s.sendall(bytes([0x04, len(data)]) + data if len(data) < 256 else
                   bytes([0x06]) + struct.pack(">Q", len(data)) + data)
 
     def read_command():
-        flags, = s.recv(1, socket.MSG_WAITALL)
-        size = s.recv(1, socket.MSG_WAITALL)[0] if not flags & 0x02 else \
-            struct.unpack(">Q", s.recv(8, socket.MSG_WAITALL))[0]
-        body = s.recv(size, socket.MSG_WAITALL)
+        flags, = recv_exact(1)
+        size = recv_exact(1)[0] if not flags & 0x02 else struct.unpack(">Q", recv_exact(8))[0]
+        body = recv_exact(size)
         return body[1:1 + body[0]]
 
     s.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"PLAIN".ljust(20, b"\x00") + b"\x00" * 32)
-    greeting = s.recv(64, socket.MSG_WAITALL)
+    greeting = recv_exact(64)
     assert greeting[12:17] == b"PLAIN", greeting
     command(b"HELLO", bytes([len(user)]) + user + bytes([len(token)]) + token)
     assert read_command() == b"WELCOME"
@@ -111,3 +118,27 @@ def unnamed_loop(steps, names):
         x = sdp.allreduce(np.full(3, float(i)), op=sdp.Sum)
         sdp.broadcast(np.ones(2), 0)
     return [len(rt._cache), len(rt._coord.cache_meta) if rt._coord else 0, float(x[0])]
+
+
+def killed_in_startup(job):
+    """Rank 1 kills itself (SIGKILL) as soon as its shared-memory segment exists, before its
+    peers mapped it; rank 0 comes late, fails to start, and returns its error type and the
+    files of the job left in /dev/shm (run with init=False, SDP_JOB_ID=job)."""
+    import glob
+    pattern = f"/dev/shm/sdp-{job}-*"
+    if sdp.api._topology.from_env().rank == 1:
+        def suicide():
+            for _ in range(20000):
+                if glob.glob(f"/dev/shm/sdp-{job}-1-*"):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(0.0005)
+        threading.Thread(target=suicide, daemon=True).start()
+        sdp.init()
+        time.sleep(30)
+        return None
+    time.sleep(1.0)
+    try:
+        sdp.init()
+        return ["none", glob.glob(pattern)]
+    except errors.SdpError as e:
+        return [type(e).__name__, glob.glob(pattern)]

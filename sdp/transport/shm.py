@@ -59,6 +59,34 @@ def remove_job_files(job: str) -> int:
     return removed
 
 
+def process_state(pid) -> Optional[str]:
+    """The state letter of process ``pid`` on this host from ``/proc/<pid>/stat`` (R, S, D, T
+    stopped, t traced, Z zombie...), or None if there is no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:][:1].decode()
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def remove_orphans(job: str) -> int:
+    """Unlink the segment files of job ``job`` whose creator (the pid in the name) is dead: a
+    rank killed between creating its segment and every peer mapping it.  Called by a rank
+    whose start-up failed, which also covers jobs started without ``sdprun`` (whose sweep,
+    :func:`remove_job_files`, needs it to outlive the job).  Returns how many."""
+    removed = 0
+    for path in glob.glob(os.path.join(SHM_DIR, f"sdp-{glob.escape(job)}-*-*")):
+        pid = path.rsplit("-", 1)[1]
+        if pid.isdigit() and process_state(pid) in (None, "Z", "X"):
+            try:
+                os.unlink(path)
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
 class ResultPool:
     """First-fit allocator of result arrays in this rank's segment, ``[base, base + nbytes)``.
 

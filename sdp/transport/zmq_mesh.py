@@ -42,6 +42,7 @@ from sdp.common.errors import CollectiveTimeoutError, PeerLostError, ProtocolErr
 from sdp.common.config import Config
 from sdp.common.network import bind_address
 from sdp.transport import rendezvous, security, shm
+from sdp.transport.shm import process_state
 
 log = logging.getLogger("sdp.transport")
 
@@ -58,17 +59,6 @@ HEARTBEAT_IVL_MS = 1000  # ZeroMQ PING to every peer this often (ms)
 LINK_TIMEOUT_MS = 5000  # TCP: bytes unacknowledged this long (link down, host gone) end the connection
 SMALL_FRAME = 64 * 1024  # bytes: collectives send buffers up to this in one frame (recursive doubling)
 CTRL_HEADROOM = 16 << 20  # bytes: room for control messages (a request naming ~100,000 new tensors)
-
-
-def process_state(pid) -> Optional[str]:
-    """The state letter of process ``pid`` on this host from ``/proc/<pid>/stat`` (R, S, D, T
-    stopped, t traced, Z zombie...), or None if there is no such process (or no /proc)."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2:][:1].decode()
-    except (OSError, ValueError, TypeError):
-        return None
 
 
 class Mesh:
@@ -146,6 +136,9 @@ class Mesh:
                                 self.rank, e)
             try:
                 self._connect(topology, start_timeout_s)
+            except BaseException:
+                shm.remove_orphans(job)  # of same-host ranks killed in start-up: the job is failing
+                raise
             finally:
                 if own is not None:
                     own.unlink()  # every peer has mapped it (or never will)
