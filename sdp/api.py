@@ -371,8 +371,8 @@ def add_process_sets(rank_lists: Sequence[Sequence[int]]) -> List[int]:
     or not), and it returns once every rank has registered them.
 
     Raises ``ValueError`` on every rank when a list is empty, holds ranks outside ``[0, size)`` or
-    twice, repeats another set (given or already registered), or when the ranks pass different
-    lists (naming the ranks that differ).  Mirrors the registration of
+    twice, repeats another set (given, already registered, or the global set: all ranks), or when
+    the ranks pass different lists (naming the ranks that differ).  Mirrors the registration of
     ``horovod.tensorflow.init(process_sets=...)`` and ``add_process_set``."""
     rt = runtime("add_process_set()")
     given = [list(r) if isinstance(r, (list, tuple, range)) else r for r in rank_lists]
@@ -383,6 +383,7 @@ def add_process_sets(rank_lists: Sequence[Sequence[int]]) -> List[int]:
                          f"rank 0 has {theirs[0]!r}, " + ", ".join(f"rank {r} has {theirs[r]!r}" for r in differ))
     sets = [_set_ranks(r, rt.size) for r in given]
     known = {tuple(v): k for k, v in rt.process_sets.items()}
+    known[tuple(range(rt.size))] = 0  # all ranks: the global set, as in Horovod
     for i, ranks in enumerate(sets):
         if tuple(ranks) in known or ranks in sets[:i]:
             raise ValueError(f"process set {ranks} is a duplicate (of process set "

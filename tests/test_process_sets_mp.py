@@ -28,6 +28,7 @@ def test_error_cases_name_the_set_and_rank():
         assert out["unknown"].startswith("ValueError") and "process set 77 is not registered" in out["unknown"]
         assert "duplicate" in out["duplicate"] and "[0, 1]" in out["duplicate"]
         assert "ValueError" in out["bad_ranks"] and "[0, 9]" in out["bad_ranks"]
+        assert "[0, 1, 2, 3] is a duplicate (of process set 0)" in out["global_dup"]
         assert "rank 2 has [[0, 2]]" in out["differ"] and "rank 0 has [[0, 3]]" in out["differ"]
         assert out["removed"] is True and out["removed_again"] is False
         assert out["global"] == [4.0]

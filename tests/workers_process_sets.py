@@ -103,6 +103,7 @@ def numpy_errors():
         catch("shape", lambda: api.allreduce(np.ones(me + 1), "bad_shape", process_set=b))
     catch("duplicate", lambda: api.add_process_sets([[1, 0]]))
     catch("bad_ranks", lambda: api.add_process_sets([[0, 9]]))
+    catch("global_dup", lambda: api.add_process_sets([[3, 2, 1, 0]]))
     catch("differ", lambda: api.add_process_sets([[0, 2]] if me == 2 else [[0, 3]]))
     # the job still works: sets and global
     if me in B_RANKS:
