@@ -9,7 +9,10 @@ gloo / mpi / js launchers):
 * :mod:`sdp.launcher.ssh` -- a process on another host through the system OpenSSH client and
   :mod:`sdp.launcher.remote` on that host.
 
-A new way (Slurm's ``srun``, ``mpirun``, Ray) is one new module with a :class:`Launcher` subclass.
+Engines that start every rank themselves -- Open MPI's ``mpirun`` (:mod:`sdp.launcher.mpi`) and
+Slurm's ``srun`` (:mod:`sdp.launcher.slurm`) -- are not :class:`Launcher` subclasses: ``sdprun``
+runs their one command as a single local "worker", and the ranks read their place from the
+engine's own variables (:mod:`sdp.common.topology`).
 """
 import abc
 from typing import IO, Mapping, Optional, Sequence

@@ -5,8 +5,14 @@ Usage::
     sdprun -np 4 [-H localhost:4 | -H h1:2,h2:2 | --hostfile FILE] [options] [--] python train.py ...
     sdprun --check -H h1:2,h2:2       # per host: reachable, Python, sdp, free /dev/shm, interface
 
-Ranks on this machine are started directly (:mod:`sdp.launcher.local`), ranks on other hosts through
-the system OpenSSH client (:mod:`sdp.launcher.ssh`: ``BatchMode=yes``, ``--ssh-port``,
+``--launcher`` picks how ranks start: ``ssh`` (below), ``mpi`` (one Open MPI ``mpirun``,
+:mod:`sdp.launcher.mpi`) or ``slurm`` (one ``srun`` job step, :mod:`sdp.launcher.slurm`); the
+default ``auto`` is ``slurm`` inside a Slurm allocation (``SLURM_JOB_ID``) without
+``-H``/``--hostfile``, else ``ssh``.  With ``mpi``/``slurm`` the ranks get the job variables below
+except the per-rank ones (``SDP_RANK`` ...), which the engine's own variables replace.
+
+With ``ssh``, ranks on this machine are started directly (:mod:`sdp.launcher.local`), ranks on
+other hosts through the system OpenSSH client (:mod:`sdp.launcher.ssh`: ``BatchMode=yes``, ``--ssh-port``,
 ``--ssh-identity-file``; the same Python environment at the same path on every host).  Remote ranks
 get the working directory, ``PATH``, ``PYTHONPATH``, ``LD_LIBRARY_PATH``, every ``SDP_*``,
 ``HOROVOD_*``, ``TF_*`` variable and each ``-x NAME[=VALUE]``.  Each job has a secret
@@ -153,6 +159,20 @@ def build_parser() -> argparse.ArgumentParser:
                    type=int, metavar="PORT",
                    help="port of the built-in config server (on sdprun's listen address, 127.0.0.1 for "
                         "a local job; default: a free port); implies -w")
+    # horovodrun's elastic mode (Horovod Elastic); see sdp.launcher.elastic.HorovodElasticDriver
+    el = p.add_argument_group("elastic (Horovod Elastic)")
+    el.add_argument("--host-discovery-script", metavar="SCRIPT",
+                    help="elastic mode: run SCRIPT every second; it prints 'host:slots' lines (this machine only)")
+    el.add_argument("--min-np", type=int, metavar="N", help="stop the job below N workers (default: -np)")
+    el.add_argument("--max-np", type=int, metavar="N", help="grow the job to at most N workers (default: no limit)")
+    el.add_argument("--slots-per-host", type=int, metavar="N", help="slots of a discovered host given without ':slots'")
+    el.add_argument("--reset-limit", type=int, metavar="K", help="stop the job after K re-formations")
+    el.add_argument("--elastic-timeout", type=float, default=600.0, metavar="SECONDS",
+                    help="how long a re-formation may wait for workers to ask for it or for --min-np slots "
+                         "(default 600)")
+    el.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("MIN", "MAX"),
+                    help="a host whose workers all failed comes back after a random MIN..MAX seconds "
+                         "(default: never)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the program to run and its arguments")
     return p
@@ -331,7 +351,11 @@ def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=No
         return check_hosts(hosts, remote_hosts(hosts), args)
     if args.launcher == "auto":
         args.launcher = "slurm" if (slurm.in_allocation() and not (args.hosts or args.hostfile)
-                                    and not watch) else "ssh"
+                                    and not watch and not args.host_discovery_script) else "ssh"
+    if args.host_discovery_script and (watch or args.launcher not in ("ssh", "auto")):
+        parser.error("--host-discovery-script (Horovod Elastic) starts ranks itself: no -w, no --launcher mpi/slurm")
+    if args.host_discovery_script and args.np is None:
+        args.np = args.min_np
     if watch and args.launcher != "ssh":
         parser.error(f"-w (elastic mode) starts ranks itself; it does not work with --launcher {args.launcher}")
     if args.launcher == "slurm" and (args.hosts or args.hostfile):
@@ -370,6 +394,9 @@ def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=No
     saved_secret = {k: os.environ.pop(k, None) for k in (security.SECRET_ENV, security.SECRET_FILE_ENV)}
     os.environ[security.SECRET_ENV] = secret
     try:
+        if args.host_discovery_script:
+            from sdp.launcher.elastic import run_horovod_elastic
+            return run_horovod_elastic(args, command, host_addr, secret, stdout, stderr, base_env)
         return _launch(args, command, hosts, ranks, remote, host_addr, watch, secret,
                        stdout, stderr, base_env, tool)
     finally:
