@@ -39,6 +39,7 @@ from sdp.common.errors import AlreadyInitializedError, NotInitializedError
 from sdp.common.reduce_ops import ReduceOp, resolve_op
 from sdp.engine.process_sets import MAX_SET_ID
 from sdp.engine.runtime import Handle, Request, Runtime
+from sdp.transport import lifeline
 
 _lock = threading.Lock()
 _runtime: Optional[Runtime] = None
@@ -72,6 +73,7 @@ def init(config: Optional[Config] = None) -> None:
         if _runtime is not None:
             raise AlreadyInitializedError()
         _setup_logging()
+        lifeline.watch_launcher()  # end with sdprun, however it ends
         cfg = config or Config.from_env()
         _runtime = Runtime(_topology.from_env(), cfg)
         if cfg.timeline:

@@ -2,6 +2,8 @@
 import glob
 import os
 
+import pytest
+
 
 from harness import run_workers
 
@@ -69,3 +71,77 @@ def test_a_rank_killed_in_start_up_leaves_nothing_in_dev_shm():
     finally:
         for path in glob.glob(f"/dev/shm/sdp-{job}-*"):
             os.unlink(path)
+
+
+WRAPPED = """
+import os, sys, time
+import numpy as np
+import sdp
+sdp.init()
+sdp.allreduce(np.ones(1), name="up")
+open(os.path.join(sys.argv[1], f"{sdp.rank()}.pid"), "w").write(str(os.getpid()))
+time.sleep(60)
+"""
+
+
+def test_kill_9_of_sdprun_ends_workers_behind_a_wrapper(tmp_path):
+    """``sdprun -np 2 bash -c "python w.py; true"`` (bash does not exec python), then ``kill -9``
+    of sdprun: both python workers are gone within 10 s (were running 37 s and more: only bash,
+    sdprun's direct child, got the parent-death signal), and nothing of the job is in /dev/shm."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "w.py"
+    script.write_text(WRAPPED)
+    job = "faults" + os.urandom(4).hex()
+    wrapped = f"{sys.executable} {script} {tmp_path}; true"
+    proc = subprocess.Popen([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", "bash", "-c", wrapped],
+                            env={**os.environ, "SDP_JOB_ID": job}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_running(p) for p in pids):
+            time.sleep(0.1)
+        assert not any(_running(p) for p in pids), [p for p in pids if _running(p)]
+        assert glob.glob(f"/dev/shm/sdp-{job}-*") == []
+    finally:
+        for p in pids:
+            if _running(p):
+                os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _running(pid: int) -> bool:
+    import psutil
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("quiet", [2, 0])
+def test_stall_shutdown_is_an_error_on_every_rank_naming_tensors_and_missing_ranks(quiet):
+    """Horovod's stall shutdown (SDP_STALL_SHUTDOWN_TIME / HOROVOD_STALL_SHUTDOWN_TIME_SECONDS):
+    in steady state (batch cache) one rank (the coordinator too) stops calling collectives; the
+    others raise StallError within the bound naming 'w', 'b' and the missing rank, the warning
+    before names them too, and the quiet rank gets the same error at its next collective."""
+    results = run_workers(3, "workers_faults:stall", [5, 6.0, quiet], timeout=60,
+                          env={"SDP_STALL_CHECK_TIME": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2.5"})
+    for r in results:
+        assert r.ok, (r.rank, r.error, r.stderr[-2000:])
+        etype, msg, seconds = r.value
+        assert etype == "StallError", (r.rank, etype, msg)
+        for part in (f"'w' missing ranks [{quiet}]", f"'b' missing ranks [{quiet}]", "SDP_STALL_SHUTDOWN_TIME=2.5 s"):
+            assert part in msg, (r.rank, msg)
+        assert seconds < (4.5 if r.rank != quiet else 7.5), (r.rank, seconds)
+    assert f"'w' (waited 1 s, missing ranks [{quiet}])" in results[0].stderr, results[0].stderr[-2000:]

@@ -142,3 +142,19 @@ def killed_in_startup(job):
         return ["none", glob.glob(pattern)]
     except errors.SdpError as e:
         return [type(e).__name__, glob.glob(pattern)]
+
+
+def stall(steps, quiet_s, quiet_rank):
+    """``steps`` steady steps of two named allreduces on every rank (the coordinator's batch
+    cache takes them), then rank ``quiet_rank`` goes quiet for ``quiet_s`` seconds (no collective at
+    all) while the others submit the next step.  Returns (error type, message, seconds waited)."""
+    for i in range(steps):
+        [h.wait() for h in sdp.grouped_allreduce_async([np.ones(2), np.ones(3)], names=["w", "b"], op=sdp.Sum)]
+    t = time.monotonic()
+    try:
+        if sdp.rank() == quiet_rank:
+            time.sleep(quiet_s)
+        [h.wait() for h in sdp.grouped_allreduce_async([np.ones(2), np.ones(3)], names=["w", "b"], op=sdp.Sum)]
+        return ["none", "", time.monotonic() - t]
+    except errors.SdpError as e:
+        return [type(e).__name__, str(e), time.monotonic() - t]

@@ -2,8 +2,9 @@
 
 Each rank runs in its own session (``start_new_session=True``), so ``os.killpg(pid, sig)``
 reaches the rank and everything it started; and it gets ``PR_SET_PDEATHSIG`` = SIGTERM, so it
-ends when ``sdprun`` dies, even by SIGKILL.  :mod:`sdp.launcher.remote` uses the same helpers on
-the other hosts.
+ends when ``sdprun`` dies, even by SIGKILL; and ``SDP_LAUNCHER_PID`` names ``sdprun``, so that
+the rank's whole process group ends with it even behind a wrapper (:mod:`sdp.transport.lifeline`).
+:mod:`sdp.launcher.remote` uses the same helpers on the other hosts.
 """
 import os
 import signal
@@ -12,6 +13,7 @@ import sys
 import threading
 from typing import Iterable, Mapping, Optional, Sequence
 
+from sdp.transport.lifeline import LAUNCHER_PID_ENV
 from sdp.launcher.base import Launcher, RankProcess
 
 
@@ -116,7 +118,8 @@ class LocalLauncher(Launcher):
 
     def start(self, rank: int, command: Sequence[str], env: Mapping[str, str],
               inherit_stdin: bool = False) -> LocalProcess:
-        proc = subprocess.Popen(list(command), env=dict(env), start_new_session=True,
+        env = {**env, LAUNCHER_PID_ENV: str(os.getpid())}  # the rank ends when we do (sdp.transport.lifeline)
+        proc = subprocess.Popen(list(command), env=env, start_new_session=True,
                                 stdin=None if inherit_stdin else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 preexec_fn=pdeathsig_preexec())
