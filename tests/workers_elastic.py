@@ -1,0 +1,51 @@
+"""Worker of tests/test_elastic_mp.py: Horovod Elastic's loop on numpy (sdp.api + sdp.elastic).
+
+Each step allreduces (SUM) a vector of ones and adds the step number to ``state.done``; a commit
+every ``COMMIT`` steps.  ``DIE_WORKER``/``DIE_STEP``: that worker kills itself (SIGKILL) at that
+step, after its allreduce was submitted.  At the end rank 0 prints the committed steps, which must
+be 0..STEPS-1 once each, and every rank prints its size and the checksum of ``state.value``.
+"""
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+from sdp import api, elastic
+from sdp.common.reduce_ops import ReduceOp
+
+STEPS = int(os.environ.get("STEPS", "40"))
+COMMIT = int(os.environ.get("COMMIT", "5"))
+DIE_WORKER = os.environ.get("DIE_WORKER")
+DIE_STEP = int(os.environ.get("DIE_STEP", "-1"))
+STEP_S = float(os.environ.get("STEP_S", "0.05"))
+
+api.init()
+state = elastic.ObjectState(step=0, done=[], value=0.0, sizes=[])
+resets = []
+state.register_reset_callbacks([lambda: resets.append(api.size())])
+
+
+@elastic.run_fn
+def train(state):
+    while state.step < STEPS:
+        if os.environ.get(elastic.WORKER_ENV) == DIE_WORKER and state.step == DIE_STEP:
+            os.kill(os.getpid(), signal.SIGKILL)
+        out = api.allreduce(np.ones(4, np.float32), name=f"step.{state.step}", op=ReduceOp.SUM)
+        assert out[0] == api.size(), (out, api.size())
+        state.value += float(out[0])
+        state.done.append(state.step)
+        state.sizes.append(api.size())
+        state.step += 1
+        time.sleep(STEP_S)
+        if state.step % COMMIT == 0:
+            state.commit()
+    return state
+
+
+train(state)
+print(f"RESULT rank={api.rank()} size={api.size()} epoch={elastic.epoch()} value={state.value} "
+      f"resets={resets} done_ok={state.done == list(range(STEPS))} sizes={sorted(set(state.sizes))}", flush=True)
+api.shutdown()
+sys.exit(0)
