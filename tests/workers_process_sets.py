@@ -116,9 +116,9 @@ def numpy_errors():
     return out
 
 
-def hvd_face(dynamic):
-    """Horovod's TensorFlow API under Horovod's names (sdp.compat): static sets through
-    ``hvd.init(process_sets=...)`` or dynamic ones through ``hvd.add_process_set``."""
+def hvd_face():
+    """Horovod's TensorFlow API under Horovod's names (sdp.compat): static sets A and B through
+    ``hvd.init(process_sets=...)``, then a dynamic set C = [0, 2] through ``hvd.add_process_set``."""
     import sdp.compat
     sdp.compat.install("horovod")
     import tensorflow as tf
@@ -126,18 +126,19 @@ def hvd_face(dynamic):
 
     out = {}
     a, b = hvd.ProcessSet(A_RANKS), hvd.ProcessSet([3, 2, 1])
-    if dynamic:
-        hvd.init()
-        try:
-            hvd.add_process_set([0, 2])
-            out["no_dynamic"] = None
-        except ValueError as e:
-            out["no_dynamic"] = str(e)
-        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
-        a = hvd.add_process_set(a)
-        b = hvd.add_process_set([1, 2, 3])
-    else:
-        hvd.init(process_sets=[a, b])
+    hvd.init(process_sets=[a, b])
+    hvd.init(process_sets=[a, b])  # Horovod: a second init() is a no-op
+    try:
+        hvd.add_process_set([0, 2])
+        out["no_dynamic"] = None
+    except ValueError as e:
+        out["no_dynamic"] = str(e)
+    os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+    c = hvd.add_process_set([2, 0])
+    out["c"] = [c.process_set_id, c.ranks]
+    if c.included():
+        out["c_sum"] = hvd.allreduce(tf.constant([1.0 + hvd.rank()]), op=hvd.Sum, process_set=c).numpy().tolist()
+    out["removed"] = [hvd.remove_process_set(c), c.process_set_id, hvd.remove_process_set(hvd.global_process_set)]
     me = hvd.rank()
     out["ids"] = [a.process_set_id, b.process_set_id]
     out["b_ranks"] = b.ranks
@@ -181,9 +182,6 @@ def hvd_face(dynamic):
         w2 = tf.Variable(tf.zeros([6]))
         opt.apply_gradients([(x, w2)])
         out[f"opt{k}"] = np.allclose(w2.numpy(), -sum(_data(r, k, (6,)) for r in members) / len(members))
-    if dynamic:
-        out["removed"] = hvd.remove_process_set(a)
-        out["a_after"] = a.process_set_id
     hvd.barrier()
     return out
 
