@@ -169,6 +169,13 @@ def hvd_face():
         out[f"fn_gather{k}"] = np.allclose(g.numpy(), np.concatenate([_data(r, k, (6,)) for r in members]))
         out[f"bcast{k}"] = np.allclose(hvd.broadcast(x, members[-1], process_set=ps).numpy(),
                                        _data(members[-1], k, (6,)))
+        n, i = len(members), members.index(me)
+        blocks = [np.split(_data(r, k, (6,)), n)[i] for r in members]
+        out[f"a2a{k}"] = np.allclose(hvd.alltoall(x, process_set=ps).numpy(), np.concatenate(blocks))
+        from sdp.engine.collectives import _bounds
+        rows = _bounds(6, n)
+        out[f"rs{k}"] = np.allclose(hvd.reducescatter(x, op=hvd.Sum, process_set=ps).numpy(),
+                                    sum(_data(r, k, (6,)) for r in members)[rows[i]:rows[i + 1]])
         # DistributedGradientTape: loss = sum(w * x_rank) -> gradient x_rank, averaged over the set
         w = tf.Variable(tf.zeros([6]))
         with tf.GradientTape() as tape:
