@@ -11,8 +11,9 @@
 | SDP_STALL_SHUTDOWN_TIME   | 0 (s, off)   | raise StallError on every rank once a tensor waited this   |
 |                           |              | long for other ranks (names the tensors and missing ranks) |
 | SDP_PEER_TIMEOUT          | 30 (s)       | a peer process that is alive but answers nothing for this  |
-|                           |              | long (stopped, hung) is lost: PeerLostError.  Death and a  |
-|                           |              | cut link are seen sooner (see sdp.transport.zmq_mesh)      |
+|                           |              | long (stopped, hung) is lost: PeerLostError (0: never).    |
+|                           |              | Death (~1 s) and a cut link (~7 s) are seen sooner (see    |
+|                           |              | sdp.transport.zmq_mesh)                                    |
 | SDP_SEGMENT_BYTES         | 1048576 (B)  | size of one pipelined frame on the wire                    |
 | SDP_SHM_SLAB_BYTES        | 33554432 (B) | same-host shared-memory slab (0: no shared memory)         |
 | SDP_SHM_POOL_BYTES        | 134217728 (B)| same-host shared-memory pool that allreduce results are    |

@@ -14,12 +14,16 @@ Peer loss.  Three cases, told apart by what is seen (socket monitors on the DEAL
   but ZeroMQ's heartbeat PINGs (every ``HEARTBEAT_IVL_MS``) stay unacknowledged by the peer's
   kernel, and ``TCP_USER_TIMEOUT`` (ZeroMQ's ``TCP_MAXRT``, ``LINK_TIMEOUT_MS``) closes the
   connection: lost within ~7 s (1 s to the next PING + 5 s + ``LOSS_GRACE_S``).
-* **A process is alive but silent** (``SIGSTOP``, a debugger, heavy swapping, a hang that stops
-  ZeroMQ's I/O thread): its kernel still acknowledges every byte, so only the heartbeat notices,
-  after ``SDP_PEER_TIMEOUT`` seconds (default 30) without a PONG: "no message from rank 1 for 30 s:
-  stopped, hung or unreachable".  A stop or GC pause shorter than that is survived, the
-  collective just resumes.  On the same host (ipc) the peer's process state is read from
-  ``/proc/<pid>/stat`` (its pid comes from rendezvous) to say which it is.
+* **A process is alive but silent** (``SIGSTOP``, a debugger, heavy swapping; a Python GC pause
+  or a long numpy call does not count: ZeroMQ's I/O thread runs without the GIL): its kernel
+  still acknowledges every byte, so only the heartbeat notices, after ``SDP_PEER_TIMEOUT``
+  seconds (default 30; 0: never) without a PONG: "no message from rank 1 for 30 s: stopped, hung
+  or unreachable".  A shorter stop is survived: the collective just resumes.  On the same host
+  (ipc) the peer's state is read from ``/proc/<pid>/stat`` (its pid comes from rendezvous) to say
+  which it is.
+
+So a cut link is lost in seconds while a stopped rank gets ``SDP_PEER_TIMEOUT``: the two are told
+apart by whether the peer's kernel still answers, not by one timeout serving both.
 
 Every blocking wait has a deadline (``SDP_TIMEOUT``).  Foreign or malformed messages are logged and
 dropped; the ROUTER refuses (``MAXMSGSIZE``) any frame larger than the biggest legitimate one
@@ -66,8 +70,9 @@ class Mesh:
 
     ``timeout_s`` (seconds) bounds every receive; ``peer_timeout_s`` (default ``SDP_PEER_TIMEOUT``)
     is how long a live peer may answer nothing before it is lost; ``segment_bytes`` (default
-    ``SDP_SEGMENT_BYTES``) bounds the frames accepted (see the module docstring).  Raises :class:`PeerLostError` when a peer that
-    a wait depends on disconnects, :class:`CollectiveTimeoutError` when a deadline passes,
+    ``SDP_SEGMENT_BYTES``) bounds the frames accepted (see the module docstring).  Raises
+    :class:`PeerLostError` when a peer that a wait depends on is lost (module docstring),
+    :class:`CollectiveTimeoutError` when a deadline passes,
     :class:`~sdp.transport.security.SecretError` when ``size > 1`` and no job secret is set.
 
     Security: the ROUTER binds to :func:`sdp.common.network.bind_address` (``SDP_IFACE``, or the
@@ -152,6 +157,7 @@ class Mesh:
         self.peers = rendezvous.serve_and_register(
             topology.rendezvous_addr, info, start_timeout_s,
             serve=topology.serve_rendezvous and self.rank == 0)
+        silence_ms = min(int(self.peer_timeout_s * 1000), 2**31 - 1) if self.peer_timeout_s > 0 else 2**31 - 1
         for peer in self.peers:
             r = int(peer["rank"])
             if r == self.rank:
@@ -167,7 +173,7 @@ class Mesh:
             d.setsockopt(zmq.LINGER, 2000)
             d.setsockopt(zmq.SNDBUF, 4 << 20)
             d.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)  # (see the module docstring)
-            d.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.peer_timeout_s * 1000)))
+            d.setsockopt(zmq.HEARTBEAT_TIMEOUT, silence_ms)
             if not same_host:
                 d.setsockopt(zmq.TCP_MAXRT, LINK_TIMEOUT_MS)  # TCP_USER_TIMEOUT
             if self.encrypt:
