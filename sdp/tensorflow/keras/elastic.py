@@ -1,43 +1,80 @@
-"""Horovod's elastic Keras API (``horovod.tensorflow.keras.elastic`` / ``horovod.keras.elastic``):
-not yet supported by sdp.
+"""Horovod Elastic for Keras (``horovod.tensorflow.keras.elastic`` / ``horovod.keras.elastic``;
+the same module under ``sdprun --compat horovod``).
 
-Under ``sdprun --compat horovod`` those modules are this one: importing works, and using a name
-(``run``, ``KerasState``, ``CommitStateCallback``, ``UpdateBatchStateCallback``,
-``UpdateEpochStateCallback``) raises ``NotImplementedError`` naming the API (see
-:mod:`sdp.tensorflow.elastic`).
+:func:`run` and :class:`KerasState` (= :class:`sdp.tensorflow.elastic.TensorFlowKerasState`) as in
+:mod:`sdp.tensorflow.elastic`, plus Horovod's Keras callbacks for ``model.fit``:
+
+* :class:`CommitStateCallback` (``state``, ``batches_per_commit=1``): ``state.commit()`` after
+  every ``batches_per_commit`` batches and at the end of each epoch;
+* :class:`UpdateBatchStateCallback`: keeps ``state.batch`` (index of the last finished batch of
+  the epoch; 0 after an epoch) and, when ``fit`` has ``steps_per_epoch``, shortens the epoch
+  resumed after a reset by the batches already done;
+* :class:`UpdateEpochStateCallback`: keeps ``state.epoch`` (the last finished epoch + 1, so
+  ``fit(initial_epoch=state.epoch)`` resumes where the job was).
 """
-from sdp.tensorflow.elastic import TensorFlowKerasState, run  # noqa: F401
+import tensorflow as tf
 
-__all__ = ["run", "KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
+from sdp.tensorflow.elastic import (HorovodInternalError, HostsUpdatedInterrupt, ObjectState,  # noqa: F401
+                                    State, TensorFlowKerasState, run)
 
+KerasState = TensorFlowKerasState
 
-def _unsupported(api_name: str) -> NotImplementedError:
-    return NotImplementedError(f"horovod.tensorflow.keras.elastic.{api_name}: not yet supported by sdp")
-
-
-class KerasState:
-    """Horovod's elastic Keras state.  Creating one raises ``NotImplementedError``."""
-
-    def __init__(self, model, optimizer=None, **kwargs):
-        raise _unsupported("KerasState")
+__all__ = ["run", "KerasState", "TensorFlowKerasState", "CommitStateCallback", "UpdateBatchStateCallback",
+           "UpdateEpochStateCallback"]
 
 
-class CommitStateCallback:
-    """Horovod's elastic commit callback.  Creating one raises ``NotImplementedError``."""
+class CommitStateCallback(tf.keras.callbacks.Callback):
+    """Commit ``state`` every ``batches_per_commit`` batches (and at each epoch's end).
+    Mirrors ``horovod.tensorflow.keras.elastic.CommitStateCallback``."""
 
-    def __init__(self, state, batches_per_commit=1):
-        raise _unsupported("CommitStateCallback")
+    def __init__(self, state, batches_per_commit: int = 1):
+        super().__init__()
+        if batches_per_commit < 1:
+            raise ValueError(f"batches_per_commit must be at least 1, got {batches_per_commit}")
+        self.state = state
+        self.batches_per_commit = batches_per_commit
+        self.batches_remaining = batches_per_commit
+
+    def on_batch_end(self, batch, logs=None):
+        self.batches_remaining -= 1
+        if self.batches_remaining == 0:
+            self.state.commit()
+            self.batches_remaining = self.batches_per_commit
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.commit()
+        self.batches_remaining = self.batches_per_commit
 
 
-class UpdateBatchStateCallback:
-    """Horovod's elastic batch callback.  Creating one raises ``NotImplementedError``."""
+class UpdateBatchStateCallback(tf.keras.callbacks.Callback):
+    """Keep ``state.batch`` up to date.  Mirrors
+    ``horovod.tensorflow.keras.elastic.UpdateBatchStateCallback``."""
 
     def __init__(self, state):
-        raise _unsupported("UpdateBatchStateCallback")
+        super().__init__()
+        self.state = state
+        self.steps_per_epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.params.get("steps"):
+            if self.steps_per_epoch is None:
+                self.steps_per_epoch = self.params.get("steps")
+            self.params["steps"] = self.steps_per_epoch - self.state.batch
+
+    def on_batch_end(self, batch, logs=None):
+        self.state.batch = batch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.batch = 0
 
 
-class UpdateEpochStateCallback:
-    """Horovod's elastic epoch callback.  Creating one raises ``NotImplementedError``."""
+class UpdateEpochStateCallback(tf.keras.callbacks.Callback):
+    """Keep ``state.epoch`` up to date.  Mirrors
+    ``horovod.tensorflow.keras.elastic.UpdateEpochStateCallback``."""
 
     def __init__(self, state):
-        raise _unsupported("UpdateEpochStateCallback")
+        super().__init__()
+        self.state = state
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.epoch = epoch + 1
