@@ -111,16 +111,10 @@ out["low_level"] = [float(_allreduce(x).numpy().sum()), float(_allreduce(x, op=A
                     int(rank_op().numpy()), int(size_op().numpy()), _executing_eagerly()]
 out["objects"] = [broadcast_object({"r": hvd.rank()}, root_rank=0), allgather_object(hvd.rank())]
 
-def unsupported(fn, *args):
-    try:
-        fn(*args)
-    except NotImplementedError as e:
-        return str(e)
-    return "no error"
-
-out["unsupported"] = [unsupported(elastic.run, lambda state: None),
-                      unsupported(elastic.TensorFlowKerasState, None),
-                      unsupported(keras_elastic.KerasState, None)]
+out["elastic"] = [callable(elastic.run(lambda state: None)), keras_elastic.KerasState is elastic.TensorFlowKerasState,
+                  elastic.HorovodInternalError is HorovodInternalError, keras_elastic.run is elastic.run,
+                  [c.__name__ for c in (keras_elastic.CommitStateCallback, keras_elastic.UpdateBatchStateCallback,
+                                        keras_elastic.UpdateEpochStateCallback)]]
 try:
     add_process_set([0])
     no_dynamic = "no error"
@@ -175,9 +169,8 @@ def test_init_semantics_and_module_paths_under_sdprun_compat(tmp_path):
         # _allreduce defaults to Sum (Horovod's low-level op); the top-level default is Average
         assert out["low_level"] == [6.0, 3.0, 0, 1, "a_b_0", r, 2, True]
         assert out["objects"] == [{"r": 0}, [0, 1]]
-        assert out["unsupported"][0] == "horovod.tensorflow.elastic.run: not yet supported by sdp"
-        assert out["unsupported"][1] == "horovod.tensorflow.elastic.TensorFlowKerasState: not yet supported by sdp"
-        assert out["unsupported"][2] == "horovod.tensorflow.keras.elastic.KerasState: not yet supported by sdp"
+        assert out["elastic"] == [True, True, True, True, ["CommitStateCallback", "UpdateBatchStateCallback",
+                                                           "UpdateEpochStateCallback"]]
         assert out["process_sets"] == ["Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding process sets after "
                                        "Horovod initialization.", [0, 1], [0, 1], True, True, 1]
 
