@@ -9,11 +9,15 @@ from harness import run_workers
 
 
 @pytest.mark.slow
-def test_a_rank_stopped_for_10_s_is_not_declared_dead():
+@pytest.mark.parametrize("tcp", [False, True])
+def test_a_rank_stopped_for_10_s_is_not_declared_dead(tcp):
     """SIGSTOP for 10.5 s (a long GC pause, swapping; the issue measured 8 s): the collective
     waits and completes.  (Was "lost connection to rank 1: connection closed (process died?)"
-    on every run: the fixed heartbeat timeout of 8 s after a PING sent within 2 s of the stop.)"""
-    results = run_workers(2, "workers_faults:stop_peer", [10.5], timeout=60)
+    on every run: the fixed heartbeat timeout of 8 s after a PING sent within 2 s of the stop.)
+    tcp: a host name per rank, as between hosts: the stopped rank's kernel still acknowledges
+    every byte, so the 5 s cut-link timeout (TCP_USER_TIMEOUT) does not fire either."""
+    hosts = (lambda r: {"SDP_HOSTNAME": f"host{r}"}) if tcp else None
+    results = run_workers(2, "workers_faults:stop_peer", [10.5], timeout=60, per_rank_env=hosts)
     for r in results:
         assert r.ok, (r.rank, r.error, r.stderr[-2000:])
         etype, msg, seconds, out = r.value
