@@ -9,9 +9,9 @@ a daemon thread on a pidfd of the launcher (``os.pidfd_open``, Linux 5.3+: no pi
 else it polls ``kill(pid, 0)`` every ``POLL_S``) and, when the launcher exits however it exits,
 removes the job's shared-memory files (``SDP_JOB_ID``; a rank stopped during start-up may not
 have unlinked its own yet) and sends SIGTERM to the rank's whole process group, then SIGKILL
-``GRACE_S`` seconds later.  The
-group is the rank's own session only when it differs from the launcher's; otherwise only this
-process ends.  Ranks on other hosts are covered by :mod:`sdp.launcher.remote` (its standard input
+``GRACE_S`` seconds later.  The group goes only when the rank has a session of its own (not the
+launcher's); otherwise only this process ends.  A launcher that is not an ancestor of this
+process is never watched (another pid namespace: the same number may be another process).  Ranks on other hosts are covered by :mod:`sdp.launcher.remote` (its standard input
 reaches end-of-file when ``sdprun`` or its ssh session dies).
 """
 import logging
@@ -34,24 +34,42 @@ _watching = set()
 
 def watch_launcher(env: Optional[Mapping[str, str]] = None) -> bool:
     """Start watching the launcher named by ``SDP_LAUNCHER_PID`` (once per pid); returns whether
-    a watch runs (False without the variable, or when it is this process or not a pid)."""
+    a watch runs.  Only a launcher that is an ancestor of this process is watched: a pid from
+    another pid namespace (a container inside the rank) or of a launcher already gone is
+    ignored, never a reason to end."""
     env = os.environ if env is None else env
     try:
         pid = int(env.get(LAUNCHER_PID_ENV, ""))
     except ValueError:
         return False
-    if pid <= 1 or pid == os.getpid() or pid in _watching:
+    if pid <= 1 or pid in _watching:
+        return False
+    if pid not in _ancestors():
+        log.info("%s=%d is not an ancestor of this process; not watching it", LAUNCHER_PID_ENV, pid)
         return False
     try:
         whole_group = os.getsid(0) != os.getsid(pid)
-    except ProcessLookupError:  # already gone: the group too if it leads a session (as sdprun makes)
-        _end(pid, os.getsid(0) == os.getpgrp())
-        return True
-    except PermissionError:
-        whole_group = True
+    except OSError:
+        whole_group = False
     _watching.add(pid)
     threading.Thread(target=_watch, args=(pid, whole_group), name="sdp-lifeline", daemon=True).start()
     return True
+
+
+def _ancestors(limit: int = 64) -> set:
+    """The pids of this process's parent, its parent, ... (from /proc; empty without it)."""
+    out, pid = set(), os.getpid()
+    for _ in range(limit):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            pid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        if pid <= 0:
+            break
+        out.add(pid)
+    return out
 
 
 def _watch(pid: int, whole_group: bool) -> None:
