@@ -4,9 +4,11 @@ new workers (tests/workers_elastic.py is the numpy worker: seconds per job).  Th
 (examples/tf2_mnist_elastic.py, Horovod's own pattern under --compat horovod) are at the end."""
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -108,3 +110,88 @@ def test_reset_limit_stops_job(tmp_path):
 def test_elastic_flags_checked():
     res = _sdprun(["-np", "2", "--min-np", "3", "--host-discovery-script", "/bin/true", "true"], _env())
     assert res.returncode == 2 and "--min-np (3) <= -np (2)" in res.stderr
+
+
+# ------------------------------------------------------------------------------ TensorFlow runs
+
+MNIST_DIR = os.environ.get("SDP_MNIST_DIR") or os.path.join(os.path.dirname(REPO), "shared", "data", "mnist")
+HOROVOD_PATTERN = os.path.join(REPO, "tests", "horovod_user", "tensorflow2_mnist_elastic.py")
+
+
+def _run_until(args, env, trigger, action, timeout=300):
+    """Run sdprun (output merged); call ``action(proc)`` once when a line contains ``trigger``.
+    Returns (returncode, output, whether the action ran).  The job is killed after ``timeout``."""
+    proc = subprocess.Popen([sys.executable, "-m", "sdp.launcher.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env, start_new_session=True)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    lines, fired = [], False
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if not fired and trigger in line:
+                fired = True
+                action(proc)
+        proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, "".join(lines), fired
+
+
+def _kill_worker(proc, worker: str) -> None:
+    """SIGKILL the python process of elastic worker ``worker`` under sdprun ``proc``."""
+    import psutil
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if p.environ().get("SDP_ELASTIC_WORKER") == worker:
+                os.kill(p.pid, signal.SIGKILL)
+                return
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no process of worker {worker}")
+
+
+@pytest.mark.tf
+def test_horovod_tf2_elastic_pattern_grows_under_compat(tmp_path):
+    """Horovod's own elastic TF2 example pattern (hvd.elastic.run, TensorFlowKerasState, commit per
+    batch, a reset callback) under --compat horovod: a slot added mid-run grows the job to 3 at the
+    next commit; the newcomer starts from rank 0's state (same weights on every rank at the end)."""
+    pytest.importorskip("tensorflow")
+    script, hosts = _discovery(tmp_path, 2)
+    rc, out, fired = _run_until(["--compat", "horovod", "-np", "2", "--min-np", "2", "--max-np", "3",
+                                 "--host-discovery-script", script, sys.executable, HOROVOD_PATTERN],
+                                _env(), "Step #20", lambda _p: hosts.write_text("localhost:3\n"))
+    assert fired and rc == 0, out[-5000:]
+    assert "epoch 1 with 3 workers" in out, out[-5000:]
+    done = re.findall(r"DONE rank (\d) size (\d) weights (\w+)", out)
+    assert sorted(d[0] for d in done) == ["0", "1", "2"], out[-5000:]
+    assert {d[1] for d in done} == {"3"} and len({d[2] for d in done}) == 1, done
+
+
+@pytest.mark.tf
+@pytest.mark.slow
+def test_mnist_elastic_example_survives_kill9(tmp_path):
+    """Acceptance: examples/tf2_mnist_elastic.py on 3 ranks, kill -9 of worker 2 mid-epoch (after
+    batch 100): the job goes on with 2 ranks from the last commit, no batch twice or lost, test
+    accuracy >= 0.97 after the full epoch, sdprun exits 0."""
+    pytest.importorskip("tensorflow")
+    if not os.path.isdir(MNIST_DIR):
+        pytest.skip(f"no MNIST data at {MNIST_DIR}")
+    script, _ = _discovery(tmp_path, 3)
+    rc, out, fired = _run_until(["-np", "3", "--min-np", "2", "--host-discovery-script", script, sys.executable,
+                                 os.path.join(REPO, "examples", "tf2_mnist_elastic.py"), "--data-dir", MNIST_DIR],
+                                _env(), "step 100/", lambda p: _kill_worker(p, "2"), timeout=400)
+    assert fired and rc == 0, out[-5000:]
+    assert "worker 2 on localhost exited with -9" in out and "epoch 1 with 2 workers" in out, out[-5000:]
+    resumed = re.findall(r"sync: rank (\d) of 2 at batch (\d+), weights (\w+)", out)
+    assert len(resumed) == 2 and len({r[1:] for r in resumed}) == 1, resumed  # same commit, same weights
+    assert int(resumed[0][1]) % 10 == 0 and int(resumed[0][1]) >= 100
+    m = re.search(r"batches: (\d+) trained once, (\d+) twice, (\d+) lost \(of (\d+)\)", out)
+    assert m and m.group(1) == m.group(4) and m.group(2) == m.group(3) == "0", out[-3000:]
+    finals = re.findall(r"final: rank (\d) of 2, weights (\w+)", out)
+    assert len(finals) == 2 and len({f[1] for f in finals}) == 1, finals
+    acc = float(re.search(r"test accuracy: ([\d.]+)", out).group(1))
+    assert acc >= 0.97, out[-3000:]
