@@ -118,6 +118,7 @@ class Mesh:
         self.lost: Dict[int, str] = {}
         self._suspects: Dict[int, float] = {}  # rank -> when its connection dropped (see _confirm_losses)
         self._pids: Dict[int, int] = {}  # same-host peer rank -> its pid (from rendezvous)
+        self._redial: Dict[int, str] = {}  # suspect rank -> how ZeroMQ's reconnection went (_loss_reason)
         self.departed = set()  # ranks that said BYE
         self.stopping = False  # set by the engine's shutdown(): waits end at once
         self.aborted: Dict[int, dict] = {}  # rank -> {"lost": rank or None, "err": str} it failed with
@@ -180,7 +181,7 @@ class Mesh:
                 security.secure_client(d, self._secret)
             else:
                 security.secure_client(d, self._secret, str(self.rank), self._token_from(peer))
-            mon = d.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+            mon = d.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
             d.connect(addr)
             self.dealers[r] = d
             self.monitors[mon] = r
@@ -255,6 +256,11 @@ class Mesh:
                     continue
                 if ev["event"] == zmq.EVENT_DISCONNECTED and r not in self.lost:
                     self._suspects.setdefault(r, time.monotonic())
+                elif r in self._suspects:  # the DEALER redials at once: what answers tells why
+                    if ev["event"] == zmq.EVENT_CONNECTED:
+                        self._redial[r] = "accepted"
+                    elif ev["event"] == zmq.EVENT_CONNECT_RETRIED:
+                        self._redial.setdefault(r, "refused")
 
     def _confirm_losses(self) -> None:
         """A peer whose connection to us dropped is lost once it said BYE (everything it sent
@@ -277,9 +283,14 @@ class Mesh:
                 return f"its process (pid {self._pids[r]}) died"
             return (f"no message from rank {r} for {self.peer_timeout_s:g} s: stopped, hung or unreachable "
                     f"(pid {self._pids[r]} is alive, state {state}; SDP_PEER_TIMEOUT={self.peer_timeout_s:g})")
-        return (f"connection closed or timed out: its process died, its host became unreachable "
-                f"({LINK_TIMEOUT_MS / 1000:g} s without TCP acknowledgement), or no message from rank {r} "
-                f"for {self.peer_timeout_s:g} s (stopped or hung; SDP_PEER_TIMEOUT)")
+        redial = self._redial.pop(r, None)  # (another host: what its kernel said to a new connection)
+        if redial == "refused":
+            return "its process died (its host refused a new connection)"
+        if redial == "accepted":
+            return (f"no message from rank {r} for {self.peer_timeout_s:g} s: stopped, hung or unreachable "
+                    f"(its host still accepts connections; SDP_PEER_TIMEOUT={self.peer_timeout_s:g})")
+        return (f"its host stopped answering: no TCP acknowledgement for {LINK_TIMEOUT_MS / 1000:g} s "
+                f"(link down or host gone) or no message for SDP_PEER_TIMEOUT={self.peer_timeout_s:g} s")
 
     def _drain_router(self) -> None:
         while True:
