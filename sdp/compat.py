@@ -101,7 +101,8 @@ _FAMILY_DEFS: Dict[str, _Family] = {
         exact=(("horovod.tensorflow", "sdp.compat_horovod.tensorflow"),
                ("horovod.tensorflow.keras", "sdp.compat_horovod.keras"),
                ("horovod.keras", "sdp.compat_horovod.keras"),
-               ("horovod.common.exceptions", "sdp.common.errors"))),
+               ("horovod.common.exceptions", "sdp.common.errors"),
+               ("horovod.common.process_sets", "sdp.process_sets"))),
     "smdistributed": _Family(
         packages=("smdistributed", "smdistributed.dataparallel"),
         aliases=(("smdistributed.dataparallel.tensorflow", "sdp.tensorflow"),),

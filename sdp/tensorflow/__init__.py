@@ -21,7 +21,11 @@ under Horovod's names (``import horovod.tensorflow as hvd`` with ``sdprun --comp
 Horovod's submodules are here too: ``util``, ``mpi_ops``, ``functions``, ``compression``,
 ``elastic`` (not yet supported: raises ``NotImplementedError``).
 
-Not available: process sets other than the global one, Adasum, ``tf.estimator`` (removed from
+Process sets (``ProcessSet``, ``init(process_sets=[...])``, ``add_process_set``,
+``remove_process_set``, ``process_set=`` on every collective) are Horovod's; see
+:mod:`sdp.process_sets`.
+
+Not available: Adasum, ``tf.estimator`` (removed from
 TensorFlow 2.16; ``BroadcastGlobalVariablesHook`` works with
 ``tf.compat.v1.train.MonitoredTrainingSession``), XLA (collectives are ``tf.py_function`` ops;
 building one under ``jit_compile=True`` raises :class:`XlaNotSupportedError`).
@@ -40,6 +44,8 @@ from sdp.tensorflow.compression import Compression  # noqa: F401
 from sdp.tensorflow.functions import (allgather_object, broadcast_, broadcast_global_variables,  # noqa: F401
                                       broadcast_object, broadcast_object_fn, broadcast_variables)
 from sdp.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401
+from sdp.process_sets import ProcessSet, add_process_set, init_process_sets as _init_process_sets  # noqa: F401
+from sdp.process_sets import remove_process_set  # noqa: F401
 from sdp.tensorflow.gradients import global_process_set  # noqa: F401
 from sdp.tensorflow.hooks import BroadcastGlobalVariablesHook  # noqa: F401
 from sdp.tensorflow.ops import XlaNotSupportedError  # noqa: F401
@@ -52,16 +58,19 @@ def init(*args, **kwargs):
 
     Mirrors ``smdistributed.dataparallel.tensorflow.init``: a second call raises
     ``AlreadyInitializedError`` ("init() called more than once. smdistributed.dataparallel is
-    already initialized.").  Horovod's optional ``comm`` and ``process_sets`` arguments are
-    accepted; anything but the default raises ``NotImplementedError``.  Under Horovod's names
+    already initialized.").  Horovod's optional ``comm`` (None or ``[]``; anything else raises
+    ``NotImplementedError``: sdp has no MPI) and ``process_sets`` (a list of :class:`ProcessSet`
+    registered as static sets, the same list on every rank, or ``"dynamic"``; see
+    :mod:`sdp.process_sets`) arguments are accepted.  Under Horovod's names
     (``horovod.tensorflow.init`` with ``sdprun --compat horovod``) ``init`` is
     :func:`sdp.tensorflow.mpi_ops.init`, for which a second call is a no-op, as in Horovod."""
     comm = kwargs.pop("comm", args[0] if args else None)
     process_sets = kwargs.pop("process_sets", args[1] if len(args) > 1 else None)
-    if comm not in (None, []) or process_sets not in (None, [], "dynamic") or kwargs or len(args) > 2:
-        raise NotImplementedError("sdp.tensorflow.init() supports no MPI communicator, process sets or other "
+    if comm not in (None, []) or kwargs or len(args) > 2:
+        raise NotImplementedError("sdp.tensorflow.init() supports no MPI communicator or other "
                                   f"arguments (got args={args!r}, kwargs={kwargs!r})")
     _api.init()
+    _init_process_sets(process_sets)
 
 
 def is_homogeneous() -> bool:
@@ -130,7 +139,7 @@ __all__ = [
     "broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
     "allgather_object", "DistributedOptimizer", "DistributedGradientTape", "PartialDistributedGradientTape",
     "BroadcastGlobalVariablesHook", "SyncBatchNormalization", "Compression", "ReduceOp", "Average", "Sum",
-    "Adasum", "Min", "Max", "Product", "global_process_set", "XlaNotSupportedError", "mpi_built", "mpi_enabled",
+    "Adasum", "Min", "Max", "Product", "global_process_set", "ProcessSet", "add_process_set", "remove_process_set", "XlaNotSupportedError", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
     "rocm_built",
 ]
