@@ -195,3 +195,69 @@ def test_mnist_elastic_example_survives_kill9(tmp_path):
     assert len(finals) == 2 and len({f[1] for f in finals}) == 1, finals
     acc = float(re.search(r"test accuracy: ([\d.]+)", out).group(1))
     assert acc >= 0.97, out[-3000:]
+
+
+STATE_PROBE = r"""
+import json
+import numpy as np
+import tensorflow as tf
+import sdp.tensorflow as hvd
+from sdp.tensorflow import elastic
+from sdp.tensorflow.keras import elastic as kel
+
+hvd.init()
+out = {}
+model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])
+model.compile(optimizer="sgd", loss="mse")
+x, y = np.ones((64, 4), np.float32), np.zeros((64, 2), np.float32)
+state = kel.KerasState(model, batch=0, epoch=0)
+commits, commit = [], state.commit
+state.commit = lambda: (commits.append(state.batch), commit())
+model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+          callbacks=[kel.UpdateEpochStateCallback(state), kel.UpdateBatchStateCallback(state),
+                     kel.CommitStateCallback(state, batches_per_commit=3)])
+out["keras"] = [state.epoch, state.batch, commits]
+saved = [v.numpy().copy() for v in model.variables]
+model.variables[0].assign(model.variables[0] + 1.0)
+state.batch = 5
+state.restore()
+out["keras_restore"] = [all(np.array_equal(a, v.numpy()) for a, v in zip(saved, model.variables)), state.batch]
+v = tf.Variable([1.0, 2.0])
+ts = elastic.TensorFlowState([v], n=1)
+v.assign([5.0, 5.0]); ts.n = 7; ts.restore()
+out["tf_restore"] = [v.numpy().tolist(), ts.n]
+v.assign([4.0, 4.0]); ts.n = 3; ts.commit(); v.assign([0.0, 0.0]); ts.n = 9; ts.restore()
+out["tf_commit"] = [v.numpy().tolist(), ts.n]
+
+@elastic.run
+def fails(state):
+    raise hvd.PeerLostError(1, "test")
+
+try:
+    fails(ts)
+except Exception as e:
+    out["outside_job"] = type(e).__name__ + ": " + str(e)
+print("OUT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.tf
+def test_states_and_keras_callbacks_one_process(tmp_path):
+    """Horovod's semantics on one process: the Keras callbacks keep epoch/batch and commit every
+    N batches and at each epoch's end; restore() returns to the last commit (variables and
+    attributes); run() outside an elastic launch raises ElasticError naming the missing launch."""
+    pytest.importorskip("tensorflow")
+    script = tmp_path / "probe.py"
+    script.write_text(STATE_PROBE)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env=_env(), cwd=REPO)
+    line = [x for x in res.stdout.splitlines() if x.startswith("OUT ")]
+    assert res.returncode == 0 and line, res.stdout[-2000:] + res.stderr[-3000:]
+    import json
+    out = json.loads(line[0][4:])
+    # 8 batches per epoch: commits after batches 2, 5 (+ epoch end, batch reset to 0), then 0, 3, 6 (+ end)
+    assert out["keras"] == [2, 0, [2, 5, 0, 0, 3, 6, 0]]
+    assert out["keras_restore"] == [True, 0]
+    assert out["tf_restore"] == [[1.0, 2.0], 1]
+    assert out["tf_commit"] == [[4.0, 4.0], 3]
+    assert out["outside_job"].startswith("ElasticError: re-forming the job needs an elastic launch")

@@ -9,8 +9,8 @@ the same module under ``sdprun --compat horovod``).
 * :class:`UpdateBatchStateCallback`: keeps ``state.batch`` (index of the last finished batch of
   the epoch; 0 after an epoch) and, when ``fit`` has ``steps_per_epoch``, shortens the epoch
   resumed after a reset by the batches already done;
-* :class:`UpdateEpochStateCallback`: keeps ``state.epoch`` (the last finished epoch + 1, so
-  ``fit(initial_epoch=state.epoch)`` resumes where the job was).
+* :class:`UpdateEpochStateCallback`: keeps ``state.epoch``, the number of finished epochs over
+  all ``fit`` calls (``fit(epochs=epochs - state.epoch)`` resumes where the job was).
 """
 import tensorflow as tf
 
@@ -35,6 +35,9 @@ class CommitStateCallback(tf.keras.callbacks.Callback):
         self.batches_per_commit = batches_per_commit
         self.batches_remaining = batches_per_commit
 
+    def on_train_begin(self, logs=None):
+        self.batches_remaining = self.batches_per_commit  # the same count on every rank after a sync
+
     def on_batch_end(self, batch, logs=None):
         self.batches_remaining -= 1
         if self.batches_remaining == 0:
@@ -43,7 +46,6 @@ class CommitStateCallback(tf.keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.state.commit()
-        self.batches_remaining = self.batches_per_commit
 
 
 class UpdateBatchStateCallback(tf.keras.callbacks.Callback):
@@ -53,6 +55,9 @@ class UpdateBatchStateCallback(tf.keras.callbacks.Callback):
     def __init__(self, state):
         super().__init__()
         self.state = state
+        self.steps_per_epoch = None
+
+    def on_train_begin(self, logs=None):
         self.steps_per_epoch = None
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -75,6 +80,10 @@ class UpdateEpochStateCallback(tf.keras.callbacks.Callback):
     def __init__(self, state):
         super().__init__()
         self.state = state
+        self.initial_epoch = state.epoch
+
+    def on_train_begin(self, logs=None):
+        self.initial_epoch = self.state.epoch  # Keras counts from 0 in every fit() call
 
     def on_epoch_end(self, epoch, logs=None):
-        self.state.epoch = epoch + 1
+        self.state.epoch = self.initial_epoch + epoch + 1
