@@ -1,0 +1,349 @@
+"""K-FAC (Kronecker-factored approximate curvature) for Keras models, data-parallel over sdp.
+
+A TensorFlow 2 / Keras 3 successor of TensorFlow's TF1-only ``kfac`` library (``kfac.KfacOptimizer``,
+last released 2022), distributed with sdp's collectives in the two ways of its distributed guide:
+
+- ``strategy="chief"``: gradients and Kronecker factors are averaged over the ranks every step with
+  one fused :func:`sdp.tensorflow.grouped_allreduce`; rank 0 computes every inverse and broadcasts it.
+- ``strategy="split"``: each layer's inverses belong to one rank (:func:`assign_inverse_owners`,
+  balanced by the n^3 cost of inverting its factors), which computes them and broadcasts them.  Each
+  rank keeps a moving average of its *own* factors; these are averaged only on the steps that refresh
+  the inverses.  The average is linear, so this equals the moving average of averaged factors.
+
+Papers: Martens & Grosse 2015, "Optimizing Neural Networks with Kronecker-factored Approximate
+Curvature" (K-FAC, factored Tikhonov damping, sec. 6.3); Grosse & Martens 2016, "A
+Kronecker-factored approximate Fisher matrix for convolution layers" (KFC); Ba, Grosse & Martens
+2017, "Distributed second-order optimization using Kronecker-factored approximations" (the
+``norm_constraint`` / KL clip of the update).
+
+For a ``Dense`` layer with kernel W (d_in, d_out) and bias b (d_out,), the gradient block is
+M = [dW; db] of shape (d_in + 1, d_out), and the Fisher block is approximated as F = G ⊗ A, with
+
+- A = E[ā āᵀ], (d_in + 1, d_in + 1): ā is the layer input with a trailing 1 (the bias column);
+- G = E[g gᵀ], (d_out, d_out): g = ∂ℓ_i/∂s_i, the gradient of example i's loss by the layer's
+  pre-activation s (the empirical Fisher, as in kfac-pytorch).
+
+The preconditioned gradient is (G + γ_G I)⁻¹ ⊗ (A + γ_A I)⁻¹ vec(M) = (A + γ_A I)⁻¹ M (G + γ_G I)⁻¹
+(vec stacks columns), with the damping split π-wise: γ_A = π √damping, γ_G = √damping / π,
+π = √((tr A / dim A) / (tr G / dim G)).  A ``Conv2D`` layer with a (kh, kw, c_in, c_out) kernel
+uses its input patches (``tf.image.extract_patches``): ā has kh·kw·c_in + 1 entries and A averages
+over examples and output positions T; G = (1/B) Σ_{i,t} g_it g_itᵀ (sums over positions, KFC's
+"spatially uncorrelated derivatives").  Layers of any other kind keep their plain gradient.
+
+Supported models: ``keras.Sequential`` (run layer by layer so that each Dense/Conv2D pre-activation
+can be differentiated); Dense on 2-D inputs, Conv2D with ``channels_last`` and ``groups=1``.
+All factors are float32; inverses are computed in float64 and stored as float32.
+"""
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from sdp import api as _api
+from sdp.common.reduce_ops import ReduceOp
+from sdp.tensorflow import collectives as _coll
+
+STRATEGIES = ("chief", "split")
+TIMINGS = ("gradient", "factor", "inverse", "communication")
+
+
+def dense_factors(inputs, output_grads, use_bias=True):
+    """K-FAC factors of one Dense layer from one batch.
+
+    ``inputs``: (B, d_in) layer inputs; ``output_grads``: (B, d_out) per-example gradients of the
+    loss by the pre-activations.  Returns ``(A, G)``: A = āᵀā / B of shape (d_in + 1, d_in + 1)
+    (d_in without bias), G = gᵀg / B of shape (d_out, d_out); float32."""
+    a = tf.convert_to_tensor(inputs, tf.float32)
+    g = tf.convert_to_tensor(output_grads, tf.float32)
+    batch = tf.cast(tf.shape(a)[0], tf.float32)
+    if use_bias:
+        a = tf.concat([a, tf.ones_like(a[:, :1])], axis=1)
+    return tf.matmul(a, a, transpose_a=True) / batch, tf.matmul(g, g, transpose_a=True) / batch
+
+
+def conv2d_patches(inputs, kernel_size, strides, padding, dilation_rate):
+    """The patches a Conv2D layer multiplies with its kernel: (B, H_out, W_out, kh·kw·c_in), with the
+    last axis ordered like the kernel's first three axes (kh, kw, c_in)."""
+    kh, kw = kernel_size
+    return tf.image.extract_patches(inputs, sizes=[1, kh, kw, 1], strides=[1, *strides, 1],
+                                    rates=[1, *dilation_rate, 1], padding=padding.upper())
+
+
+def conv2d_factors(inputs, output_grads, kernel_size, strides=(1, 1), padding="valid",
+                   dilation_rate=(1, 1), use_bias=True):
+    """K-FAC factors of one Conv2D layer from one batch (KFC, Grosse & Martens 2016).
+
+    ``inputs``: (B, H, W, c_in); ``output_grads``: (B, H_out, W_out, c_out) per-example gradients by
+    the pre-activations.  Returns ``(A, G)``: A (kh·kw·c_in + 1 square) is the mean of ā āᵀ over
+    examples and output positions; G (c_out square) is Σ_{i,t} g gᵀ / B; float32."""
+    g = tf.convert_to_tensor(output_grads, tf.float32)
+    patches = conv2d_patches(tf.convert_to_tensor(inputs, tf.float32), kernel_size, strides, padding,
+                             dilation_rate)
+    a = tf.reshape(patches, [-1, patches.shape[-1]])
+    if use_bias:
+        a = tf.concat([a, tf.ones_like(a[:, :1])], axis=1)
+    batch = tf.cast(tf.shape(g)[0], tf.float32)
+    g = tf.reshape(g, [-1, g.shape[-1]])
+    return tf.matmul(a, a, transpose_a=True) / tf.cast(tf.shape(a)[0], tf.float32), \
+        tf.matmul(g, g, transpose_a=True) / batch
+
+
+def damped_inverses(a, g, damping):
+    """``((A + γ_A I)⁻¹, (G + γ_G I)⁻¹)`` with π-damping (Martens & Grosse 2015, sec. 6.3):
+    γ_A = π √damping, γ_G = √damping / π, π = √((tr A / dim A) / (tr G / dim G)).  Computed in
+    float64, returned as float32 (shapes of A and G)."""
+    a = tf.cast(a, tf.float64)
+    g = tf.cast(g, tf.float64)
+    eps = 1e-12
+    pi = tf.sqrt((tf.linalg.trace(a) / a.shape[0] + eps) / (tf.linalg.trace(g) / g.shape[0] + eps))
+    root = tf.sqrt(tf.constant(damping, tf.float64))
+    a_inv = tf.linalg.inv(a + pi * root * tf.eye(a.shape[0], dtype=tf.float64))
+    g_inv = tf.linalg.inv(g + root / pi * tf.eye(g.shape[0], dtype=tf.float64))
+    return tf.cast(a_inv, tf.float32), tf.cast(g_inv, tf.float32)
+
+
+def assign_inverse_owners(costs, size):
+    """Owner rank of each layer's inverses: the costliest layer first, each to the least loaded rank
+    (ties: the lowest rank); returns a list of ints in ``[0, size)``, one per entry of ``costs``.
+    ``costs``: the layers' inversion costs (n_A³ + n_G³).  Raises ``ValueError`` for size < 1."""
+    if size < 1:
+        raise ValueError(f"assign_inverse_owners: size must be >= 1, got {size}")
+    load = [0.0] * size
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(size), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += costs[i]
+    return owners
+
+
+class _Block:
+    """One registered layer: its kind, variables and factor sizes."""
+
+    def __init__(self, index, layer):
+        self.index, self.layer = index, layer
+        self.kind = "conv2d" if isinstance(layer, tf.keras.layers.Conv2D) else "dense"
+        self.use_bias = bool(layer.use_bias)
+        self.variables = [layer.kernel] + ([layer.bias] if self.use_bias else [])
+        kernel_shape = tuple(layer.kernel.shape)
+        self.kernel_shape = kernel_shape
+        self.n_in = int(np.prod(kernel_shape[:-1])) + (1 if self.use_bias else 0)
+        self.n_out = int(kernel_shape[-1])
+        self.cost = float(self.n_in) ** 3 + float(self.n_out) ** 3
+
+    def factors(self, inputs, output_grads):
+        if self.kind == "dense":
+            return dense_factors(inputs, output_grads, self.use_bias)
+        lay = self.layer
+        return conv2d_factors(inputs, output_grads, lay.kernel_size, lay.strides, lay.padding,
+                              lay.dilation_rate, self.use_bias)
+
+    def pre_activation(self, x):
+        lay = self.layer
+        if self.kind == "dense":
+            s = tf.matmul(x, lay.kernel)
+        else:
+            s = tf.nn.conv2d(x, lay.kernel, strides=[1, *lay.strides, 1], padding=lay.padding.upper(),
+                             dilations=[1, *lay.dilation_rate, 1])
+        return s + lay.bias if self.use_bias else s
+
+
+def _known(layer):
+    if isinstance(layer, tf.keras.layers.Conv2D):
+        return (type(layer) is tf.keras.layers.Conv2D and layer.data_format == "channels_last"
+                and getattr(layer, "groups", 1) == 1)
+    return type(layer) is tf.keras.layers.Dense and len(layer.kernel.shape) == 2
+
+
+class KfacOptimizer:
+    """K-FAC preconditioning in front of a Keras optimizer, data-parallel over sdp.
+
+    Mirrors the constructor of ``kfac.KfacOptimizer(learning_rate, damping, layer_collection,
+    cov_ema_decay, momentum, norm_constraint)`` of TensorFlow's TF1 ``kfac`` library, with the model
+    and its loss in place of the layer collection (Dense and Conv2D layers are registered by type).
+
+    Args:
+      model: a built ``keras.Sequential`` (``TypeError`` otherwise).
+      loss_fn: ``loss_fn(labels, outputs)`` -> scalar mean over the batch (e.g.
+        ``keras.losses.SparseCategoricalCrossentropy(from_logits=True)``).
+      learning_rate: step size (float), for the default optimizer and the norm constraint.
+      damping: Tikhonov damping λ added to the Fisher blocks, split π-wise between A and G.
+      cov_ema_decay: decay of the factors' exponential moving average, in [0, 1).
+      momentum: momentum of the default optimizer, ``keras.optimizers.SGD(learning_rate, momentum)``.
+      norm_constraint: if set, the update is scaled by min(1, √(c / (lr² Σ ∇ᵀ F⁻¹∇))) (KL clip).
+      inv_update_every: refresh the inverses every this many steps (the first step always does).
+      cov_update_every: update the factors every this many steps (the first step always does).
+      optimizer: any Keras optimizer to apply the preconditioned gradients with instead of SGD.
+      strategy: ``"chief"`` or ``"split"`` (see the module doc); one process needs no sdp.init().
+
+    :meth:`step` runs one synchronous training step and must be called by every rank.  ``timings``
+    holds cumulative seconds spent in ``gradient`` (forward and backward), ``factor`` (factors and
+    their averages), ``inverse`` (this rank's inversions) and ``communication`` (allreduce and
+    broadcast, including waiting for other ranks).  Raises ``ValueError`` for a bad strategy or
+    hyper-parameter.
+    """
+
+    def __init__(self, model, loss_fn, learning_rate=0.1, damping=1e-3, cov_ema_decay=0.95, momentum=0.9,
+                 norm_constraint=None, inv_update_every=10, cov_update_every=1, optimizer=None,
+                 strategy="chief"):
+        if not isinstance(model, tf.keras.Sequential):
+            raise TypeError(f"KfacOptimizer needs a keras.Sequential model, got {type(model).__name__}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if not 0.0 <= cov_ema_decay < 1.0:
+            raise ValueError(f"cov_ema_decay must be in [0, 1), got {cov_ema_decay}")
+        if damping <= 0:
+            raise ValueError(f"damping must be > 0, got {damping}")
+        if int(inv_update_every) < 1 or int(cov_update_every) < 1:
+            raise ValueError(f"inv_update_every and cov_update_every must be >= 1, got {inv_update_every} "
+                             f"and {cov_update_every}")
+        if norm_constraint is not None and norm_constraint <= 0:
+            raise ValueError(f"norm_constraint must be > 0 or None, got {norm_constraint}")
+        self.model, self.loss_fn = model, loss_fn
+        self.learning_rate, self.damping = float(learning_rate), float(damping)
+        self.cov_ema_decay, self.norm_constraint = float(cov_ema_decay), norm_constraint
+        self.inv_update_every, self.strategy = int(inv_update_every), strategy
+        self.cov_update_every = int(cov_update_every)
+        self.optimizer = optimizer or tf.keras.optimizers.SGD(learning_rate, momentum=momentum)
+        self.blocks = [_Block(i, lay) for i, lay in enumerate(model.layers) if _known(lay)]
+        self.distributed = _api.is_initialized() and _api.size() > 1
+        self.rank = _api.rank() if self.distributed else 0
+        self.size = _api.size() if self.distributed else 1
+        if strategy == "chief":
+            self.owners = [0] * len(self.blocks)
+        else:
+            self.owners = assign_inverse_owners([b.cost for b in self.blocks], self.size)
+        self.iterations = 0
+        self.factors = None  # [(A, G)] moving averages: global (chief) or this rank's (split)
+        self.inverses = None  # [(A⁻¹, G⁻¹)], the same on every rank
+        self.timings = dict.fromkeys(TIMINGS, 0.0)
+        self._grads_fn = tf.function(self._grads_and_factors)
+        self._apply_fn = tf.function(self._precondition_and_apply)
+
+    # -- the steps of one iteration ---------------------------------------------------------------
+
+    def _grads_and_factors(self, x, y, with_factors=True):
+        """Forward layer by layer, backward; returns (loss, grads, [(A, G)] of this batch, or [])."""
+        blocks = {b.index: b for b in self.blocks}
+        inputs, pre = {}, {}
+        with tf.GradientTape() as tape:
+            h = x
+            for i, lay in enumerate(self.model.layers):
+                if i in blocks:
+                    inputs[i] = h
+                    pre[i] = blocks[i].pre_activation(h)
+                    h = lay.activation(pre[i])
+                else:
+                    h = lay(h, training=True)
+            loss = self.loss_fn(y, h)
+        variables = self.model.trainable_variables
+        idx = sorted(pre)
+        grads, out_grads = tape.gradient(loss, [variables, [pre[i] for i in idx]])
+        if not with_factors:
+            return loss, grads, []
+        batch = tf.cast(tf.shape(x)[0], tf.float32)
+        # loss is a batch mean: B ∂loss/∂s_i is example i's own gradient ∂ℓ_i/∂s_i
+        factors = [blocks[i].factors(inputs[i], g * batch) for i, g in zip(idx, out_grads)]
+        return loss, grads, factors
+
+    def _precondition(self, grads, inverses):
+        """(A + γ_A I)⁻¹ [dW; db] (G + γ_G I)⁻¹ for each registered layer, then the norm constraint."""
+        pos = {id(v): k for k, v in enumerate(self.model.trainable_variables)}
+        new = list(grads)
+        for b, (a_inv, g_inv) in zip(self.blocks, inverses):
+            ks = [pos[id(v)] for v in b.variables]
+            m = tf.reshape(grads[ks[0]], [-1, b.n_out])
+            if b.use_bias:
+                m = tf.concat([m, grads[ks[1]][None, :]], axis=0)
+            p = tf.matmul(tf.matmul(a_inv, m), g_inv)
+            if b.use_bias:
+                new[ks[1]] = p[-1]
+                p = p[:-1]
+            new[ks[0]] = tf.reshape(p, b.kernel_shape)
+        if self.norm_constraint is not None:
+            sq = tf.add_n([tf.reduce_sum(g * p) for g, p in zip(grads, new)]) * self.learning_rate ** 2
+            coeff = tf.minimum(1.0, tf.sqrt(self.norm_constraint / tf.maximum(sq, 1e-30)))
+            new = [coeff * p for p in new]
+        return new
+
+    def _precondition_and_apply(self, grads, inverses):
+        self.optimizer.apply_gradients(zip(self._precondition(grads, inverses), self.model.trainable_variables))
+
+    def preconditioned_gradients(self, grads):
+        """``grads`` (one per ``model.trainable_variables``, same shapes) as :meth:`step` would apply
+        them: preconditioned with the current inverses and scaled by the norm constraint.  Needs a
+        previous :meth:`step` (``RuntimeError`` otherwise)."""
+        if self.inverses is None:
+            raise RuntimeError("preconditioned_gradients: no inverses yet; call step() first")
+        return self._precondition(list(grads), self.inverses)
+
+    def batch_gradients_and_factors(self, x, y):
+        """This rank's ``(loss, grads, [(A, G)] per registered layer)`` for one batch, with no
+        communication and no update."""
+        return self._grads_fn(x, y)
+
+    def _allreduce(self, tensors, name):
+        return _coll.grouped_allreduce(tensors, op=ReduceOp.AVERAGE, name=name)
+
+    def _ema(self, old, new):
+        if old is None:
+            return [tuple(f) for f in new]
+        d = self.cov_ema_decay
+        return [(d * a0 + (1 - d) * a, d * g0 + (1 - d) * g) for (a0, g0), (a, g) in zip(old, new)]
+
+    def step(self, x, y):
+        """One training step on this rank's batch ``x`` (B, ...) with labels ``y`` (B, ...); every rank
+        calls it with the same B.  Returns this rank's loss (float32 scalar tensor)."""
+        t = self.timings
+        refresh = self.iterations % self.inv_update_every == 0
+        update_cov = refresh or self.iterations % self.cov_update_every == 0
+        t0 = time.perf_counter()
+        loss, grads, factors = self._grads_fn(x, y, update_cov)
+        t1 = time.perf_counter()
+        t["gradient"] += t1 - t0
+        flat_factors = [m for f in factors for m in f]
+        if self.distributed:
+            # chief: grads and factors in one fused allreduce; split: factors stay local
+            send = list(grads) + (flat_factors if self.strategy == "chief" else [])
+            got = self._allreduce(send, "kfac.grads")
+            grads, flat_factors = got[:len(grads)], (got[len(grads):] or flat_factors)
+        t2 = time.perf_counter()
+        t["communication"] += t2 - t1
+        if update_cov:
+            self.factors = self._ema(self.factors, list(zip(flat_factors[0::2], flat_factors[1::2])))
+        t3 = time.perf_counter()
+        t["factor"] += t3 - t2
+        if refresh:
+            self._refresh_inverses()
+        t4 = time.perf_counter()
+        self._apply_fn(list(grads), self.inverses)
+        t["gradient"] += time.perf_counter() - t4
+        self.iterations += 1
+        return loss
+
+    def _refresh_inverses(self):
+        t = self.timings
+        factors = self.factors
+        if self.distributed and self.strategy == "split":
+            # the local moving averages, averaged: the moving average of the averaged factors
+            t0 = time.perf_counter()
+            flat = self._allreduce([m for f in factors for m in f], "kfac.factors")
+            factors = list(zip(flat[0::2], flat[1::2]))
+            t["communication"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        mine = {i: damped_inverses(a, g, self.damping) for i, (a, g) in enumerate(factors)
+                if self.owners[i] == self.rank}
+        t1 = time.perf_counter()
+        if mine:
+            t["inverse"] += t1 - t0
+        inverses = []
+        for i, (a, g) in enumerate(factors):
+            if self.distributed:
+                pair = mine.get(i) or (tf.zeros_like(a), tf.zeros_like(g))
+                pair = tuple(_coll.broadcast(m, self.owners[i], name=f"kfac.inv.{i}.{k}")
+                             for k, m in enumerate(pair))
+            else:
+                pair = mine[i]
+            inverses.append(pair)
+        t["communication"] += time.perf_counter() - t1
+        self.inverses = inverses
