@@ -31,9 +31,11 @@ dropped; the ROUTER refuses (``MAXMSGSIZE``) any frame larger than the biggest l
 control messages) before ZeroMQ allocates it, and closes that connection.
 """
 import collections
+import errno
 import json
 import logging
 import os
+import socket
 import struct
 import tempfile
 import time
@@ -284,13 +286,25 @@ class Mesh:
             return (f"no message from rank {r} for {self.peer_timeout_s:g} s: stopped, hung or unreachable "
                     f"(pid {self._pids[r]} is alive, state {state}; SDP_PEER_TIMEOUT={self.peer_timeout_s:g})")
         redial = self._redial.pop(r, None)  # (another host: what its kernel said to a new connection)
-        if redial == "refused":
+        if redial == "refused" and self._refused_by(r):  # (not refused, but unreachable: a cut link)
             return "its process died (its host refused a new connection)"
         if redial == "accepted":
             return (f"no message from rank {r} for {self.peer_timeout_s:g} s: stopped, hung or unreachable "
                     f"(its host still accepts connections; SDP_PEER_TIMEOUT={self.peer_timeout_s:g})")
         return (f"its host stopped answering: no TCP acknowledgement for {LINK_TIMEOUT_MS / 1000:g} s "
                 f"(link down or host gone) or no message for SDP_PEER_TIMEOUT={self.peer_timeout_s:g} s")
+
+    def _refused_by(self, r: int, timeout_s: float = 0.3) -> bool:
+        """Whether a TCP connection to rank ``r``'s endpoint is refused (ECONNREFUSED: its host
+        answers, nothing listens) rather than unanswered or unreachable (EHOSTUNREACH: a failed
+        ARP after a link went down), within ``timeout_s``.  Used only once a peer is lost."""
+        try:
+            host, port = self.peers[r]["endpoints"]["tcp"][len("tcp://"):].rsplit(":", 1)
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.settimeout(timeout_s)
+                return probe.connect_ex((host.strip("[]"), int(port))) == errno.ECONNREFUSED
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            return False
 
     def _drain_router(self) -> None:
         while True:
