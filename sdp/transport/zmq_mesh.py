@@ -23,7 +23,10 @@ Peer loss.  Three cases, told apart by what is seen (socket monitors on the DEAL
   which it is.
 
 So a cut link is lost in seconds while a stopped rank gets ``SDP_PEER_TIMEOUT``: the two are told
-apart by whether the peer's kernel still answers, not by one timeout serving both.
+apart by whether the peer's kernel still answers, not by one timeout serving both.  The error
+says which case was seen: on the same host from ``/proc``; between hosts from ZeroMQ's immediate
+redial (accepted: alive but silent; refused, confirmed by one TCP probe with ``ECONNREFUSED``:
+died; neither: its host stopped answering).
 
 Every blocking wait has a deadline (``SDP_TIMEOUT``).  Foreign or malformed messages are logged and
 dropped; the ROUTER refuses (``MAXMSGSIZE``) any frame larger than the biggest legitimate one
