@@ -35,34 +35,32 @@ All current members call it at the same point of their program (it is a collecti
 5. The program re-synchronises: rank 0 broadcasts its step counter and model (KungFu's elastic
    callback pattern); new workers do the same broadcast as their first collective.
 
+The epoch switch (shut down, take the new epoch's ``SDP_*``, ``sdp.api.init()``) is
+:func:`sdp.elastic.enter_epoch`, the core Horovod Elastic uses too.
+
 Every wait has a deadline: HTTP calls ``SDP_ELASTIC_HTTP_TIMEOUT`` seconds (default 30), the new
 rendezvous ``SDP_START_TIMEOUT``.  Failures raise :class:`ElasticError` subclasses.
 """
 import hashlib
 import itertools
-import json
 import logging
 import os
 import socket
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from typing import List, Optional, Tuple
 
 import numpy as np
 
-from sdp import api
+from sdp import api, elastic
 from sdp.common.config import cluster_size_of
 from sdp.common.errors import NotInitializedError, SdpError
 from sdp.common.reduce_ops import ReduceOp
-from sdp.transport import security
 
 log = logging.getLogger("sdp.kungfu")
 
-EPOCH_ENV = "SDP_ELASTIC_EPOCH"
-CONTROL_ENV = "SDP_ELASTIC_URL"
+EPOCH_ENV = elastic.EPOCH_ENV
+CONTROL_ENV = elastic.CONTROL_ENV
 CONFIG_ENV = "SDP_CONFIG_SERVER"
 HTTP_TIMEOUT_ENV = "SDP_ELASTIC_HTTP_TIMEOUT"
 NO_AUTO_INIT_ENVS = ("SDP_KUNGFU_NO_AUTO_INIT", "KUNGFU_DISABLE_AUTO_LOAD")
@@ -224,30 +222,11 @@ def all_reduce_int_max(x: int) -> int:
 
 
 def _request(url: str, method: str = "GET", body=None) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"}
-    secret = security.secret_from_env()
-    if secret and url.startswith(control_url() or "\0"):  # sdprun's own endpoint: the job's token
-        u = urllib.parse.urlsplit(url)
-        target = (u.path or "/") + (f"?{u.query}" if u.query else "")
-        headers["Authorization"] = security.http_authorization(secret, method, target, data or b"")
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    """:func:`sdp.elastic.request` (signed towards sdprun's endpoint), with the bridge's errors."""
     try:
-        with urllib.request.urlopen(req, timeout=_http_timeout()) as resp:
-            text = resp.read().decode()
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")[:500]
-        try:
-            detail = json.loads(detail).get("error", detail)
-        except ValueError:
-            pass
-        raise ElasticError(f"{method} {url} failed: HTTP {e.code}: {detail}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise ElasticError(f"{method} {url} failed: {e}") from None
-    try:
-        return json.loads(text) if text.strip() else {}
-    except ValueError:
-        raise ElasticError(f"{method} {url}: answer is not JSON: {text[:200]!r}") from None
+        return elastic.request(url, method, body, timeout=_http_timeout())
+    except elastic.ElasticError as e:
+        raise ElasticError(str(e)) from None
 
 
 def config_server_url() -> Optional[str]:
@@ -345,10 +324,7 @@ def _switch(rec: dict, me: int) -> Tuple[bool, bool]:
     if me >= new_size:
         _state["detached"] = True
         return True, True
-    os.environ.update({k: str(v) for k, v in rec["ranks"][me].items()})
-    os.environ["SDP_RENDEZVOUS_ADDR"] = rec["rendezvous"]
-    os.environ[EPOCH_ENV] = str(new_epoch)
-    api.init()
+    elastic.enter_epoch(rec["ranks"][me], rec["rendezvous"], new_epoch)  # the core shared with Horovod Elastic
     _setup_epoch()
     return True, False
 
