@@ -148,6 +148,43 @@ def test_sdprun_in_salloc_uses_srun(slurm, tmp_path):
     assert all(row["rendezvous"].startswith("tcp://10.77.0.1:") for row in rows.values()), rows
 
 
+SBATCH_RECIPE = """#!/bin/sh
+#SBATCH -N 2
+#SBATCH --ntasks-per-node 2
+# the job secret: a file only this user reads, named by SDP_SECRET_FILE (srun passes the variable on)
+export SDP_SECRET_FILE="$PWD/.sdp-secret-$SLURM_JOB_ID"
+(umask 077 && {python} -c 'import secrets; print(secrets.token_hex(32))' > "$SDP_SECRET_FILE")
+srun --label {python} {worker}
+status=$?
+rm -f "$SDP_SECRET_FILE"
+exit $status
+"""
+
+
+def test_sbatch_recipe_with_secret_file(slurm, tmp_path):
+    """The README's sbatch recipe: the batch script makes a secret file, plain srun forms the job."""
+    (tmp_path / "w.py").write_text(WORKER)
+    script = tmp_path / "job.sbatch"
+    script.write_text(SBATCH_RECIPE.format(python=sys.executable, worker=tmp_path / "w.py"))
+    env = _env(slurm)
+    del env["SDP_SECRET"]
+    res = subprocess.run(slurm.argv("h1", ["sbatch", "--parsable", "-o", str(tmp_path / "out.txt"), str(script)]),
+                         env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    job = res.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 120
+    while True:  # (sbatch --wait polls only every 10 s)
+        state = subprocess.run(slurm.argv("h1", ["scontrol", "show", "job", job]), env=slurm.env(),
+                               capture_output=True, text=True, timeout=30).stdout
+        if re.search(r"JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL)", state) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    out = (tmp_path / "out.txt").read_text()
+    assert "JobState=COMPLETED" in state, state + out
+    _check_rows(_rows(out), "SLURM")
+    assert not list(tmp_path.glob(".sdp-secret-*"))
+
+
 def _start_fault_job(slurm, tmp_path):
     (tmp_path / "w.py").write_text(WORKER)
     proc = subprocess.Popen(slurm.argv("h1", ["srun", "-N", "2", "--ntasks-per-node", "2", "--label",
