@@ -230,6 +230,20 @@ class ObjectState(State):
             setattr(self, k, copy.deepcopy(v))
 
 
+def _reform(reset_fn: Callable) -> None:
+    """``reset_fn()`` until it succeeds: a member lost while the job re-forms (the new epoch's
+    rendezvous or first collective fails) means one more re-formation.  ``sdprun`` bounds the
+    tries (``--reset-limit``, ``--elastic-timeout``: then :class:`ElasticError`)."""
+    while True:
+        try:
+            reset_fn()
+            return
+        except ElasticError:
+            raise
+        except HorovodInternalError as e:
+            log.warning("re-forming the job failed (%s); trying again", str(e).splitlines()[0][:300])
+
+
 def run_fn(func: Callable, reset_fn: Callable = reset, is_internal_error: Callable = None) -> Callable:
     """The loop of Horovod's ``hvd.elastic.run`` (see the module docstring): ``func(state, ...)``
     is called until it returns; ``is_internal_error(exc)`` may classify framework errors (e.g. a
@@ -255,7 +269,7 @@ def run_fn(func: Callable, reset_fn: Callable = reset, is_internal_error: Callab
                             str(e).splitlines()[0][:300])
                 state.restore()
                 skip_sync = False
-            reset_fn()
+            _reform(reset_fn)
             state.on_reset()
 
     return wrapper

@@ -80,7 +80,9 @@ a stall, a timeout or a mismatch."""
 class HostsUpdatedInterrupt(SdpError):
     """The set of hosts of an elastic job changed.  Mirrors
     ``horovod.common.exceptions.HostsUpdatedInterrupt`` (``skip_sync``: reset without restoring the
-    committed state).  sdp's Horovod face has no elastic mode yet, so sdp does not raise it."""
+    committed state).  Raised on every rank at the same ``State.commit()`` /
+    ``check_host_updates()`` when ``sdprun --host-discovery-script`` found new slots
+    (:mod:`sdp.elastic`); ``hvd.elastic.run`` catches it before :data:`HorovodInternalError`."""
 
     def __init__(self, skip_sync: bool = False):
         super().__init__(f"the hosts of the job changed (skip_sync={skip_sync})")
