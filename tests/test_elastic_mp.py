@@ -261,3 +261,38 @@ def test_states_and_keras_callbacks_one_process(tmp_path):
     assert out["tf_restore"] == [[1.0, 2.0], 1]
     assert out["tf_commit"] == [[4.0, 4.0], 3]
     assert out["outside_job"].startswith("ElasticError: re-forming the job needs an elastic launch")
+
+
+def test_join_endpoint_refuses_unsigned_and_malformed_requests():
+    """The driver's /join is signed like the rest of the endpoint; bad bodies get 400 naming
+    the problem, in bounded time, and change nothing."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from sdp.launcher.elastic import HorovodElasticDriver
+    from sdp.transport import security
+    secret = security.new_secret()
+    drv = HorovodElasticDriver("/bin/true", 2, 2, 2, None, None, 5, secret=secret).start()
+
+    def post(path, raw: bytes, sign=True):
+        headers = {"Authorization": security.http_authorization(secret, "POST", path, raw)} if sign else {}
+        req = urllib.request.Request(drv.url + path, data=raw, method="POST", headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    try:
+        assert post("/join", b'{"worker": 0, "epoch": -1}', sign=False)[0] == 401
+        for raw in (b'{"worker": "x", "epoch": 0}', b'{"worker": 1e999, "epoch": 0}', b"[]", b"[" * 100000,
+                    b"\xff\xfe random", b'{"worker": 0}'):
+            code, err = post("/join", raw)
+            assert code == 400 and ("expected" in err["error"] or "JSON" in err["error"]), (raw[:20], code, err)
+        code, err = post("/join", b'{"worker": 7, "epoch": -1}')
+        assert code == 400 and "unknown worker 7" in err["error"]
+        assert post("/resize", b'{"size": 3, "epoch": 0}')[0] == 404  # KungFu's commit is not the driver's
+        assert drv.status()["epoch"] == -1 and drv.members == []
+    finally:
+        drv.stop()

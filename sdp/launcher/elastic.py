@@ -452,7 +452,7 @@ class HorovodElasticDriver(ElasticController):
         from sdp.elastic import JOIN_POLL_S
         try:
             w, e = int(body["worker"]), int(body["epoch"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise ValueError("expected {\"worker\": ID, \"epoch\": E}") from None
         deadline = time.monotonic() + JOIN_POLL_S
         with self._lock:
