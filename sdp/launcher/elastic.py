@@ -19,8 +19,18 @@ Endpoints (JSON bodies and answers):
                        ``{"size": n, "epoch": e}`` -> ``{"epoch": e+1, "size": n, "rendezvous":
                        "tcp://...", "ranks": [{SDP_* of rank r}, ...]}``; 409 if ``e`` is not the current
                        epoch, 400 if ``n`` is not in [1, slots].
-``GET /status``        ``{"epoch", "size", "capacity", "desired"}``
+``GET /status``        ``{"epoch", "size", "capacity", "desired"}`` (Horovod Elastic: ``{"epoch", "size",
+                       "members", "hosts_version", "resets"}``)
+``POST /join``         Horovod Elastic only (``--host-discovery-script``): a worker leaving epoch ``e``
+                       asks for the next one, ``{"worker": id, "epoch": e}``; held up to 5 s, answered
+                       ``{"epoch", "rendezvous", "env"}``, ``{"wait": true}`` or ``{"stop": reason}``
+                       (see :class:`HorovodElasticDriver`, :func:`sdp.elastic.reset`).
 =====================  ===============================================================================
+
+Horovod Elastic (``sdprun -np N --min-np A --max-np B --host-discovery-script S``) runs on the same
+endpoint and per-epoch rendezvous servers: :class:`HorovodElasticDriver` decides the members of
+each epoch itself (survivors of a failure, plus workers it starts on new slots) instead of taking
+resize commits from the workers.
 
 A commit starts a rendezvous server of the new size, starts worker processes for the new ranks
 (``size .. n-1``, same command, the ``SDP_*`` variables of the new epoch), and makes ``n`` the
