@@ -66,6 +66,33 @@ def test_run_returns_results_in_rank_order(cluster):
         executor.shutdown()
 
 
+def horovod_style(x):
+    """A function written for horovod.ray: Horovod's API, nothing of sdp's."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    hvd.init()
+    hvd.init()  # Horovod: a second init() is a no-op
+    return float(hvd.allreduce(tf.constant([x * (hvd.rank() + 1)], tf.float32), op=hvd.Sum)[0]), hvd.local_size()
+
+
+@pytest.mark.tf
+def test_horovod_style_function_under_compat(cluster):
+    """With sdp.compat.install("horovod") in the driver, a Horovod-on-Ray function runs unmodified
+    on the actors: allreduce of x*(rank+1) over 4 ranks = 10x on every rank."""
+    pytest.importorskip("tensorflow")
+    import sdp.compat
+    sdp.compat.install("horovod")
+    try:
+        executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=4, cpus_per_worker=1)
+        executor.start()
+        try:
+            assert executor.run(horovod_style, args=[1.5]) == [(15.0, 2)] * 4
+        finally:
+            executor.shutdown()
+    finally:
+        sdp.compat.uninstall("horovod")
+
+
 def lose_peer():
     import time
     import sdp

@@ -29,6 +29,10 @@ size (from the actors' Ray node ids), ``SDP_HOSTNAME`` (the node id), ``SDP_REND
 to the actors as a Ray call argument: Ray's own channels carry it, encrypted only where Ray's TLS
 is on).  ``sdp.init()`` in the function then forms the job.
 
+When the driver has ``sdp.compat`` families installed (``sdp.compat.install("horovod")``, or
+``SDP_COMPAT`` with sdp's shim directory on ``PYTHONPATH``), every actor installs them too, so
+functions written for Horovod (``import horovod.tensorflow as hvd; hvd.init()``) run unchanged.
+
 A rank that dies (its actor killed or lost) makes the others raise
 :class:`~sdp.common.errors.PeerLostError` from their next collective, so ``run`` raises.
 """
@@ -63,8 +67,11 @@ class RaySettings:
 class _Worker:
     """The actor of one rank: holds its environment and runs functions in its process."""
 
-    def __init__(self, executable_cls=None, args=None, kwargs=None, extra_env=None):
+    def __init__(self, executable_cls=None, args=None, kwargs=None, extra_env=None, compat=()):
         os.environ.update(extra_env or {})
+        if compat:  # the driver's sdp.compat families (import horovod.tensorflow in the functions)
+            from sdp.compat import install
+            install(compat)
         self.executable = executable_cls(*(args or []), **(kwargs or {})) if executable_cls else None
 
     def node(self):
@@ -132,11 +139,12 @@ class RayExecutor:
             self.shutdown()
             raise TimeoutError(f"Ray could not place {self.num_workers} workers of {self.bundle} "
                                f"within {self.settings.placement_group_timeout_s:g} s")
+        from sdp.compat import installed
         actor = ray.remote(_Worker)
         started = [actor.options(num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0),
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(
                                      self._pg, placement_group_bundle_index=i))
-                   .remote(executable_cls, executable_args, executable_kwargs, extra_env_vars)
+                   .remote(executable_cls, executable_args, executable_kwargs, extra_env_vars, installed())
                    for i in range(self.num_workers)]
         nodes = ray.get([w.node.remote() for w in started])
         # ranks node by node, in the order the nodes first appear among the bundles
