@@ -1,4 +1,5 @@
-"""examples/kubernetes/ (issue 16, item 3): the manifests parse and are plausible Kubernetes
+"""examples/kubernetes/ (issue 16, item 3): the manifests (Indexed Job + headless Service; Kubeflow
+TFJob) parse and are plausible Kubernetes
 objects, and the exact environment each one gives a pod, replayed on emulated hosts (one process
 per pod in its host's namespace, the pod DNS names of the headless Service resolving there through
 ``/etc/netns/NS/hosts``), forms the job.  Needs PyYAML; the replays need emulated hosts."""
@@ -16,6 +17,7 @@ import replay  # noqa: E402
 
 REPO = replay.REPO
 MANIFEST = os.path.join(REPO, "examples", "kubernetes", "mnist-indexed-job.yaml")
+TFJOB = os.path.join(REPO, "examples", "kubernetes", "mnist-tfjob.yaml")
 MNIST_DIR = os.environ.get("SDP_MNIST_DIR", os.path.join(os.path.dirname(REPO), "shared", "data", "mnist"))
 
 pytestmark = pytest.mark.replay
@@ -132,3 +134,63 @@ def test_replayed_pods_train_mnist(hosts, pods):
         acc += [float(ln.split(":")[1]) for ln in res.stdout.splitlines() if ln.startswith("test accuracy:")]
     assert len(sums) == 1, sums
     assert acc and min(acc) >= 0.97, acc
+
+
+# ---------------------------------------------------------------- Kubeflow TFJob
+
+
+def _tfjob():
+    with open(TFJOB) as f:
+        docs = [d for d in yaml.safe_load_all(f) if d is not None]
+    assert len(docs) == 1
+    return docs[0]
+
+
+def test_tfjob_is_plausible():
+    job = _tfjob()
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "TFJob") and job["metadata"]["name"]
+    replicas = job["spec"]["tfReplicaSpecs"]
+    assert set(replicas) <= {"Chief", "Master", "Worker", "PS", "Evaluator"} and "PS" not in replicas
+    worker = replicas["Worker"]
+    assert worker["replicas"] >= 2 and worker["restartPolicy"] in ("Never", "OnFailure")
+    container = worker["template"]["spec"]["containers"][0]
+    assert container["name"] == "tensorflow"  # the operator's default container name
+    assert {"tfjob-port": 2222} == {p["name"]: p["containerPort"] for p in container["ports"]}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in worker["template"]["spec"]["volumes"]}
+    assert os.path.dirname(env["SDP_SECRET_FILE"]) == mounts["sdp-secret"]
+    assert volumes["sdp-secret"]["secret"]["secretName"] and "SDP_SECRET" not in env
+
+
+@needs_hosts
+def test_replayed_tfjob_pods_form_the_job(hosts, tmp_path):
+    """Each worker pod's env as the training operator makes it (the manifest's env + TF_CONFIG with
+    the per-pod Service names NAME-worker-I.NAMESPACE.svc:2222) on h1/h2: rank 0 serves at
+    worker 0's host:port."""
+    job = _tfjob()
+    name, worker = job["metadata"]["name"], job["spec"]["tfReplicaSpecs"]["Worker"]
+    container = worker["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    (tmp_path / "secret").write_text(os.urandom(32).hex())
+    env["SDP_SECRET_FILE"] = str(tmp_path / "secret")  # the Secret's mount, mapped
+    port = container["ports"][0]["containerPort"]
+    names = [f"{name}-worker-{i}.default.svc" for i in range(worker["replicas"])]
+    cluster = {"worker": [f"{n}:{port}" for n in names]}
+    procs = [(f"h{i + 1}", replay.base_env(**env, TF_CONFIG=json.dumps(
+        {"cluster": cluster, "task": {"type": "worker", "index": i}, "environment": "cloud"})))
+        for i in range(len(names))]
+    hosts.set_aliases({f"h{i + 1}": [n] for i, n in enumerate(names)})
+    try:
+        results = replay.run_processes(hosts, procs, replay.python_argv())
+    finally:
+        hosts.set_aliases({})
+    rows = {}
+    for res in results:
+        assert res.returncode == 0, res.stdout + res.stderr
+        row = json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")][0][4:])
+        rows[row["rank"]] = row
+    assert sorted(rows) == [0, 1]
+    for r in (0, 1):
+        assert (rows[r]["size"], rows[r]["host"], rows[r]["source"], rows[r]["rendezvous"]) == \
+            (2, f"h{r + 1}", "TF_CONFIG", f"tcp://{names[0]}:{port}")
