@@ -25,9 +25,9 @@ def _main(monkeypatch, argv, **env):
 
 def test_srun_argv():
     assert slurm.srun_argv(4, ["python", "t.py"], srun="/usr/bin/srun") == \
-        ["/usr/bin/srun", "--ntasks", "4", "--kill-on-bad-exit=1", "--label", "python", "t.py"]
-    assert slurm.srun_argv(2, ["x"], nodes=2)[:6] == ["srun", "--ntasks", "2", "--kill-on-bad-exit=1",
-                                                      "--label", "--nodes"]
+        ["/usr/bin/srun", "--ntasks", "4", "--kill-on-bad-exit=1", "--quit-on-interrupt", "--label",
+         "python", "t.py"]
+    assert slurm.srun_argv(2, ["x"], nodes=2)[-3:] == ["--nodes", "2", "x"]
 
 
 def test_allocation_helpers():

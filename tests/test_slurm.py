@@ -142,7 +142,7 @@ def test_sdprun_in_salloc_uses_srun(slurm, tmp_path):
                                            str(tmp_path / "w.py")]),
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "srun --ntasks 4 --kill-on-bad-exit=1 --label" in res.stderr, res.stderr
+    assert "srun --ntasks 4 --kill-on-bad-exit=1 --quit-on-interrupt --label" in res.stderr, res.stderr
     rows = _rows(res.stdout)
     _check_rows(rows, "SLURM")
     assert all(row["rendezvous"].startswith("tcp://10.77.0.1:") for row in rows.values()), rows
@@ -244,6 +244,32 @@ def test_scancel_ends_every_task(slurm, hosts, tmp_path):
             break
         time.sleep(0.5)
     assert "JobState=CANCELLED" in res.stdout, res.stdout + res.stderr
+
+
+def test_ctrl_c_of_sdprun_in_salloc_ends_every_task(slurm, hosts, tmp_path):
+    """SIGINT to sdprun (--launcher slurm inside salloc) while the ranks run: sdprun exits 130,
+    no task is left on h1 or h2 within 15 s."""
+    (tmp_path / "w.py").write_text(WORKER)
+    env = _env(slurm, T_DIR=str(tmp_path))
+    del env["SDP_SECRET"]
+    proc = subprocess.Popen(slurm.argv("h1", ["salloc", "-N", "2", "--ntasks-per-node", "2", sys.executable,
+                                              "-m", "sdp.launcher.cli", sys.executable, str(tmp_path / "w.py")]),
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.json"))) < 4:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        sdprun = [p for p in hosts.processes("h1") if "sdp.launcher.cli" in hosts.processes("h1")[p]
+                  and "salloc" not in hosts.processes("h1")[p]]
+        assert len(sdprun) == 1, hosts.processes("h1")
+        os.kill(sdprun[0], signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (proc.returncode, err[-3000:])
+    _nothing_left(hosts, tmp_path)
 
 
 def _nothing_left(hosts, tmp_path):

@@ -4,13 +4,15 @@ i.e. with ``SLURM_JOB_ID`` set and no ``-H`` / ``--hostfile``).
 Inside ``salloc`` / ``sbatch``, ``sdprun -np 4 python train.py`` serves the rendezvous and makes the
 job secret as usual, then runs one job step that starts every rank::
 
-    srun --ntasks 4 --kill-on-bad-exit=1 --label [--nodes N] python train.py
+    srun --ntasks 4 --kill-on-bad-exit=1 --quit-on-interrupt --label [--nodes N] python train.py
 
 The ranks inherit ``srun``'s environment (Slurm's default ``--export=ALL``) with
 ``SDP_RENDEZVOUS_ADDR``, ``SDP_SECRET`` and the other job variables, but no ``SDP_RANK``: they
 read their place from ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID`` and the step's
 tasks-per-node list (:mod:`sdp.common.topology`, source ``SLURM``).  ``--kill-on-bad-exit=1`` makes
-Slurm end the step when a rank fails; ``sdprun`` exits with ``srun``'s status.  Output lines carry
+Slurm end the step when a rank fails, ``--quit-on-interrupt`` makes the SIGINT ``sdprun``
+forwards (Ctrl-C) end it at once (``srun`` would only print the tasks' state); ``sdprun`` exits
+with ``srun``'s status.  Output lines carry
 ``srun``'s ``--label`` prefix ``RANK: ``.
 
 Without ``sdprun``, ``srun -N 2 --ntasks-per-node 2 python train.py`` works as well: rank 0
@@ -58,7 +60,7 @@ def default_ntasks(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
 def srun_argv(np: int, command: Sequence[str], nodes: Optional[int] = None, srun: str = SRUN) -> List[str]:
     """The ``srun`` command line starting ``np`` ranks of ``command`` (on ``nodes`` nodes, default:
     as Slurm places them in the allocation)."""
-    argv = [srun, "--ntasks", str(np), "--kill-on-bad-exit=1", "--label"]
+    argv = [srun, "--ntasks", str(np), "--kill-on-bad-exit=1", "--quit-on-interrupt", "--label"]
     if nodes:
         argv += ["--nodes", str(nodes)]
     return argv + list(command)
