@@ -296,3 +296,21 @@ def test_join_endpoint_refuses_unsigned_and_malformed_requests():
         assert drv.status()["epoch"] == -1 and drv.members == []
     finally:
         drv.stop()
+
+
+@pytest.mark.tf
+def test_keras_fit_with_elastic_callbacks_survives_kill9(tmp_path):
+    """Horovod's Keras elastic pattern (model.fit, KerasState, Update*/CommitStateCallback) under
+    --compat horovod: worker 2 dies inside fit in epoch 1; the TF op error counts as
+    HorovodInternalError, the 2 others resume from the last commit and finish all 3 epochs with
+    the same weights."""
+    pytest.importorskip("tensorflow")
+    script, _ = _discovery(tmp_path, 3)
+    res = _sdprun(["--compat", "horovod", "-np", "3", "--min-np", "2", "--host-discovery-script", script,
+                   sys.executable, os.path.join(REPO, "tests", "workers_elastic_keras.py")], _env(), timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-5000:]
+    assert "epoch 1 with 2 workers" in out and "rolling back to the last commit" in out, out[-5000:]
+    done = re.findall(r"DONE (\d) (\d) (\d) (\w+)", res.stdout)
+    assert sorted(d[0] for d in done) == ["0", "1"], out[-5000:]
+    assert {d[1:3] for d in done} == {("2", "3")} and len({d[3] for d in done}) == 1, done
