@@ -398,7 +398,7 @@ class HorovodElasticDriver(ElasticController):
                     self._warned_remote.add(h)
                     log.warning("host discovery: %s is not this machine; elastic jobs run on local hosts only", h)
                 continue
-            found["localhost"] = found.get("localhost", 0) + max(slots, 0)
+            found["localhost"] = min(self.max_np, found.get("localhost", 0) + max(slots, 0))  # bounded lists
         return found
 
     def _usable(self) -> Dict[str, int]:
