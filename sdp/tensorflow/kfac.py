@@ -166,20 +166,23 @@ class KfacOptimizer:
       model: a built ``keras.Sequential`` (``TypeError`` otherwise).
       loss_fn: ``loss_fn(labels, outputs)`` -> scalar mean over the batch (e.g.
         ``keras.losses.SparseCategoricalCrossentropy(from_logits=True)``).
-      learning_rate: step size (float), for the default optimizer and the norm constraint.
+      learning_rate: step size (float or a ``keras.optimizers.schedules.LearningRateSchedule``) of
+        the default optimizer.  The norm constraint uses the optimizer's current learning rate.
       damping: Tikhonov damping λ added to the Fisher blocks, split π-wise between A and G.
       cov_ema_decay: decay of the factors' exponential moving average, in [0, 1).
       momentum: momentum of the default optimizer, ``keras.optimizers.SGD(learning_rate, momentum)``.
-      norm_constraint: if set, the update is scaled by min(1, √(c / (lr² Σ ∇ᵀ F⁻¹∇))) (KL clip).
+      norm_constraint: if set, the update is scaled by min(1, √(c / (lr² Σ ∇ᵀ F⁻¹∇))) (KL clip;
+        the ``kl_clip`` of kfac-pytorch).
       inv_update_every: refresh the inverses every this many steps (the first step always does).
       cov_update_every: update the factors every this many steps (the first step always does).
       optimizer: any Keras optimizer to apply the preconditioned gradients with instead of SGD.
       strategy: ``"chief"`` or ``"split"`` (see the module doc); one process needs no sdp.init().
 
     :meth:`step` runs one synchronous training step and must be called by every rank.  ``timings``
-    holds cumulative seconds spent in ``gradient`` (forward and backward), ``factor`` (factors and
-    their averages), ``inverse`` (this rank's inversions) and ``communication`` (allreduce and
-    broadcast, including waiting for other ranks).  Raises ``ValueError`` for a bad strategy or
+    holds cumulative seconds spent in ``gradient`` (forward, backward, preconditioning and the
+    optimizer's update), ``factor`` (the batch's factors and their moving averages), ``inverse``
+    (this rank's own inversions) and ``communication`` (allreduce and broadcast, including waiting
+    for other ranks).  Raises ``ValueError`` for a bad strategy or
     hyper-parameter.
     """
 
@@ -200,7 +203,7 @@ class KfacOptimizer:
         if norm_constraint is not None and norm_constraint <= 0:
             raise ValueError(f"norm_constraint must be > 0 or None, got {norm_constraint}")
         self.model, self.loss_fn = model, loss_fn
-        self.learning_rate, self.damping = float(learning_rate), float(damping)
+        self.damping = float(damping)
         self.cov_ema_decay, self.norm_constraint = float(cov_ema_decay), norm_constraint
         self.inv_update_every, self.strategy = int(inv_update_every), strategy
         self.cov_update_every = int(cov_update_every)
@@ -217,13 +220,15 @@ class KfacOptimizer:
         self.factors = None  # [(A, G)] moving averages: global (chief) or this rank's (split)
         self.inverses = None  # [(A⁻¹, G⁻¹)], the same on every rank
         self.timings = dict.fromkeys(TIMINGS, 0.0)
-        self._grads_fn = tf.function(self._grads_and_factors)
+        self._grads_fn = tf.function(self._grads_and_activations)
+        self._factors_fn = tf.function(self._batch_factors)
         self._apply_fn = tf.function(self._precondition_and_apply)
 
     # -- the steps of one iteration ---------------------------------------------------------------
 
-    def _grads_and_factors(self, x, y, with_factors=True):
-        """Forward layer by layer, backward; returns (loss, grads, [(A, G)] of this batch, or [])."""
+    def _grads_and_activations(self, x, y):
+        """Forward layer by layer, backward; returns (loss, grads, the registered layers' inputs, their
+        per-example output gradients)."""
         blocks = {b.index: b for b in self.blocks}
         inputs, pre = {}, {}
         with tf.GradientTape() as tape:
@@ -239,12 +244,12 @@ class KfacOptimizer:
         variables = self.model.trainable_variables
         idx = sorted(pre)
         grads, out_grads = tape.gradient(loss, [variables, [pre[i] for i in idx]])
-        if not with_factors:
-            return loss, grads, []
-        batch = tf.cast(tf.shape(x)[0], tf.float32)
+        batch = tf.cast(tf.shape(x)[0], out_grads[0].dtype) if out_grads else 1.0
         # loss is a batch mean: B ∂loss/∂s_i is example i's own gradient ∂ℓ_i/∂s_i
-        factors = [blocks[i].factors(inputs[i], g * batch) for i, g in zip(idx, out_grads)]
-        return loss, grads, factors
+        return loss, grads, [inputs[i] for i in idx], [g * batch for g in out_grads]
+
+    def _batch_factors(self, inputs, output_grads):
+        return [b.factors(a, g) for b, a, g in zip(self.blocks, inputs, output_grads)]
 
     def _precondition(self, grads, inverses):
         """(A + γ_A I)⁻¹ [dW; db] (G + γ_G I)⁻¹ for each registered layer, then the norm constraint."""
@@ -261,7 +266,8 @@ class KfacOptimizer:
                 p = p[:-1]
             new[ks[0]] = tf.reshape(p, b.kernel_shape)
         if self.norm_constraint is not None:
-            sq = tf.add_n([tf.reduce_sum(g * p) for g, p in zip(grads, new)]) * self.learning_rate ** 2
+            lr = tf.cast(self.optimizer.learning_rate, tf.float32)  # the current one, under a schedule
+            sq = tf.add_n([tf.reduce_sum(g * p) for g, p in zip(grads, new)]) * lr ** 2
             coeff = tf.minimum(1.0, tf.sqrt(self.norm_constraint / tf.maximum(sq, 1e-30)))
             new = [coeff * p for p in new]
         return new
@@ -280,7 +286,8 @@ class KfacOptimizer:
     def batch_gradients_and_factors(self, x, y):
         """This rank's ``(loss, grads, [(A, G)] per registered layer)`` for one batch, with no
         communication and no update."""
-        return self._grads_fn(x, y)
+        loss, grads, inputs, output_grads = self._grads_fn(x, y)
+        return loss, grads, self._factors_fn(inputs, output_grads)
 
     def _allreduce(self, tensors, name):
         return _coll.grouped_allreduce(tensors, op=ReduceOp.AVERAGE, name=name)
@@ -298,21 +305,22 @@ class KfacOptimizer:
         refresh = self.iterations % self.inv_update_every == 0
         update_cov = refresh or self.iterations % self.cov_update_every == 0
         t0 = time.perf_counter()
-        loss, grads, factors = self._grads_fn(x, y, update_cov)
+        loss, grads, inputs, output_grads = self._grads_fn(x, y)
         t1 = time.perf_counter()
         t["gradient"] += t1 - t0
-        flat_factors = [m for f in factors for m in f]
+        flat_factors = [m for f in self._factors_fn(inputs, output_grads) for m in f] if update_cov else []
+        t2 = time.perf_counter()
+        t["factor"] += t2 - t1
         if self.distributed:
             # chief: grads and factors in one fused allreduce; split: factors stay local
             send = list(grads) + (flat_factors if self.strategy == "chief" else [])
             got = self._allreduce(send, "kfac.grads")
             grads, flat_factors = got[:len(grads)], (got[len(grads):] or flat_factors)
-        t2 = time.perf_counter()
-        t["communication"] += t2 - t1
+        t3 = time.perf_counter()
+        t["communication"] += t3 - t2
         if update_cov:
             self.factors = self._ema(self.factors, list(zip(flat_factors[0::2], flat_factors[1::2])))
-        t3 = time.perf_counter()
-        t["factor"] += t3 - t2
+        t["factor"] += time.perf_counter() - t3
         if refresh:
             self._refresh_inverses()
         t4 = time.perf_counter()
