@@ -16,8 +16,9 @@ Horovod Elastic on top (mirrors ``horovod.common.elastic``):
   ``register_reset_callbacks(fns)`` are called after every re-formation.
 * :func:`run_fn`: the loop behind ``hvd.elastic.run``: ``sync()``, call the function; on
   :class:`~sdp.common.errors.HorovodInternalError` (a collective failed, e.g. a peer died:
-  :class:`~sdp.common.errors.PeerLostError`) ``restore()`` the last commit, re-form, ``sync()``
-  and call again; on :class:`~sdp.common.errors.HostsUpdatedInterrupt` re-form without rollback
+  :class:`~sdp.common.errors.PeerLostError`; not the ``ValueError`` kinds such as
+  :class:`~sdp.common.errors.TensorMismatchError`, a bug that would fail again on every try, which
+  propagate) ``restore()`` the last commit, re-form, ``sync()`` and call again; on :class:`~sdp.common.errors.HostsUpdatedInterrupt` re-form without rollback
   (and without sync when hosts were only removed).
 * Host changes: ``sdprun`` counts them (``hosts_version`` of ``GET /status``); at each
   ``commit()``/``check_host_updates()`` rank 0 reads the count and broadcasts it, so every rank
@@ -230,6 +231,13 @@ class ObjectState(State):
             setattr(self, k, copy.deepcopy(v))
 
 
+def _recoverable(e: BaseException) -> bool:
+    """Whether a re-formation can help: an sdp error of the job (a lost peer, a timeout, a stall,
+    a failed rendezvous), not a usage error (``ValueError`` kinds such as a tensor mismatch, which
+    would fail again on every try) and not the elastic machinery's own :class:`ElasticError`."""
+    return isinstance(e, HorovodInternalError) and not isinstance(e, (ElasticError, ValueError))
+
+
 def _reform(reset_fn: Callable) -> None:
     """``reset_fn()`` until it succeeds: a member lost while the job re-forms (the new epoch's
     rendezvous or first collective fails) means one more re-formation.  ``sdprun`` bounds the
@@ -241,6 +249,8 @@ def _reform(reset_fn: Callable) -> None:
         except ElasticError:
             raise
         except HorovodInternalError as e:
+            if not _recoverable(e):
+                raise
             log.warning("re-forming the job failed (%s); trying again", str(e).splitlines()[0][:300])
 
 
@@ -262,8 +272,7 @@ def run_fn(func: Callable, reset_fn: Callable = reset, is_internal_error: Callab
                 log.info("hosts changed: re-forming the job without rollback")
                 skip_sync = e.skip_sync
             except Exception as e:  # noqa: BLE001 - classified below
-                if not (isinstance(e, HorovodInternalError) and not isinstance(e, ElasticError)
-                        or (is_internal_error is not None and is_internal_error(e))):
+                if not (_recoverable(e) or (is_internal_error is not None and is_internal_error(e))):
                     raise
                 log.warning("collective failed (%s): rolling back to the last commit and re-forming",
                             str(e).splitlines()[0][:300])

@@ -237,6 +237,16 @@ try:
     fails(ts)
 except Exception as e:
     out["outside_job"] = type(e).__name__ + ": " + str(e)
+from sdp.common.errors import TensorMismatchError
+
+@elastic.run
+def mismatch(state):
+    raise TensorMismatchError("allreduce of 'g': shape mismatch")
+
+try:
+    mismatch(ts)
+except Exception as e:
+    out["mismatch"] = type(e).__name__
 print("OUT " + json.dumps(out), flush=True)
 """
 
@@ -261,6 +271,7 @@ def test_states_and_keras_callbacks_one_process(tmp_path):
     assert out["tf_restore"] == [[1.0, 2.0], 1]
     assert out["tf_commit"] == [[4.0, 4.0], 3]
     assert out["outside_job"].startswith("ElasticError: re-forming the job needs an elastic launch")
+    assert out["mismatch"] == "TensorMismatchError"  # a bug is not retried
 
 
 def test_join_endpoint_refuses_unsigned_and_malformed_requests():
