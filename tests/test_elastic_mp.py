@@ -325,3 +325,16 @@ def test_keras_fit_with_elastic_callbacks_survives_kill9(tmp_path):
     done = re.findall(r"DONE (\d) (\d) (\d) (\w+)", res.stdout)
     assert sorted(d[0] for d in done) == ["0", "1"], out[-5000:]
     assert {d[1:3] for d in done} == {("2", "3")} and len({d[3] for d in done}) == 1, done
+
+
+def test_member_that_never_rejoins_stops_job_after_elastic_timeout(tmp_path):
+    """Worker 2 dies, worker 1 never asks to re-form: after --elastic-timeout (3 s) sdprun ends
+    the job naming worker 1, and worker 0 (waiting in /join) is told why."""
+    script, _ = _discovery(tmp_path, 3)
+    t0 = time.monotonic()
+    res = _sdprun(["-np", "3", "--min-np", "2", "--elastic-timeout", "3", "--host-discovery-script", script,
+                   sys.executable, WORKER], _env(DIE_WORKER=2, DIE_STEP=3, HANG_WORKER=1, STEPS=30))
+    assert res.returncode == 128 + 9, (res.stdout + res.stderr)[-4000:]
+    assert "workers [1] did not ask to re-form within --elastic-timeout 3 s" in res.stderr
+    assert "[0]<stderr>:" in res.stderr and "sdprun ended the elastic job: workers [1]" in res.stderr
+    assert time.monotonic() - t0 < 60

@@ -2,9 +2,10 @@
 
 Each step allreduces (SUM) a vector of ones and adds the step number to ``state.done``; a commit
 every ``COMMIT`` steps.  ``DIE_WORKER``/``DIE_STEP``: that worker kills itself (SIGKILL) at that
-step, after its allreduce was submitted.  At the end rank 0 prints the committed steps, which must
+step, after its allreduce was submitted; ``HANG_WORKER`` never asks to re-form after a failure.  At the end rank 0 prints the committed steps, which must
 be 0..STEPS-1 once each, and every rank prints its size and the checksum of ``state.value``.
 """
+import functools
 import os
 import signal
 import sys
@@ -27,7 +28,12 @@ resets = []
 state.register_reset_callbacks([lambda: resets.append(api.size())])
 
 
-@elastic.run_fn
+def hang():  # HANG_WORKER: this worker never asks to re-form
+    time.sleep(3600)
+
+
+@functools.partial(elastic.run_fn, reset_fn=hang if os.environ.get(elastic.WORKER_ENV) == os.environ.get("HANG_WORKER")
+                   else elastic.reset)
 def train(state):
     while state.step < STEPS:
         if os.environ.get(elastic.WORKER_ENV) == DIE_WORKER and state.step == DIE_STEP:
