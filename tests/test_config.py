@@ -14,6 +14,7 @@ VARS = [
     ("SDP_START_TIMEOUT", "HOROVOD_START_TIMEOUT", "start_timeout_s", "7.5", 7.5),
     ("SDP_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS", "stall_check_s", "3", 3.0),
     ("SDP_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_s", "90", 90.0),
+    ("SDP_PEER_TIMEOUT", None, "peer_timeout_s", "2.5", 2.5),
     ("SDP_SEGMENT_BYTES", None, "segment_bytes", "65536", 65536),
     ("SDP_SHM_SLAB_BYTES", None, "shm_slab_bytes", "4096", 4096),
     ("SDP_SHM_POOL_BYTES", None, "shm_pool_bytes", "8192", 8192),
@@ -36,6 +37,7 @@ def test_defaults():
     assert cfg.timeout_s == 300 and cfg.start_timeout_s == 60
     assert cfg.stall_check_s == 60
     assert cfg.stall_shutdown_s == 0  # off
+    assert cfg.peer_timeout_s == 30
     assert cfg.segment_bytes == 1 << 20
     assert cfg.shm_slab_bytes == 32 << 20 and cfg.shm_pool_bytes == 128 << 20
     assert cfg.timeline is None
@@ -109,6 +111,7 @@ def test_negative_or_nan_examples(name, raw):
                                          ("HOROVOD_FUSION_THRESHOLD", "fusion_threshold"),
                                          ("SDP_CYCLE_TIME", "cycle_time_ms"),
                                          ("SDP_STALL_SHUTDOWN_TIME", "stall_shutdown_s"),  # off
+                                         ("SDP_PEER_TIMEOUT", "peer_timeout_s"),  # silent peers never lost
                                          ("SDP_SHM_SLAB_BYTES", "shm_slab_bytes"),  # no shared memory
                                          ("SDP_SHM_POOL_BYTES", "shm_pool_bytes")])
 def test_zero_is_valid(name, field):
