@@ -169,3 +169,32 @@ def _initial_weights():
     import workers_kfac
     model = workers_kfac._model(tf)
     return np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+
+
+def test_kfac_mnist_example_two_ranks_agree_and_learn():
+    """A few steps of examples/kfac_mnist.py through sdprun (the full run is the README's command)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "examples"))
+    from mnist_data import find_mnist_dir
+    mnist = find_mnist_dir()
+    if mnist is None:
+        pytest.skip("MNIST not found: set SDP_MNIST_DIR or provide ../shared/data/mnist")
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, "examples/kfac_mnist.py",
+                        "--data-dir", str(mnist), "--strategy", "split", "--steps", "8", "--eval-every", "4",
+                        "--batch-size", "128"],
+                       cwd=root, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True,
+                       timeout=300)
+    out = p.stdout
+    assert p.returncode == 0, out[-3000:] + p.stderr[-3000:]
+    assert len(re.findall(r"\[0\]<stdout>:step \d+: loss [0-9.]+, test accuracy", out)) == 2, out[-2000:]
+    acc = float(re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+)", out).group(1))
+    assert acc >= 0.5, out[-2000:]  # chance is 0.1
+    sums = re.findall(r"\[(\d)\]<stdout>:weights checksum: ([0-9a-f]+)", out)
+    assert len(sums) == 2 and sums[0][1] == sums[1][1], sums
+    inverse = {int(r): float(v) for r, v in re.findall(r"\[(\d)\]<stdout>:time per step \(s\):.*inverse ([0-9.]+)", out)}
+    assert sorted(inverse) == [0, 1] and all(v > 0 for v in inverse.values()), inverse  # split: both ranks own layers

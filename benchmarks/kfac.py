@@ -1,0 +1,157 @@
+"""K-FAC vs. first-order optimizers on Fashion-MNIST at a large global batch, over sdp.
+
+    python benchmarks/kfac.py                      # about 15 minutes on 2 shared cores
+    python benchmarks/kfac.py --np 2 --target 0.85 --max-steps 300 --scaling-np 1,2,3,4 --scaling-inv-every 1
+
+Runs ``examples/kfac_mnist.py`` under ``sdprun`` (one job per row) and prints two tables:
+
+1. *Steps to target*: with ``--np`` ranks and global batch ``--batch-size`` (default 1080), the
+   steps and wall time each optimizer needs to reach ``--target`` test accuracy (checked every
+   ``--eval-every`` steps; wall time includes those evaluations, the same for every row):
+   K-FAC with both strategies, SGD with momentum and Adam, each with a small learning-rate sweep.
+   Every run uses the same model, batch, cosine schedule over ``--max-steps`` and seed.  The line
+   under the table compares K-FAC's steps with the best first-order run (target: <= 0.5x).
+2. *Time per step*: K-FAC (both strategies) for ``--scaling-steps`` steps on each world size of
+   ``--scaling-np``, refreshing the inverses every ``--scaling-inv-every`` steps, split into gradient (forward, backward, preconditioning, update), factor,
+   inverse and communication, in ms per step.  ``inverse`` is given as the maximum and the mean over
+   the ranks: with ``chief`` rank 0 inverts every factor, with ``split`` each layer's owner does.
+
+The machine's load average is printed first; other processes on it skew every time.  A missed
+target is printed as MISS; it does not change the exit status.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "kfac_mnist.py"
+FASHION = (ROOT / ".." / "shared" / "data" / "fashion-mnist").resolve()
+TIMINGS = ("gradient", "factor", "inverse", "communication")
+STEPS_TARGET = 0.5  # K-FAC steps / best first-order steps
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", default=str(FASHION), help="Fashion-MNIST IDX files (default: %(default)s)")
+    p.add_argument("--np", type=int, default=2, help="ranks for the steps-to-target table")
+    p.add_argument("--batch-size", type=int, default=1080, help="global batch (>= 1024 for the issue's target)")
+    p.add_argument("--target", type=float, default=0.85, help="test accuracy to reach")
+    p.add_argument("--max-steps", type=int, default=300, help="step budget (and cosine decay length) per run")
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--kfac-lr", default="0.1", help="comma-separated K-FAC learning rates")
+    p.add_argument("--sgd-lr", default="0.05,0.1,0.2", help="comma-separated SGD-momentum learning rates")
+    p.add_argument("--adam-lr", default="0.001,0.002,0.004", help="comma-separated Adam learning rates")
+    p.add_argument("--scaling-np", default="1,2,3,4", help="world sizes for the time-per-step table ('' skips it)")
+    p.add_argument("--scaling-steps", type=int, default=20)
+    p.add_argument("--scaling-inv-every", type=int, default=1,
+                   help="inverse refresh interval in the time-per-step runs (1: every step, so the first "
+                        "call's set-up cost is spread over many inversions)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    return p.parse_args(argv)
+
+
+def run_example(n, args, extra):
+    """One sdprun job; returns {"steps", "wall", "accuracy", "timings": {rank: {name: s/step}}}."""
+    cmd = [sys.executable, "-m", "sdp.launcher.cli", "-np", str(n), sys.executable, str(EXAMPLE),
+           "--data-dir", args.data_dir, "--batch-size", str(args.batch_size)] + extra
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    out = p.stdout
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {p.returncode}:\n{out[-2000:]}\n{p.stderr[-2000:]}")
+    steps = re.search(r"steps: (\d+), wall time: ([0-9.]+) s", out)
+    acc = re.search(r"test accuracy: ([0-9.]+)", out)
+    sums = set(re.findall(r"weights checksum: (\w+)", out))
+    if not (steps and acc) or len(sums) != 1:
+        raise RuntimeError(f"unexpected output of {' '.join(cmd)} (checksums {sums}):\n{out[-2000:]}")
+    timings = {}
+    for r, body in re.findall(r"\[(\d+)\]<stdout>:time per step \(s\): (.*)", out):
+        timings[int(r)] = {k: float(v) for k, v in re.findall(r"(\w+) ([0-9.]+)", body)}
+    return {"steps": int(steps.group(1)), "wall": float(steps.group(2)), "accuracy": float(acc.group(1)),
+            "timings": timings}
+
+
+def steps_to_target(args):
+    runs = [("kfac", s, float(lr)) for s in ("chief", "split") for lr in args.kfac_lr.split(",")]
+    runs += [("sgd-momentum", "", float(lr)) for lr in args.sgd_lr.split(",")]
+    runs += [("adam", "", float(lr)) for lr in args.adam_lr.split(",")]
+    print(f"\nsteps to test accuracy {args.target} on {Path(args.data_dir).name}, {args.np} ranks, "
+          f"global batch {args.batch_size}, budget {args.max_steps} steps (evaluated every {args.eval_every})")
+    print(f"{'optimizer':<14} {'strategy':<8} {'lr':>7} {'reached':>8} {'steps':>6} {'wall s':>7} {'accuracy':>9}")
+    results = []
+    for opt, strategy, lr in runs:
+        extra = ["--optimizer", opt, "--lr", str(lr), "--steps", str(args.max_steps),
+                 "--eval-every", str(args.eval_every), "--target-accuracy", str(args.target)]
+        if strategy:
+            extra += ["--strategy", strategy]
+        r = run_example(args.np, args, extra)
+        r.update(optimizer=opt, strategy=strategy, lr=lr, reached=r["accuracy"] >= args.target)
+        results.append(r)
+        print(f"{opt:<14} {strategy or '-':<8} {lr:>7g} {'yes' if r['reached'] else 'no':>8} {r['steps']:>6} "
+              f"{r['wall']:>7.1f} {r['accuracy']:>9.4f}", flush=True)
+
+    def best(rows):
+        rows = [r for r in rows if r["reached"]]
+        return min(rows, key=lambda r: r["steps"]) if rows else None
+
+    first = best([r for r in results if r["optimizer"] != "kfac"])
+    for strategy in ("chief", "split"):
+        k = best([r for r in results if r["strategy"] == strategy])
+        if k is None or first is None:
+            print(f"kfac {strategy}: {'K-FAC' if k is None else 'no first-order run'} did not reach "
+                  f"{args.target}: MISS")
+            continue
+        ratio = k["steps"] / first["steps"]
+        print(f"kfac {strategy}: {k['steps']} steps / best first-order ({first['optimizer']} lr {first['lr']:g}) "
+              f"{first['steps']} steps = {ratio:.2f}x (target <= {STEPS_TARGET}x: "
+              f"{'PASS' if ratio <= STEPS_TARGET else 'MISS'}); wall {k['wall']:.1f} s vs {first['wall']:.1f} s")
+
+
+def time_per_step(args):
+    sizes = [int(n) for n in args.scaling_np.split(",") if n]
+    if not sizes:
+        return
+    print(f"\nK-FAC time per step (ms), {args.scaling_steps} steps, global batch {args.batch_size}, "
+          f"inverses every {args.scaling_inv_every} step(s), factors every 5")
+    print(f"{'ranks':>5} {'strategy':<8} {'gradient':>9} {'factor':>8} {'inv max':>8} {'inv mean':>9} "
+          f"{'comm':>8} {'step':>8}")
+    inverse = {}
+    for n in sizes:
+        if args.batch_size % n:
+            print(f"{n:>5} skipped: {args.batch_size} is not divisible by {n}")
+            continue
+        for strategy in ("chief", "split"):
+            r = run_example(n, args, ["--optimizer", "kfac", "--strategy", strategy, "--steps",
+                                      str(args.scaling_steps), "--eval-every", "0",
+                                      "--inv-update-every", str(args.scaling_inv_every)])
+            t = r["timings"]
+            inv = [t[k]["inverse"] * 1e3 for k in sorted(t)]
+            t0 = t[0]
+            inverse[(n, strategy)] = max(inv)
+            print(f"{n:>5} {strategy:<8} {t0['gradient'] * 1e3:>9.1f} {t0['factor'] * 1e3:>8.1f} {max(inv):>8.2f} "
+                  f"{sum(inv) / len(inv):>9.2f} {t0['communication'] * 1e3:>8.1f} "
+                  f"{sum(t0[k] for k in TIMINGS) * 1e3:>8.1f}", flush=True)
+    for n in sizes:
+        if n > 1 and (n, "chief") in inverse:
+            c, s = inverse[(n, "chief")], inverse[(n, "split")]
+            print(f"{n} ranks: split's busiest rank inverts in {s:.2f} ms/step vs chief's {c:.2f} ms/step: "
+                  f"{'PASS' if s < c else 'MISS'}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    load = os.getloadavg()
+    print(f"{os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
+    steps_to_target(args)
+    time_per_step(args)
+    load = os.getloadavg()
+    print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
