@@ -94,7 +94,8 @@ _FAMILY_DEFS: Dict[str, _Family] = {
     "horovod": _Family(
         packages=("horovod",),
         aliases=(("horovod.tensorflow", "sdp.tensorflow"), ("horovod.keras", "sdp.tensorflow.keras"),
-                 ("horovod.common", "sdp.common"), ("horovod.runner", "sdp.compat_horovod.runner")),
+                 ("horovod.common", "sdp.common"), ("horovod.runner", "sdp.compat_horovod.runner"),
+                 ("horovod.ray", "sdp.ray")),
         dists=("horovod",),
         # Horovod's init() may be called again (SMDDP's raises): these modules are sdp.tensorflow
         # and sdp.tensorflow.keras with that init; their submodules still follow the aliases.
