@@ -130,6 +130,11 @@ def test_bad_arguments_raise():
         kfac.KfacOptimizer(tf.keras.Model(inputs, tf.keras.layers.Dense(2)(inputs)), loss_fn)
     with pytest.raises(RuntimeError, match="step"):
         kfac.KfacOptimizer(model, loss_fn).preconditioned_gradients(model.trainable_variables)
+    with pytest.raises(ValueError, match="built"):
+        kfac.KfacOptimizer(tf.keras.Sequential([tf.keras.layers.Dense(2)]), loss_fn)
+    seq = kfac.KfacOptimizer(tf.keras.Sequential([tf.keras.Input(shape=(4, 3)), tf.keras.layers.Dense(2)]), loss_fn)
+    with pytest.raises(ValueError, match="rank-3"):
+        seq.step(tf.zeros((2, 4, 3)), tf.zeros((2, 4, 2)))
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5])

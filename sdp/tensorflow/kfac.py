@@ -149,6 +149,8 @@ class _Block:
 
 
 def _known(layer):
+    if not layer.trainable:
+        return False
     if isinstance(layer, tf.keras.layers.Conv2D):
         return (type(layer) is tf.keras.layers.Conv2D and layer.data_format == "channels_last"
                 and getattr(layer, "groups", 1) == 1)
@@ -182,8 +184,8 @@ class KfacOptimizer:
     holds cumulative seconds spent in ``gradient`` (forward, backward, preconditioning and the
     optimizer's update), ``factor`` (the batch's factors and their moving averages), ``inverse``
     (this rank's own inversions) and ``communication`` (allreduce and broadcast, including waiting
-    for other ranks).  Raises ``ValueError`` for a bad strategy or
-    hyper-parameter.
+    for other ranks).  Raises ``ValueError`` for a bad strategy or hyper-parameter, an unbuilt
+    model, or a Dense layer on inputs of rank other than 2 (at the first step).
     """
 
     def __init__(self, model, loss_fn, learning_rate=0.1, damping=1e-3, cov_ema_decay=0.95, momentum=0.9,
@@ -191,6 +193,8 @@ class KfacOptimizer:
                  strategy="chief"):
         if not isinstance(model, tf.keras.Sequential):
             raise TypeError(f"KfacOptimizer needs a keras.Sequential model, got {type(model).__name__}")
+        if not model.built:
+            raise ValueError("KfacOptimizer needs a built model: start it with keras.Input(shape=...)")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not 0.0 <= cov_ema_decay < 1.0:
@@ -235,6 +239,9 @@ class KfacOptimizer:
             h = x
             for i, lay in enumerate(self.model.layers):
                 if i in blocks:
+                    if blocks[i].kind == "dense" and h.shape.rank != 2:
+                        raise ValueError(f"KfacOptimizer: Dense layer {lay.name!r} gets a rank-{h.shape.rank} "
+                                         f"input {h.shape}; only (batch, features) inputs are supported")
                     inputs[i] = h
                     pre[i] = blocks[i].pre_activation(h)
                     h = lay.activation(pre[i])
