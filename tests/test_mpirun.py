@@ -32,43 +32,7 @@ pytestmark = [
                        reason=str(emulated_hosts.unavailable_reason())),
 ]
 
-WORKER = r"""
-import json, os, signal, socket, sys, time
-import numpy as np
-import sdp
-from sdp.common.errors import PeerLostError
-if os.environ.get("T_DIR"):  # mpirun's SIGTERM to the survivors must not come before their report
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-sdp.init()
-r, n = sdp.rank(), sdp.size()
-for count in (0, 7, 300_001):
-    x = (np.arange(count) % 13 + r).astype(np.float32)
-    got = sdp.allreduce(x, op=sdp.Sum, name=f"ar{count}")
-    assert np.array_equal(got, sum((np.arange(count) % 13 + q).astype(np.float32) for q in range(n)))
-secret = os.environ.get('SDP_SECRET', '')
-in_argv = []
-for p in os.listdir('/proc'):
-    try:
-        if p.isdigit() and secret and secret.encode() in open(f'/proc/{p}/cmdline', 'rb').read():
-            in_argv.append(p)
-    except OSError:  # ended meanwhile
-        pass
-print("ROW " + json.dumps({"rank": r, "size": n, "local": [sdp.local_rank(), sdp.local_size()],
-                           "cross": [sdp.cross_rank(), sdp.cross_size()], "host": socket.gethostname(),
-                           "sdp_rank": os.environ.get("SDP_RANK"), "secret_in_argv": in_argv}), flush=True)
-if os.environ.get("T_DIR"):  # fault test: report the pid, then allreduce until a peer is lost
-    with open(os.path.join(os.environ["T_DIR"], f"{r}.tmp"), "w") as f:
-        json.dump({"pid": os.getpid()}, f)
-    os.replace(os.path.join(os.environ["T_DIR"], f"{r}.tmp"), os.path.join(os.environ["T_DIR"], f"{r}.json"))
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            sdp.allreduce(np.ones(1000, np.float32), op=sdp.Sum, name="step")
-            time.sleep(0.01)
-    except PeerLostError as e:
-        print(f"LOST rank={e.rank} at={time.time():.3f}", flush=True)
-        sys.exit(3)
-"""
+WORKER = os.path.join(REPO, "tests", "workers_cluster.py")
 
 EXPECTED = {0: ([0, 2], [0, 2], "h1"), 1: ([1, 2], [0, 2], "h1"),
             2: ([0, 2], [1, 2], "h2"), 3: ([1, 2], [1, 2], "h2")}
@@ -119,24 +83,22 @@ def test_mpirun_argv():
     assert "--allow-run-as-root" not in mpi.mpirun_argv([], 1, ["x"], [], as_root=False)
 
 
-def test_sdprun_launcher_mpi(hosts, tmp_path):
+def test_sdprun_launcher_mpi(hosts):
     """sdprun --launcher mpi -np 4 -H h1:2,h2:2: one mpirun starts the ranks; allreduces are right,
     topology comes from Open MPI's variables, the secret is on no command line."""
-    (tmp_path / "w.py").write_text(WORKER)
     res = hosts.run("h1", [sys.executable, "-m", "sdp.launcher.cli", "--launcher", "mpi", "-np", "4",
-                           "-H", "h1:2,h2:2", sys.executable, str(tmp_path / "w.py")],
+                           "-H", "h1:2,h2:2", sys.executable, WORKER],
                     env=_env(), cwd=REPO, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     _check_rows(_rows(res.stdout))
 
 
-def test_plain_mpirun_rank0_serves_rendezvous(hosts, tmp_path):
+def test_plain_mpirun_rank0_serves_rendezvous(hosts):
     """A plain mpirun with -x MASTER_ADDR/MASTER_PORT and -x SDP_SECRET (no sdprun): rank 0 serves."""
-    (tmp_path / "w.py").write_text(WORKER)
     env = _env(SDP_SECRET="0123456789abcdef" * 4)
     res = hosts.run("h1", ["mpirun", "--allow-run-as-root", "--tag-output", "-np", "4", "-H", "h1:2,h2:2",
                            "--bind-to", "none", "-x", "PATH", "-x", "PYTHONPATH", "-x", "MASTER_ADDR=h1",
-                           "-x", "MASTER_PORT=29511", "-x", "SDP_SECRET", sys.executable, str(tmp_path / "w.py")],
+                           "-x", "MASTER_PORT=29511", "-x", "SDP_SECRET", sys.executable, WORKER],
                     env=env, cwd=REPO, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     _check_rows(_rows(res.stdout))
@@ -145,11 +107,10 @@ def test_plain_mpirun_rank0_serves_rendezvous(hosts, tmp_path):
 def test_killed_rank_gives_peer_lost_and_leaves_nothing(hosts, tmp_path):
     """Rank 3 (on h2) killed with SIGKILL: ranks 0-2 raise PeerLostError naming it within 10 s,
     sdprun exits non-zero, no process of the job is left on h1 or h2."""
-    (tmp_path / "w.py").write_text(WORKER)
-    marker = str(tmp_path / "w.py")
+    marker = f"{WORKER} {tmp_path}"
     proc = hosts.popen("h1", [sys.executable, "-m", "sdp.launcher.cli", "--launcher", "mpi", "-np", "4",
-                              "-H", "h1:2,h2:2", "-x", "T_DIR", sys.executable, marker],
-                       env=_env(T_DIR=str(tmp_path)), cwd=REPO, stdout=subprocess.PIPE,
+                              "-H", "h1:2,h2:2", sys.executable, WORKER, str(tmp_path)],
+                       env=_env(), cwd=REPO, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

@@ -46,39 +46,7 @@ def slurm(hosts):
         cluster.down()
 
 
-WORKER = r"""
-import json, os, signal, socket, sys, time
-import numpy as np
-import sdp
-from sdp.common.errors import PeerLostError
-if os.environ.get("T_DIR"):  # Slurm's SIGTERM to the survivors must not come before their report
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-sdp.init()
-r, n = sdp.rank(), sdp.size()
-for count in (0, 7, 300_001):
-    x = (np.arange(count) % 13 + r).astype(np.float32)
-    got = sdp.allreduce(x, op=sdp.Sum, name=f"ar{count}")
-    assert np.array_equal(got, sum((np.arange(count) % 13 + q).astype(np.float32) for q in range(n)))
-from sdp.common import topology
-t = topology.from_env()
-print("ROW " + json.dumps({"rank": r, "size": n, "local": [sdp.local_rank(), sdp.local_size()],
-                           "cross": [sdp.cross_rank(), sdp.cross_size()], "host": socket.gethostname(),
-                           "source": t.source, "rendezvous": t.rendezvous_addr,
-                           "job": os.environ.get("SLURM_JOB_ID"), "step": os.environ.get("SLURM_STEP_ID")}),
-      flush=True)
-if os.environ.get("T_DIR"):  # fault tests: report the pid, then allreduce until a peer is lost
-    with open(os.path.join(os.environ["T_DIR"], f"{r}.tmp"), "w") as f:
-        json.dump({"pid": os.getpid(), "job": os.environ["SLURM_JOB_ID"]}, f)
-    os.replace(os.path.join(os.environ["T_DIR"], f"{r}.tmp"), os.path.join(os.environ["T_DIR"], f"{r}.json"))
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            sdp.allreduce(np.ones(1000, np.float32), op=sdp.Sum, name="step")
-            time.sleep(0.01)
-    except PeerLostError as e:
-        print(f"LOST rank={e.rank} at={time.time():.3f}", flush=True)
-        sys.exit(3)
-"""
+WORKER = os.path.join(REPO, "tests", "workers_cluster.py")
 
 EXPECTED = {0: ([0, 2], [0, 2], "h1"), 1: ([1, 2], [0, 2], "h1"),
             2: ([0, 2], [1, 2], "h2"), 3: ([1, 2], [1, 2], "h2")}
@@ -116,12 +84,12 @@ def _check_rows(rows, source):
                 rows[r]["source"]) == (r, 4, local, cross, host, source), rows[r]
 
 
-def test_plain_srun_forms_the_job(slurm, tmp_path):
-    """srun -N 2 --ntasks-per-node 2 python w.py, no sdprun: topology from SLURM_*, rank 0 serves
-    the rendezvous on the first node (h1) at the port derived from the job and step ids."""
-    (tmp_path / "w.py").write_text(WORKER)
+def test_plain_srun_forms_the_job(slurm):
+    """srun -N 2 --ntasks-per-node 2 python workers_cluster.py, no sdprun: topology from SLURM_*,
+    rank 0 serves the rendezvous on the first node (h1) at the port derived from the job and step
+    ids."""
     res = subprocess.run(slurm.argv("h1", ["srun", "-N", "2", "--ntasks-per-node", "2", "--label",
-                                           sys.executable, str(tmp_path / "w.py")]),
+                                           sys.executable, WORKER]),
                          env=_env(slurm), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     rows = _rows(res.stdout)
@@ -130,16 +98,14 @@ def test_plain_srun_forms_the_job(slurm, tmp_path):
     assert {row["rendezvous"] for row in rows.values()} == {f"tcp://h1:{slurm_rendezvous_port(job, step)}"}
 
 
-def test_sdprun_in_salloc_uses_srun(slurm, tmp_path):
-    """salloc -N 2 --ntasks-per-node 2 sdprun python w.py (no -H, no -np): sdprun picks the Slurm
-    launcher, makes the secret, serves the rendezvous on h1's address towards h2 and starts the
-    4 ranks with one srun."""
-    (tmp_path / "w.py").write_text(WORKER)
+def test_sdprun_in_salloc_uses_srun(slurm):
+    """salloc -N 2 --ntasks-per-node 2 sdprun python workers_cluster.py (no -H, no -np): sdprun
+    picks the Slurm launcher, makes the secret, serves the rendezvous on h1's address towards h2
+    and starts the 4 ranks with one srun."""
     env = _env(slurm)
     del env["SDP_SECRET"]  # sdprun makes the job's secret
     res = subprocess.run(slurm.argv("h1", ["salloc", "-N", "2", "--ntasks-per-node", "2", sys.executable,
-                                           "-m", "sdp.launcher.cli", "--verbose", sys.executable,
-                                           str(tmp_path / "w.py")]),
+                                           "-m", "sdp.launcher.cli", "--verbose", sys.executable, WORKER]),
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "srun --ntasks 4 --kill-on-bad-exit=1 --quit-on-interrupt --label" in res.stderr, res.stderr
@@ -163,9 +129,8 @@ exit $status
 
 def test_sbatch_recipe_with_secret_file(slurm, tmp_path):
     """The README's sbatch recipe: the batch script makes a secret file, plain srun forms the job."""
-    (tmp_path / "w.py").write_text(WORKER)
     script = tmp_path / "job.sbatch"
-    script.write_text(SBATCH_RECIPE.format(python=sys.executable, worker=tmp_path / "w.py"))
+    script.write_text(SBATCH_RECIPE.format(python=sys.executable, worker=WORKER))
     env = _env(slurm)
     del env["SDP_SECRET"]
     res = subprocess.run(slurm.argv("h1", ["sbatch", "--parsable", "-o", str(tmp_path / "out.txt"), str(script)]),
@@ -186,10 +151,9 @@ def test_sbatch_recipe_with_secret_file(slurm, tmp_path):
 
 
 def _start_fault_job(slurm, tmp_path):
-    (tmp_path / "w.py").write_text(WORKER)
     proc = subprocess.Popen(slurm.argv("h1", ["srun", "-N", "2", "--ntasks-per-node", "2", "--label",
-                                              sys.executable, str(tmp_path / "w.py")]),
-                            env=_env(slurm, T_DIR=str(tmp_path)), cwd=REPO, stdout=subprocess.PIPE,
+                                              sys.executable, WORKER, str(tmp_path)]),
+                            env=_env(slurm), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("*.json"))) < 4:
@@ -249,11 +213,10 @@ def test_scancel_ends_every_task(slurm, hosts, tmp_path):
 def test_ctrl_c_of_sdprun_in_salloc_ends_every_task(slurm, hosts, tmp_path):
     """SIGINT to sdprun (--launcher slurm inside salloc) while the ranks run: sdprun exits 130,
     no task is left on h1 or h2 within 15 s."""
-    (tmp_path / "w.py").write_text(WORKER)
-    env = _env(slurm, T_DIR=str(tmp_path))
+    env = _env(slurm)
     del env["SDP_SECRET"]
     proc = subprocess.Popen(slurm.argv("h1", ["salloc", "-N", "2", "--ntasks-per-node", "2", sys.executable,
-                                              "-m", "sdp.launcher.cli", sys.executable, str(tmp_path / "w.py")]),
+                                              "-m", "sdp.launcher.cli", sys.executable, WORKER, str(tmp_path)]),
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -274,7 +237,7 @@ def test_ctrl_c_of_sdprun_in_salloc_ends_every_task(slurm, hosts, tmp_path):
 
 def _nothing_left(hosts, tmp_path):
     for h in ("h1", "h2"):
-        left = hosts.wait_no_processes(h, match=str(tmp_path / "w.py"), timeout_s=15)
+        left = hosts.wait_no_processes(h, match=f"{WORKER} {tmp_path}", timeout_s=15)
         assert not left, f"processes left on {h}: {left}"
 
 
