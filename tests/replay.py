@@ -3,6 +3,7 @@
 A Kubernetes pod or a SageMaker instance is a process with a given environment on a host with a
 given DNS name; :func:`run_processes` starts one such process per ``(host, env)`` at once in the
 hosts' namespaces (nothing but the environment tells sdp where it is) and waits for all."""
+import json
 import os
 import subprocess
 import sys
@@ -44,3 +45,14 @@ def run_processes(hosts, procs: Sequence[Tuple[str, Mapping[str, str]]], argv: S
 
 def python_argv(script: str = WORKER, *args: str) -> List[str]:
     return [sys.executable, script, *args]
+
+
+def rows_by_rank(results: Sequence[subprocess.CompletedProcess]) -> Dict[int, dict]:
+    """``{rank: ROW dict}`` of :data:`WORKER` processes that :func:`run_processes` ran (the first
+    ``ROW {json}`` line of each); asserts that every one exited 0."""
+    rows = {}
+    for res in results:
+        assert res.returncode == 0, res.stdout + res.stderr
+        row = json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")][0][4:])
+        rows[row["rank"]] = row
+    return rows

@@ -101,11 +101,7 @@ def pods(hosts, tmp_path):
 def test_replayed_pods_form_the_job(hosts, pods):
     procs, _ = pods
     results = replay.run_processes(hosts, procs, replay.python_argv())
-    rows = {}
-    for res in results:
-        assert res.returncode == 0, res.stdout + res.stderr
-        row = json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")][0][4:])
-        rows[row["rank"]] = row
+    rows = replay.rows_by_rank(results)
     assert sorted(rows) == [0, 1]
     for r in (0, 1):
         assert (rows[r]["size"], rows[r]["host"], rows[r]["source"], rows[r]["local"], rows[r]["cross"]) == \
@@ -185,11 +181,7 @@ def test_replayed_tfjob_pods_form_the_job(hosts, tmp_path):
         results = replay.run_processes(hosts, procs, replay.python_argv())
     finally:
         hosts.set_aliases({})
-    rows = {}
-    for res in results:
-        assert res.returncode == 0, res.stdout + res.stderr
-        row = json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")][0][4:])
-        rows[row["rank"]] = row
+    rows = replay.rows_by_rank(results)
     assert sorted(rows) == [0, 1]
     for r in (0, 1):
         assert (rows[r]["size"], rows[r]["host"], rows[r]["source"], rows[r]["rendezvous"]) == \

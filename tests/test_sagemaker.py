@@ -47,11 +47,7 @@ def test_replayed_instances_form_the_job(hosts):
         results = replay.run_processes(hosts, procs, replay.python_argv())
     finally:
         hosts.set_aliases({})
-    rows = {}
-    for res in results:
-        assert res.returncode == 0, res.stdout + res.stderr
-        row = json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")][0][4:])
-        rows[row["rank"]] = row
+    rows = replay.rows_by_rank(results)
     assert sorted(rows) == [0, 1]
     for r in (0, 1):
         assert (rows[r]["size"], rows[r]["host"], rows[r]["source"], rows[r]["local"], rows[r]["cross"],
