@@ -163,7 +163,7 @@ def test_horovod_tf2_elastic_pattern_grows_under_compat(tmp_path):
     script, hosts = _discovery(tmp_path, 2)
     rc, out, fired = _run_until(["--compat", "horovod", "-np", "2", "--min-np", "2", "--max-np", "3",
                                  "--host-discovery-script", script, sys.executable, HOROVOD_PATTERN],
-                                _env(), "Step #20", lambda _p: hosts.write_text("localhost:3\n"))
+                                _env(), "Step #10", lambda _p: hosts.write_text("localhost:3\n"))
     assert fired and rc == 0, out[-5000:]
     assert "epoch 1 with 3 workers" in out, out[-5000:]
     done = re.findall(r"DONE rank (\d) size (\d) weights (\w+)", out)

@@ -63,7 +63,7 @@ def train(state):
     start_batch = state.batch
 
     # Horovod: adjust number of steps based on number of GPUs.
-    for batch_idx, (images, labels) in enumerate(dataset.skip(state.batch).take(240 // hvd.size())):
+    for batch_idx, (images, labels) in enumerate(dataset.skip(state.batch).take(600 // hvd.size())):
         state.batch = start_batch + batch_idx
         loss_value = training_step(images, labels)
 
