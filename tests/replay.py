@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers_cluster.py")
@@ -24,23 +24,31 @@ def base_env(**extra) -> Dict[str, str]:
 
 
 def run_processes(hosts, procs: Sequence[Tuple[str, Mapping[str, str]]], argv: Sequence[str],
-                  timeout_s: float = 120.0, cwd: str = REPO) -> List[subprocess.CompletedProcess]:
+                  timeout_s: float = 120.0, cwd: str = REPO,
+                  aliases: Optional[Dict[str, List[str]]] = None) -> List[subprocess.CompletedProcess]:
     """Run ``argv`` once per ``(host, env)`` of ``procs``, all at once; return their results in
     order.  Every process still running after ``timeout_s`` seconds is killed (its result then
-    has return code -9)."""
-    started = [hosts.popen(host, list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for host, env in procs]
-    deadline = time.monotonic() + timeout_s
-    results = []
-    for (host, _), p in zip(procs, started):
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return results
+    has return code -9).  ``aliases``: DNS names of the hosts while they run
+    (``hosts.set_aliases``, removed again at the end)."""
+    if aliases:
+        hosts.set_aliases(aliases)
+    try:
+        started = [hosts.popen(host, list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for host, env in procs]
+        deadline = time.monotonic() + timeout_s
+        results = []
+        for p in started:
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return results
+    finally:
+        if aliases:
+            hosts.set_aliases({})
 
 
 def python_argv(script: str = WORKER, *args: str) -> List[str]:

@@ -176,12 +176,8 @@ def test_replayed_tfjob_pods_form_the_job(hosts, tmp_path):
     procs = [(f"h{i + 1}", replay.base_env(**env, TF_CONFIG=json.dumps(
         {"cluster": cluster, "task": {"type": "worker", "index": i}, "environment": "cloud"})))
         for i in range(len(names))]
-    hosts.set_aliases({f"h{i + 1}": [n] for i, n in enumerate(names)})
-    try:
-        results = replay.run_processes(hosts, procs, replay.python_argv())
-    finally:
-        hosts.set_aliases({})
-    rows = replay.rows_by_rank(results)
+    rows = replay.rows_by_rank(replay.run_processes(hosts, procs, replay.python_argv(),
+                                                    aliases={f"h{i + 1}": [n] for i, n in enumerate(names)}))
     assert sorted(rows) == [0, 1]
     for r in (0, 1):
         assert (rows[r]["size"], rows[r]["host"], rows[r]["source"], rows[r]["rendezvous"]) == \

@@ -42,12 +42,8 @@ def test_replayed_instances_form_the_job(hosts):
     # listed in reverse: the rank comes from the sorted SM_HOSTS, not from the start order
     procs = [("h2", replay.base_env(**instance_env("algo-2", secret))),
              ("h1", replay.base_env(**instance_env("algo-1", secret)))]
-    hosts.set_aliases({"h1": ["algo-1"], "h2": ["algo-2"]})
-    try:
-        results = replay.run_processes(hosts, procs, replay.python_argv())
-    finally:
-        hosts.set_aliases({})
-    rows = replay.rows_by_rank(results)
+    rows = replay.rows_by_rank(replay.run_processes(hosts, procs, replay.python_argv(),
+                                                    aliases={"h1": ["algo-1"], "h2": ["algo-2"]}))
     assert sorted(rows) == [0, 1]
     for r in (0, 1):
         assert (rows[r]["size"], rows[r]["host"], rows[r]["source"], rows[r]["local"], rows[r]["cross"],
