@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+pytest.register_assert_rewrite("replay")  # its helpers' asserts explain failures as tests' do
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import emulated_hosts  # noqa: E402
 

@@ -2,9 +2,15 @@
 
 A Kubernetes pod or a SageMaker instance is a process with a given environment on a host with a
 given DNS name; :func:`run_processes` starts one such process per ``(host, env)`` at once in the
-hosts' namespaces (nothing but the environment tells sdp where it is) and waits for all."""
+hosts' namespaces (nothing but the environment tells sdp where it is) and waits for all.
+
+:func:`rows_by_rank` reads the ``ROW`` lines of :data:`WORKER` so started; the last helpers read
+what a multi-host job printed, however it was started (``sdprun``, ``mpirun``, ``srun``, replayed
+environments), given as ``{rank: [lines]}``: :func:`lost_reports`
+(the ``LOST`` lines of :data:`WORKER` and test_multihost's fault worker)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -64,3 +70,14 @@ def rows_by_rank(results: Sequence[subprocess.CompletedProcess]) -> Dict[int, di
         row = json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")][0][4:])
         rows[row["rank"]] = row
     return rows
+
+
+def lost_reports(lines: Mapping[int, Sequence[str]], t0: float) -> Dict[int, Tuple[int, float]]:
+    """``{rank: (lost rank, seconds after t0)}`` from the ``LOST rank=R at=UNIX_TIME`` lines
+    (``t0``: the fault's ``time.time()``)."""
+    got = {}
+    for rank, rank_lines in lines.items():
+        for m in filter(None, (re.match(r"LOST rank=(\d+) at=([\d.]+)", ln) for ln in rank_lines)):
+            got[rank] = (int(m.group(1)), float(m.group(2)) - t0)
+    return got
+

@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import emulated_hosts  # noqa: E402
+import replay  # noqa: E402
 
 from sdp.launcher import hosts as hostlib  # noqa: E402
 from sdp.launcher import mpi  # noqa: E402
@@ -32,7 +33,7 @@ pytestmark = [
                        reason=str(emulated_hosts.unavailable_reason())),
 ]
 
-WORKER = os.path.join(REPO, "tests", "workers_cluster.py")
+WORKER = replay.WORKER
 
 EXPECTED = {0: ([0, 2], [0, 2], "h1"), 1: ([1, 2], [0, 2], "h1"),
             2: ([0, 2], [1, 2], "h2"), 3: ([1, 2], [1, 2], "h2")}
@@ -126,10 +127,7 @@ def test_killed_rank_gives_peer_lost_and_leaves_nothing(hosts, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0, err
-    lost = {}
-    for rank, lines in _lines(out).items():
-        for m in filter(None, (re.match(r"LOST rank=(\d+) at=([\d.]+)", ln) for ln in lines)):
-            lost[rank] = (int(m.group(1)), float(m.group(2)) - t0)
+    lost = replay.lost_reports(_lines(out), t0)
     assert sorted(lost) == [0, 1, 2], out + err[-3000:]
     assert all(r == 3 and dt < 10 for r, dt in lost.values()), lost
     for h in ("h1", "h2"):

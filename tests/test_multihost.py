@@ -17,6 +17,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import emulated_hosts  # noqa: E402
+import replay  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_DIR = os.environ.get("SDP_MNIST_DIR", os.path.join(os.path.dirname(REPO), "shared", "data", "mnist"))
@@ -254,16 +255,6 @@ class Job:
                 self.proc.kill()
         return self.proc.returncode, out, err
 
-    def lost_reports(self, out, t0):
-        """{rank: (lost rank, seconds after t0)} from the LOST lines."""
-        got = {}
-        for r, lines in _by_rank(out).items():
-            for ln in lines:
-                m = re.match(r"LOST rank=(\d+) at=([\d.]+)", ln)
-                if m:
-                    got[r] = (int(m.group(1)), float(m.group(2)) - t0)
-        return got
-
 
 def _ssh_client_of(job, rank):
     """The pid of the local ssh client that runs ``rank`` (a child of sdprun on h1)."""
@@ -311,7 +302,7 @@ def test_fault_gives_peer_lost_everywhere_and_leaves_nothing(hosts, tmp_path, fa
     # A cut link is noticed by ZeroMQ's heartbeats (sdp.transport.zmq_mesh: HEARTBEAT_TIMEOUT 8 s,
     # then LOSS_GRACE_S): measured 10.2-10.5 s here, over the issue's 10 s target (engine side).
     bound_s = LINK_DOWN_BOUND_S if fault == "link_down" else 10
-    reports = job.lost_reports(out, t0)
+    reports = replay.lost_reports(_by_rank(out), t0)
     for r in survivors:
         assert r in reports, f"rank {r} reported no PeerLostError:\n{out}\n{err[-3000:]}"
         assert reports[r][0] in lost and reports[r][1] < bound_s, (r, reports[r])

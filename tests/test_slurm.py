@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import emulated_hosts  # noqa: E402
+import replay  # noqa: E402
 import slurm_cluster  # noqa: E402
 
 from sdp.common.topology import slurm_rendezvous_port  # noqa: E402
@@ -46,7 +47,7 @@ def slurm(hosts):
         cluster.down()
 
 
-WORKER = os.path.join(REPO, "tests", "workers_cluster.py")
+WORKER = replay.WORKER
 
 EXPECTED = {0: ([0, 2], [0, 2], "h1"), 1: ([1, 2], [0, 2], "h1"),
             2: ([0, 2], [1, 2], "h2"), 3: ([1, 2], [1, 2], "h2")}
@@ -177,10 +178,7 @@ def test_killed_task_gives_peer_lost_and_leaves_nothing(slurm, hosts, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0, err
-    lost = {}
-    for rank, lines in _lines(out).items():
-        for m in filter(None, (re.match(r"LOST rank=(\d+) at=([\d.]+)", ln) for ln in lines)):
-            lost[rank] = (int(m.group(1)), float(m.group(2)) - t0)
+    lost = replay.lost_reports(_lines(out), t0)
     assert sorted(lost) == [0, 1, 2], out + err[-3000:]
     assert all(r == 3 and dt < 10 for r, dt in lost.values()), lost
     _nothing_left(hosts, tmp_path)
