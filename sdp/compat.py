@@ -19,8 +19,7 @@ Where Horovod and SageMaker differ, the family the script imported decides
 
 Horovod's other module paths
     ``horovod.tensorflow.util`` / ``.mpi_ops`` / ``.functions`` / ``.compression`` / ``.elastic``
-    and ``horovod.tensorflow.keras.callbacks`` are ``sdp.tensorflow.<same>`` (elastic raises
-    ``NotImplementedError`` when used); ``horovod.common.util`` is :mod:`sdp.common.util`,
+    and ``horovod.tensorflow.keras.callbacks`` are ``sdp.tensorflow.<same>``; ``horovod.common.util`` is :mod:`sdp.common.util`,
     ``horovod.common.exceptions`` is :mod:`sdp.common.errors`; ``horovod.runner`` (``run``,
     ``util.threads``) is :mod:`sdp.compat_horovod.runner`.
 

@@ -19,7 +19,8 @@ int32 scalar tensor.  Other collectives that involve a joined rank raise ``Tenso
 under Horovod's names (``import horovod.tensorflow as hvd`` with ``sdprun --compat horovod``) is
 :mod:`sdp.compat_horovod.tensorflow`, whose ``init()`` follows Horovod (a second call is a no-op).
 Horovod's submodules are here too: ``util``, ``mpi_ops``, ``functions``, ``compression``,
-``elastic`` (not yet supported: raises ``NotImplementedError``).
+``elastic`` (Horovod Elastic: ``hvd.elastic.run``, ``TensorFlowKerasState``, ...; see
+:mod:`sdp.elastic` and ``sdprun --host-discovery-script``).
 
 Process sets (``ProcessSet``, ``init(process_sets=[...])``, ``add_process_set``,
 ``remove_process_set``, ``process_set=`` on every collective) are Horovod's; see
@@ -51,6 +52,7 @@ from sdp.tensorflow.hooks import BroadcastGlobalVariablesHook  # noqa: F401
 from sdp.tensorflow.ops import XlaNotSupportedError  # noqa: F401
 from sdp.tensorflow.optimizer import DistributedOptimizer  # noqa: F401
 from sdp.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
+from sdp.tensorflow import elastic  # noqa: F401,E402  (hvd.elastic.run, as Horovod's package has it)
 
 
 def init(*args, **kwargs):
