@@ -112,6 +112,24 @@ def test_batch_cache_reuses_the_response_of_an_identical_id_list():
     assert again.bid == 1 and len({i["b"] for i in again}) == 3
 
 
+def test_response_cache_holds_one_id_per_name_and_forgets_batches_of_old_ids():
+    c = Coordinator(2)
+    cached(c, ["g0", "g1"])
+    for r in (0, 1):
+        c.add(r, {"ids": [0, 1]})
+    assert c.ready().bid == 0
+    for step in range(1, 50):  # g1 comes back with a new shape each time (a soak's random sizes)
+        cached(c, ["g1"], shape=(10 + step,))
+    assert sorted(c.cache_meta) == [0, 50] and len(c.cache_ids) == 2  # g0's id and g1's latest
+    assert not c._batches and c._free_bids == [0]  # the batch holding g1's first id is gone
+    errs = c.add(0, {"ids": [1]})  # an id forgotten is unknown, as any other
+    assert c.ready() == [] and not errs and not c.table
+    for r in (0, 1):
+        c.add(r, {"ids": [0, 50]})
+    again = c.ready()
+    assert [i["n"] for i in again] == ["g0", "g1"] and again.bid == 0  # its number is reused
+
+
 def test_differing_id_lists_take_the_normal_path_in_first_seen_order():
     c = Coordinator(2)
     cached(c, ["a", "b"])

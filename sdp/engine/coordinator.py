@@ -19,7 +19,12 @@ key    meaning
 =====  =====================================================================
 
 A **response cache** keeps steady state cheap: the first time a meta is agreed it gets an integer
-id, sent once to all ranks; afterwards a rank submits just the id.  A **batch cache** goes one
+id, sent once to all ranks; afterwards a rank submits just the id.  It holds one id per tensor
+name: when a name is agreed with another signature (a new shape), its old id, and every cached
+batch holding it, is forgotten (as Horovod's response cache replaces a name's entry), so a loop
+of changing shapes keeps it bounded by the names in use (it grew ~1 KB per new shape, forever).
+No rank can still send the old id: it learns the new one in the same response, and a name is in
+flight at most once per rank.  A **batch cache** goes one
 step further for the steady state of a training step: when every rank sends the very same list
 of cached ids while nothing else is waiting, the response (items and fusion plan) is the one
 computed the first time that list was seen, returned as a :class:`Batch` whose ``bid`` lets the
@@ -171,7 +176,10 @@ class Coordinator:
         self.first_seen: Dict[str, float] = {}
         self.order: List[str] = []  # names in order of first submission
         self.cache_ids: Dict[str, int] = {}  # signature -> id
-        self.cache_meta: List[dict] = []  # id -> meta
+        self.cache_meta: Dict[int, dict] = {}  # id -> meta
+        self._cid_of_name: Dict[str, int] = {}  # tensor name -> its id (one per name)
+        self._sig_of: Dict[int, str] = {}  # id -> signature
+        self._next_cid = 0
         self._cid_of: Dict[int, int] = {}  # id() of a meta in cache_meta -> its cache id
         self._fusion_infos: Dict[int, tuple] = {}  # cache id -> _fusion_info()
         self._warned: Dict[str, float] = {}
@@ -179,6 +187,8 @@ class Coordinator:
         self._held: Dict[int, list] = {}  # rank -> ids: same-list requests held for the batch cache
         self._held_since = 0.0
         self._batches: Dict[tuple, Batch] = {}  # (ids, fusion threshold) -> cached response
+        self._batch_keys: Dict[int, set] = {}  # id -> keys of the cached batches holding it
+        self._free_bids: List[int] = []  # numbers of forgotten batches, given to new ones
         #: process set id -> its job ranks, ascending (sdp.engine.process_sets; 0, all ranks, implicit)
         self.sets: Dict[int, List[int]] = {}
         self._set_cids = set()  # cache ids of process-set metas (they never take the batch cache)
@@ -192,8 +202,8 @@ class Coordinator:
             return False
         if self._held:
             return ids == next(iter(self._held.values()))
-        n = len(self.cache_meta)
-        return (isinstance(ids, list) and all(type(c) is int and 0 <= c < n for c in ids)
+        known = self.cache_meta
+        return (isinstance(ids, list) and all(type(c) is int and c in known for c in ids)
                 and len(set(ids)) == len(ids) and (not self._set_cids or self._set_cids.isdisjoint(ids)))
 
     def _release_held(self) -> List[dict]:
@@ -229,7 +239,7 @@ class Coordinator:
             else:
                 log.warning("coordinator: rank %d sent a malformed tensor request (%s); dropped", rank, why)
         for cid in ids:
-            if type(cid) is not int or not 0 <= cid < len(self.cache_meta):
+            if type(cid) is not int or cid not in self.cache_meta:
                 log.warning("coordinator: rank %d sent unknown cache id %r; dropped", rank, cid)
                 continue
             metas.append(self.cache_meta[cid])
@@ -273,8 +283,13 @@ class Coordinator:
                 return batch
             items = self._release_held() + self._ready()
             if (len(self._batches) < MAX_BATCHES and len(items) == len(key[0])
-                    and all(it.keys() <= {"n", "id", "b"} for it in items)):
-                items = self._batches[key] = Batch(items, len(self._batches))
+                    and all(it.keys() <= {"n", "id", "b"} for it in items)
+                    and all(c in self.cache_meta for c in key[0])):
+                # (numbers of forgotten batches are reused: live + free are always 0 .. n-1)
+                bid = self._free_bids.pop() if self._free_bids else len(self._batches)
+                items = self._batches[key] = Batch(items, bid)
+                for c in key[0]:
+                    self._batch_keys.setdefault(c, set()).add(key)
             return items
         return self._ready()
 
@@ -330,9 +345,13 @@ class Coordinator:
                 sig = signature(meta)
                 cid = self.cache_ids.get(sig)
                 if cid is None:
-                    cid = self.cache_ids[sig] = len(self.cache_meta)
-                    self.cache_meta.append(meta)
+                    self._forget(self._cid_of_name.get(name))  # the name's old signature
+                    cid = self.cache_ids[sig] = self._next_cid
+                    self._next_cid += 1
+                    self.cache_meta[cid] = meta
                     self._cid_of[id(meta)] = cid
+                    self._cid_of_name[name] = cid
+                    self._sig_of[cid] = sig
                     item["meta"] = meta
             item["id"] = cid
             if ps:
@@ -344,6 +363,21 @@ class Coordinator:
             items.append({"n": JOIN, "last": self.joined[-1]})
             self.joined = []
         return items
+
+    def _forget(self, cid: Optional[int]) -> None:
+        """Drop cache id ``cid`` (if not None) and the cached batches that hold it."""
+        if cid is None:
+            return
+        meta = self.cache_meta.pop(cid)
+        del self.cache_ids[self._sig_of.pop(cid)]
+        self._cid_of.pop(id(meta), None)
+        self._fusion_infos.pop(cid, None)
+        self._set_cids.discard(cid)
+        for key in self._batch_keys.pop(cid, ()):
+            self._free_bids.append(self._batches.pop(key).bid)
+            for c in key[0]:
+                if c != cid:
+                    self._batch_keys[c].discard(key)
 
     def _plan_fusion(self, items: List[dict]) -> None:
         """Give each allreduce item its bucket index ``b`` (same plan for every rank)."""

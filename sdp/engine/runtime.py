@@ -150,7 +150,9 @@ class Runtime:
         os.set_blocking(self._wake_r, False)
         self.mesh.poller.register(self._wake_r, 1)  # zmq.POLLIN
         self._pending: Dict[str, Request] = {}
-        self._cache: Dict[tuple, int] = {}  # Request.key() -> response-cache id (same on all ranks)
+        # tensor name -> (Request.key(), response-cache id): one entry per name, replaced when
+        # the name is agreed with another key (the coordinator forgets the old id then)
+        self._cache: Dict[str, tuple] = {}
         self._batches: Dict[int, List[dict]] = {}  # batch-cache id -> response items (announced once)
         #: process set id -> its job ranks, ascending (the same on every rank; 0, all ranks, implicit)
         self.process_sets: Dict[int, List[int]] = {}
@@ -253,11 +255,11 @@ class Runtime:
                     "names must be unique among outstanding collectives"))
                 continue
             self._pending[req.name] = req
-            cid = self._cache.get(req.key())
-            if cid is None:
-                new.append(req.meta())
+            hit = self._cache.get(req.name)
+            if hit is not None and hit[0] == req.key():
+                ids.append(hit[1])
             else:
-                ids.append(cid)
+                new.append(req.meta())
             if self.timeline:
                 self.timeline.begin(req.name, "NEGOTIATE")
         self._last_request_at = time.monotonic()
@@ -322,7 +324,7 @@ class Runtime:
             return
         if bid is None:
             self._broadcast_ctrl({"t": "resp", "items": items})
-        elif bid in self._batches:
+        elif self._batches.get(bid) is items:  # (a forgotten batch's number is reused by a new one)
             self._broadcast_ctrl({"t": "resp", "bid": bid})
         else:
             self._batches[bid] = items
@@ -363,7 +365,7 @@ class Runtime:
             if "meta" in item and req.kind not in ("allgather", "alltoall"):
                 # (allgather/alltoall metas differ per rank in the first dimension / splits, so
                 # rank 0's agreed meta would be wrong for the others: those always travel in full)
-                self._cache[req.key()] = item["id"]
+                self._cache[req.name] = (req.key(), item["id"])
             if self.timeline:
                 self._timeline_mark(req.name, "NEGOTIATE" if submitted else None, "QUEUE")
             if req.kind == "allreduce":
