@@ -7,7 +7,8 @@ hosts' namespaces (nothing but the environment tells sdp where it is) and waits 
 :func:`rows_by_rank` reads the ``ROW`` lines of :data:`WORKER` so started; the last helpers read
 what a multi-host job printed, however it was started (``sdprun``, ``mpirun``, ``srun``, replayed
 environments), given as ``{rank: [lines]}``: :func:`lost_reports`
-(the ``LOST`` lines of :data:`WORKER` and test_multihost's fault worker)."""
+(the ``LOST`` lines of :data:`WORKER` and test_multihost's fault worker) and :func:`check_mnist`
+(examples/tf2_mnist.py's acceptance)."""
 import json
 import os
 import re
@@ -81,3 +82,13 @@ def lost_reports(lines: Mapping[int, Sequence[str]], t0: float) -> Dict[int, Tup
             got[rank] = (int(m.group(1)), float(m.group(2)) - t0)
     return got
 
+
+def check_mnist(lines: Mapping[int, Sequence[str]], size: int) -> None:
+    """Assert examples/tf2_mnist.py's acceptance: each of ranks ``0..size-1`` printed one
+    ``weights checksum:``, the same on all; rank 0's ``test accuracy:`` is at least 0.97."""
+    sums = {r: [ln.split(":", 1)[1].strip() for ln in rank_lines if ln.startswith("weights checksum:")]
+            for r, rank_lines in lines.items()}
+    assert sorted(sums) == list(range(size)) and all(len(s) == 1 for s in sums.values()), sums
+    assert len({s[0] for s in sums.values()}) == 1, sums
+    acc = [float(ln.split(":")[1]) for ln in lines[0] if ln.startswith("test accuracy:")]
+    assert acc and acc[0] >= 0.97, lines[0]

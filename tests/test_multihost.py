@@ -191,13 +191,7 @@ def test_mnist_two_hosts(hosts):
     res = sdprun(hosts, "-np", "4", "-H", "h1:2,h2:2", sys.executable, "examples/tf2_mnist.py",
                  "--data-dir", MNIST_DIR, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = _by_rank(res.stdout)
-    sums = {r: [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("weights checksum:")]
-            for r, lines in rows.items()}
-    assert sorted(sums) == [0, 1, 2, 3] and all(len(s) == 1 for s in sums.values()), sums
-    assert len({s[0] for s in sums.values()}) == 1, sums
-    acc = [float(ln.split(":")[1]) for ln in rows[0] if ln.startswith("test accuracy:")]
-    assert acc and acc[0] >= 0.97, rows[0]
+    replay.check_mnist(_by_rank(res.stdout), 4)
 
 
 # ---------------------------------------------------------------- faults
