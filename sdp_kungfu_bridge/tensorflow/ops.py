@@ -1,8 +1,13 @@
 """TensorFlow operators on sdp: mirrors ``kungfu.tensorflow.ops``.
 
-Every operator is a ``tf.py_function`` that hands numpy arrays to :mod:`sdp.api` (collectives) or
-to the bridge's model store (``save_variable``/``request_variable``), so they run eagerly, inside
-``tf.function`` and in ``tf.compat.v1`` graphs/sessions.  Operators read the cluster when they
+Every operator hands numpy arrays to :mod:`sdp.api` (collectives) or to the bridge's model store
+(``save_variable``/``request_variable``) through :func:`sdp.tensorflow.ops.run_numpy`, so they run
+eagerly, inside ``tf.function`` and in ``tf.compat.v1`` graphs/sessions.  In graphs the
+collectives that return tensors (``all_reduce``, ``group_all_reduce``, ``broadcast``,
+``all_gather``, ``consensus``) hold no inter-op thread while they wait for peers (a submit op
+and an asynchronous wait op, as KungFu's own ``AsyncOpKernel``\ s), so independent collectives
+built in a different order on each worker finish even with one inter-op thread; ``barrier()``,
+which has no output, is one blocking ``tf.py_function``.  Operators read the cluster when they
 run, not when they are built, so a traced function stays correct after ``resize``.
 
 Collectives are matched across workers by name: eagerly, names come from a per-epoch counter
@@ -71,14 +76,14 @@ def _tensor(t):
     return tf.convert_to_tensor(t)
 
 
-def py_op(fn, inputs, out_dtypes, out_shapes, name):
-    """Run ``fn(*numpy arrays) -> list of arrays`` as one ``tf.py_function`` on the current
-    cluster (see :func:`sdp.tensorflow.ops.run_numpy`)."""
+def py_op(fn, inputs, out_dtypes, out_shapes, name, blocking=False):
+    """Run ``fn(*numpy arrays) -> list of arrays`` as a TensorFlow op on the current cluster
+    (see :func:`sdp.tensorflow.ops.run_numpy`; ``blocking=True`` when ``fn`` waits for peers)."""
     def call(arrays):
         _cluster.ensure()
         return fn(*arrays)
 
-    return run_numpy(call, inputs, out_dtypes, out_shapes, name)
+    return run_numpy(call, inputs, out_dtypes, out_shapes, name, blocking=blocking)
 
 
 def _done(op):
@@ -96,7 +101,7 @@ def grouped_allreduce(tensors, names, op=ReduceOp.SUM):
         hs = [api.allreduce_async(a, n, op) for a, n in zip(arrays, names)]
         return [h.wait() for h in hs]
 
-    return py_op(fn, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], names[0])
+    return py_op(fn, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], names[0], blocking=True)
 
 
 def grouped_broadcast(tensors, names, root_rank=0):
@@ -109,7 +114,7 @@ def grouped_broadcast(tensors, names, root_rank=0):
         hs = [api.broadcast_async(a, root_rank, n) for a, n in zip(arrays, names)]
         return [h.wait() for h in hs]
 
-    return py_op(fn, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], names[0])
+    return py_op(fn, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], names[0], blocking=True)
 
 
 def assign(variable, value):
@@ -147,7 +152,7 @@ def consensus(t):
         digest = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode() + a.tobytes()).hexdigest()
         return [np.array(len(set(api.allgather_object(digest, name))) == 1)]
 
-    return py_op(fn, [t], [tf.bool], [tf.TensorShape([])], name)[0]
+    return py_op(fn, [t], [tf.bool], [tf.TensorShape([])], name, blocking=True)[0]
 
 
 def broadcast(t):
@@ -192,7 +197,7 @@ def all_gather(t):
     t = _tensor(t)
     name = collective_name("all_gather")
     shape = tf.TensorShape([None]).concatenate(t.shape)
-    return py_op(lambda a: [api.allgather(a[np.newaxis], name)], [t], [t.dtype], [shape], name)[0]
+    return py_op(lambda a: [api.allgather(a[np.newaxis], name)], [t], [t.dtype], [shape], name, blocking=True)[0]
 
 
 def peer_info():
