@@ -15,29 +15,33 @@ runs their one command as a single local "worker", and the ranks read their plac
 engine's own variables (:mod:`sdp.common.topology`).
 """
 import abc
+import subprocess
 from typing import IO, Mapping, Optional, Sequence
 
 
 class RankProcess(abc.ABC):
-    """One started rank.  ``stdout`` / ``stderr`` are binary pipes carrying the rank's output."""
+    """One started rank: ``proc``, the local ``Popen`` that stands for it (the rank itself, or
+    its ssh client).  ``stdout`` / ``stderr`` are binary pipes carrying the rank's output."""
 
-    rank: int
-    stdout: IO[bytes]
-    stderr: IO[bytes]
+    def __init__(self, rank: int, proc: subprocess.Popen):
+        self.rank = rank
+        self.proc = proc
+        self.stdout: IO[bytes] = proc.stdout
+        self.stderr: IO[bytes] = proc.stderr
 
     @property
-    @abc.abstractmethod
     def pid(self) -> int:
-        """The local process id that stands for the rank (the rank itself, or its ssh client)."""
+        """The local process id that stands for the rank."""
+        return self.proc.pid
 
-    @abc.abstractmethod
     def poll(self) -> Optional[int]:
         """The rank's ``Popen``-style return code (``-S`` when killed by signal S), None while
         it runs."""
+        return self.proc.poll()
 
-    @abc.abstractmethod
     def wait(self, timeout: Optional[float] = None) -> int:
         """Wait for the rank to end; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        return self.proc.wait(timeout=timeout)
 
     @abc.abstractmethod
     def signal(self, sig: int) -> None:

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from sdp.transport.lifeline import LAUNCHER_PID_ENV
 from sdp.launcher.base import Launcher, RankProcess
@@ -87,22 +87,6 @@ def signal_group(pgid: int, sig: int) -> None:
 
 class LocalProcess(RankProcess):
     """A rank started by :class:`LocalLauncher`: a ``Popen`` leading its own process group."""
-
-    def __init__(self, rank: int, proc: subprocess.Popen):
-        self.rank = rank
-        self.proc = proc
-        self.stdout = proc.stdout
-        self.stderr = proc.stderr
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def poll(self) -> Optional[int]:
-        return self.proc.poll()
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        return self.proc.wait(timeout=timeout)
 
     def signal(self, sig: int) -> None:
         signal_group(self.proc.pid, sig)

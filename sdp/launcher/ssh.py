@@ -80,22 +80,9 @@ class SshProcess(RankProcess):
     """A rank started by :class:`SshLauncher`: the local ssh client that stands for it."""
 
     def __init__(self, rank: int, host: str, proc: subprocess.Popen):
-        self.rank = rank
+        super().__init__(rank, proc)
         self.host = host
-        self.proc = proc
-        self.stdout = proc.stdout
-        self.stderr = proc.stderr
         self._lock = threading.Lock()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def poll(self) -> Optional[int]:
-        return self.proc.poll()
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        return self.proc.wait(timeout=timeout)
 
     def _send(self, line: bytes) -> bool:
         try:
