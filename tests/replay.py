@@ -1,20 +1,25 @@
-"""Replay a cluster's per-process environments on emulated hosts (tests/emulated_hosts.py).
+"""Helpers for the multi-host tests' jobs on emulated hosts (tests/emulated_hosts.py).
 
-A Kubernetes pod or a SageMaker instance is a process with a given environment on a host with a
-given DNS name; :func:`run_processes` starts one such process per ``(host, env)`` at once in the
-hosts' namespaces (nothing but the environment tells sdp where it is) and waits for all.
+Replaying a cluster: a Kubernetes pod or a SageMaker instance is a process with a given
+environment on a host with a given DNS name; :func:`run_processes` starts one such process per
+``(host, env)`` at once in the hosts' namespaces (nothing but the environment tells sdp where it
+is) and waits for all; :func:`rows_by_rank` reads the ``ROW`` lines of :data:`WORKER` so started.
 
-:func:`rows_by_rank` reads the ``ROW`` lines of :data:`WORKER` so started; the last helpers read
-what a multi-host job printed, however it was started (``sdprun``, ``mpirun``, ``srun``, replayed
-environments), given as ``{rank: [lines]}``: :func:`lost_reports`
-(the ``LOST`` lines of :data:`WORKER` and test_multihost's fault worker) and :func:`check_mnist`
-(examples/tf2_mnist.py's acceptance)."""
+Faults: :func:`wait_fault_ranks` waits until the ranks of a ``WORKER FAULT_DIR`` job (or of
+test_multihost's fault worker) reported their pids; :func:`sigkill_and_wait` kills one rank and
+waits for the job's end.
+
+Output, however the job was started (``sdprun``, ``mpirun``, ``srun``, replayed environments),
+given as ``{rank: [lines]}``: :func:`lost_reports` (the fault workers' ``LOST`` lines) and
+:func:`check_mnist` (examples/tf2_mnist.py's acceptance)."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +76,34 @@ def rows_by_rank(results: Sequence[subprocess.CompletedProcess]) -> Dict[int, di
         row = json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")][0][4:])
         rows[row["rank"]] = row
     return rows
+
+
+def wait_fault_ranks(proc: subprocess.Popen, fault_dir: Path, size: int, timeout_s: float = 60.0) -> Dict[int, dict]:
+    """Wait until ``size`` ranks wrote ``fault_dir/RANK.json``, then 0.5 s more (a few steps);
+    return ``{rank: that JSON}`` (``pid``, ``job``).  Kills the job ``proc`` and fails when it
+    ends or ``timeout_s`` seconds pass first."""
+    deadline = time.monotonic() + timeout_s
+    while len(list(Path(fault_dir).glob("*.json"))) < size:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"ranks did not start: {proc.communicate()}")
+        time.sleep(0.1)
+    time.sleep(0.5)
+    return {int(p.stem): json.loads(p.read_text()) for p in Path(fault_dir).glob("*.json")}
+
+
+def sigkill_and_wait(proc: subprocess.Popen, pid: int, timeout_s: float = 60.0) -> Tuple[float, str, str]:
+    """SIGKILL ``pid`` (a rank of the job ``proc``, text pipes) and wait for the job to end
+    (killed if it still runs after ``timeout_s`` seconds); ``(time.time() of the kill, stdout,
+    stderr)``."""
+    try:
+        t0 = time.time()
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return t0, out, err
 
 
 def lost_reports(lines: Mapping[int, Sequence[str]], t0: float) -> Dict[int, Tuple[int, float]]:

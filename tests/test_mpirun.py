@@ -9,10 +9,8 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -113,19 +111,8 @@ def test_killed_rank_gives_peer_lost_and_leaves_nothing(hosts, tmp_path):
                               "-H", "h1:2,h2:2", sys.executable, WORKER, str(tmp_path)],
                        env=_env(), cwd=REPO, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("*.json"))) < 4:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "ranks did not start"
-            time.sleep(0.1)
-        time.sleep(0.5)
-        t0 = time.time()
-        os.kill(json.loads((tmp_path / "3.json").read_text())["pid"], signal.SIGKILL)
-        out, err = proc.communicate(timeout=40)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    ranks = replay.wait_fault_ranks(proc, tmp_path, 4)
+    t0, out, err = replay.sigkill_and_wait(proc, ranks[3]["pid"], timeout_s=40)
     assert proc.returncode != 0, err
     lost = replay.lost_reports(_lines(out), t0)
     assert sorted(lost) == [0, 1, 2], out + err[-3000:]

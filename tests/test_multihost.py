@@ -232,14 +232,8 @@ class Job:
         self.marker = str(tmp_path / "w.py")
         self.proc = hosts.popen("h1", _sdprun_argv("-H", spec, "-np", str(np_), sys.executable, self.marker),
                                 env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("*.json"))) < np_:
-            assert self.proc.poll() is None, self.proc.communicate()
-            assert time.monotonic() < deadline, "ranks did not start"
-            time.sleep(0.1)
-        self.ranks = {int(p.stem): json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+        self.ranks = replay.wait_fault_ranks(self.proc, tmp_path, np_)
         self.job = self.ranks[0]["job"]
-        time.sleep(0.5)  # a few steps
 
     def finish(self, timeout=40):
         try:

@@ -156,27 +156,14 @@ def _start_fault_job(slurm, tmp_path):
                                               sys.executable, WORKER, str(tmp_path)]),
                             env=_env(slurm), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("*.json"))) < 4:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"ranks did not start: {proc.communicate()}")
-        time.sleep(0.1)
-    time.sleep(0.5)
-    return proc, {int(p.stem): json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    return proc, replay.wait_fault_ranks(proc, tmp_path, 4)
 
 
 def test_killed_task_gives_peer_lost_and_leaves_nothing(slurm, hosts, tmp_path):
     """Rank 3 (on h2) killed with SIGKILL: ranks 0-2 raise PeerLostError naming it within 10 s,
     srun exits non-zero, no task is left on h1 or h2."""
     proc, ranks = _start_fault_job(slurm, tmp_path)
-    try:
-        t0 = time.time()
-        os.kill(ranks[3]["pid"], signal.SIGKILL)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    t0, out, err = replay.sigkill_and_wait(proc, ranks[3]["pid"])
     assert proc.returncode != 0, err
     lost = replay.lost_reports(_lines(out), t0)
     assert sorted(lost) == [0, 1, 2], out + err[-3000:]
@@ -217,10 +204,7 @@ def test_ctrl_c_of_sdprun_in_salloc_ends_every_task(slurm, hosts, tmp_path):
                                               "-m", "sdp.launcher.cli", sys.executable, WORKER, str(tmp_path)]),
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("*.json"))) < 4:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+        replay.wait_fault_ranks(proc, tmp_path, 4)
         sdprun = [p for p in hosts.processes("h1") if "sdp.launcher.cli" in hosts.processes("h1")[p]
                   and "salloc" not in hosts.processes("h1")[p]]
         assert len(sdprun) == 1, hosts.processes("h1")
