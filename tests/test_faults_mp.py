@@ -65,6 +65,16 @@ def test_unnamed_collectives_in_a_loop_keep_the_caches_bounded():
         assert ours <= 2 * 8 and coord <= (2 * 8 if r.rank == 0 else 0), r.value
 
 
+def test_named_collectives_with_changing_shapes_keep_the_caches_bounded():
+    """A name agreed with a new shape replaces its response-cache entry (was one entry per
+    (name, shape) for ever: benchmarks/soak.py grew rank 0 by ~3 KB a step); results stay exact,
+    also through the batch cache (the same pair of ids twice in a row)."""
+    for r in run_workers(2, "workers_faults:changing_shapes", [60], timeout=120):
+        assert r.ok, (r.rank, r.error, r.stderr[-2000:])
+        ours, coord, exact = r.value
+        assert exact and ours == 3 and coord == (3 if r.rank == 0 else 0), r.value
+
+
 def test_a_rank_killed_in_start_up_leaves_nothing_in_dev_shm():
     """Without sdprun (whose exit sweep would remove it): rank 1 dies (SIGKILL) right after
     making its segment; rank 0's failed start removes the orphan (was left: 192 MiB a rank)."""

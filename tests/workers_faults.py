@@ -120,6 +120,22 @@ def unnamed_loop(steps, names):
     return [len(rt._cache), len(rt._coord.cache_meta) if rt._coord else 0, float(x[0])]
 
 
+def changing_shapes(steps):
+    """Named collectives whose shapes change every step (a fused pair "g.0"/"g.1" sent twice per
+    step, so the second time as one cached batch, and "x"): returns the sizes of this rank's
+    response cache and (rank 0) the coordinator's, and whether every result was exact."""
+    rt = sdp.api.runtime()
+    exact = True
+    for i in range(steps):
+        n, m = i % 5 + 1, i % 7 + 1
+        for _ in range(2):
+            g = sdp.grouped_allreduce([np.full(n, i, np.float32), np.ones(3, np.float32)], name="g", op=sdp.Sum)
+            exact &= g[0].shape == (n,) and bool((g[0] == 2 * i).all() and (g[1] == 2).all())
+        x = sdp.allreduce(np.full(m, float(sdp.rank() + 1)), name="x", op=sdp.Sum)
+        exact &= x.shape == (m,) and bool((x == 3.0).all())
+    return [len(rt._cache), len(rt._coord.cache_meta) if rt._coord else 0, exact]
+
+
 def killed_in_startup(job):
     """Rank 1 kills itself (SIGKILL) as soon as its shared-memory segment exists, before its
     peers mapped it; rank 0 comes late, fails to start, and returns its error type and the
