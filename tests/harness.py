@@ -70,6 +70,7 @@ def run_workers(n: int, target: str, args=(), env=None, timeout: float = 120, in
     """Run ``target`` on ``n`` ranks; kill all and fail the test after ``timeout`` seconds."""
     secret = new_secret()
     srv = RendezvousServer(n, timeout_s=30, secret=secret).start()
+    env = {"SDP_JOB_ID": os.urandom(6).hex(), **(env or {})}  # as sdp's launchers: they serve the rendezvous
     procs, t0 = [], time.monotonic()
     try:
         for r in range(n):

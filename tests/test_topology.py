@@ -71,8 +71,10 @@ def test_horovod_with_master_addr():
 
 
 def test_horovod_sdp_rendezvous_addr_wins():
+    t = from_env({**HVD, **MASTER, "SDP_RENDEZVOUS_ADDR": "tcp://rv:99", "SDP_JOB_ID": "j"})
+    assert (t.rendezvous_addr, t.serve_rendezvous) == ("tcp://rv:99", False)  # a launcher of sdp serves it
     t = from_env({**HVD, **MASTER, "SDP_RENDEZVOUS_ADDR": "tcp://rv:99"})
-    assert (t.rendezvous_addr, t.serve_rendezvous) == ("tcp://rv:99", False)
+    assert (t.rendezvous_addr, t.serve_rendezvous) == ("tcp://rv:99", True)  # the user's: rank 0 serves it
 
 
 def test_horovod_gloo_rendezvous_is_not_ours():
@@ -269,8 +271,10 @@ def test_slurm_steps_and_jobs_get_different_ports():
 
 
 def test_slurm_rendezvous_overrides():
-    t = from_env(plain_srun(SDP_RENDEZVOUS_ADDR="tcp://10.1.1.1:99"))
+    t = from_env(plain_srun(SDP_RENDEZVOUS_ADDR="tcp://10.1.1.1:99", SDP_JOB_ID="j"))
     assert (t.rendezvous_addr, t.serve_rendezvous) == ("tcp://10.1.1.1:99", False)
+    t = from_env(plain_srun(SDP_RENDEZVOUS_ADDR="tcp://10.1.1.1:99"))
+    assert (t.rendezvous_addr, t.serve_rendezvous) == ("tcp://10.1.1.1:99", True)
     assert from_env(plain_srun(MASTER_ADDR="head", MASTER_PORT="5")).rendezvous_addr == "tcp://head:5"
     assert from_env(plain_srun(MASTER_PORT="5")).rendezvous_addr == "tcp://node07:5"
     env = plain_srun()
@@ -310,7 +314,7 @@ def test_sagemaker_master_overrides():
     assert t.rendezvous_addr == "tcp://node0:1234"
     t = from_env({**SM, "MASTER_PORT": "777"})
     assert t.rendezvous_addr == "tcp://algo-1:777"
-    t = from_env({**SM, "SDP_RENDEZVOUS_ADDR": "tcp://x:1"})
+    t = from_env({**SM, "SDP_RENDEZVOUS_ADDR": "tcp://x:1", "SDP_JOB_ID": "j"})
     assert (t.rendezvous_addr, t.serve_rendezvous) == ("tcp://x:1", False)
 
 
@@ -396,7 +400,7 @@ def test_tf_config_chief_then_workers():
         t = from_env(tf_config(kind, index, **cluster))
         assert layout(t) == (rank, 3, 0, 1, rank, 3) and t.source == "TF_CONFIG"
         assert (t.rendezvous_addr, t.serve_rendezvous) == ("tcp://job-chief-0.job:2222", True)
-    t = from_env({**tf_config("worker", 1, **cluster), "SDP_RENDEZVOUS_ADDR": "tcp://x:1"})
+    t = from_env({**tf_config("worker", 1, **cluster), "SDP_RENDEZVOUS_ADDR": "tcp://x:1", "SDP_JOB_ID": "j"})
     assert (t.rendezvous_addr, t.serve_rendezvous) == ("tcp://x:1", False)
 
 

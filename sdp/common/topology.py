@@ -436,10 +436,13 @@ def _complete_cross(raw: _Raw, local_size: int) -> Tuple[int, int]:
 
 
 def _rendezvous(env, src_name: str, raw: _Raw) -> Tuple[Optional[str], bool]:
-    """(rendezvous_addr, serve_rendezvous) for a non-SDP source."""
+    """(rendezvous_addr, serve_rendezvous) for a non-SDP source.  ``SDP_RENDEZVOUS_ADDR`` set by
+    one of sdp's launchers (which also set ``SDP_JOB_ID``: ``sdprun --launcher mpi|slurm``, Ray)
+    is served by that launcher; set by the user (``mpirun -x SDP_RENDEZVOUS_ADDR ...``) it is
+    served by rank 0, as ``MASTER_ADDR:MASTER_PORT`` is."""
     addr = env.get("SDP_RENDEZVOUS_ADDR")
     if addr:
-        return addr, False
+        return addr, not env.get("SDP_JOB_ID")
     host = env.get("MASTER_ADDR") or raw.default_master_host
     if host:
         port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else raw.default_master_port
@@ -454,7 +457,7 @@ def _rendezvous(env, src_name: str, raw: _Raw) -> Tuple[Optional[str], bool]:
             f"the {src_name} environment describes {raw.size} processes but no rendezvous address: "
             "set MASTER_ADDR (and MASTER_PORT, default "
             f"{DEFAULT_RENDEZVOUS_PORT}) to the host of rank 0, which then serves the rendezvous, "
-            "or SDP_RENDEZVOUS_ADDR=tcp://host:port to a rendezvous server you run "
+            "or SDP_RENDEZVOUS_ADDR=tcp://host:port on the host of rank 0, which then serves it "
             "(or launch with sdprun, which sets everything)")
     return None, False
 
