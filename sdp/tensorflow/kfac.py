@@ -176,7 +176,8 @@ class KfacOptimizer:
       norm_constraint: if set, the update is scaled by min(1, √(c / (lr² Σ ∇ᵀ F⁻¹∇))) (KL clip;
         the ``kl_clip`` of kfac-pytorch).
       inv_update_every: refresh the inverses every this many steps (the first step always does).
-      cov_update_every: update the factors every this many steps (the first step always does).
+      cov_update_every: update the factors every this many steps (the first step always does);
+        a refresh of the inverses uses the latest factors.
       optimizer: any Keras optimizer to apply the preconditioned gradients with instead of SGD.
       strategy: ``"chief"`` or ``"split"`` (see the module doc); one process needs no sdp.init().
 
@@ -310,7 +311,7 @@ class KfacOptimizer:
         calls it with the same B.  Returns this rank's loss (float32 scalar tensor)."""
         t = self.timings
         refresh = self.iterations % self.inv_update_every == 0
-        update_cov = refresh or self.iterations % self.cov_update_every == 0
+        update_cov = self.factors is None or self.iterations % self.cov_update_every == 0
         t0 = time.perf_counter()
         loss, grads, inputs, output_grads = self._grads_fn(x, y)
         t1 = time.perf_counter()
