@@ -44,7 +44,7 @@ def parse_args(argv=None):
                    help="comma-separated test accuracies; each run stops at the highest")
     p.add_argument("--max-steps", type=int, default=300, help="step budget (and cosine decay length) per run")
     p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--kfac-lr", default="0.1", help="comma-separated K-FAC learning rates")
+    p.add_argument("--kfac-lr", default="0.1,0.3", help="comma-separated K-FAC learning rates")
     p.add_argument("--sgd-lr", default="0.02,0.05,0.1", help="comma-separated SGD-momentum learning rates")
     p.add_argument("--adam-lr", default="0.002,0.004,0.008", help="comma-separated Adam learning rates")
     p.add_argument("--scaling-np", default="1,2,3,4", help="world sizes for the time-per-step table ('' skips it)")
