@@ -1,6 +1,6 @@
 """K-FAC vs. first-order optimizers on Fashion-MNIST at a large global batch, over sdp.
 
-    python benchmarks/kfac.py                      # about 15 minutes on 2 shared cores
+    python benchmarks/kfac.py                      # 7 minutes on 2 shared cores (load 4-5), 17 at load 9
     python benchmarks/kfac.py --np 2 --target 0.8,0.85 --max-steps 300 --scaling-np 1,2,3,4 --scaling-inv-every 1
 
 Runs ``examples/kfac_mnist.py`` under ``sdprun`` (one job per row) and prints two tables:
