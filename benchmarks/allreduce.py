@@ -102,20 +102,7 @@ def time_allreduce(buf: np.ndarray, iters: int, warmup: int, target_s: float, na
     result goes into a preallocated array, as nccl-tests does, so the figure is the collective and
     not the page faults of a fresh 64 MB allocation (glibc maps every array > 32 MB anew)."""
     out = np.empty_like(buf)
-    last = 0.0
-    for _ in range(max(1, warmup)):
-        t0 = time.perf_counter()
-        sdp.allreduce(buf, name=name, op=sdp.Sum, out=out)
-        last = time.perf_counter() - t0
-    if not iters:
-        iters = plan_iters(max_over_ranks(last, f"{name}.plan"), target_s, 5, 2000)
-    times = []
-    sdp.barrier()
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        sdp.allreduce(buf, name=name, op=sdp.Sum, out=out)
-        times.append(time.perf_counter() - t0)
-    return times
+    return time_calls(lambda: sdp.allreduce(buf, name=name, op=sdp.Sum, out=out), iters, warmup, target_s, name)
 
 
 def time_grad_list(grads, mode: str, iters: int):

@@ -49,13 +49,19 @@ def _map(path: str, nbytes: int, create: bool) -> np.ndarray:
 def remove_job_files(job: str) -> int:
     """Unlink every segment file of job ``job`` still in /dev/shm (a rank killed between
     creating its segment and every peer mapping it leaves one behind); returns how many."""
+    return _unlink_job_files(job, "*", lambda path: True)
+
+
+def _unlink_job_files(job: str, rest: str, chosen) -> int:
+    """Unlink the files ``/dev/shm/sdp-<job>-<rest>`` for which ``chosen(path)``; returns how many."""
     removed = 0
-    for path in glob.glob(os.path.join(SHM_DIR, f"sdp-{glob.escape(job)}-*")):
-        try:
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            pass
+    for path in glob.glob(os.path.join(SHM_DIR, f"sdp-{glob.escape(job)}-{rest}")):
+        if chosen(path):
+            try:
+                os.unlink(path)
+                removed += 1
+            except OSError:
+                pass
     return removed
 
 
@@ -75,16 +81,11 @@ def remove_orphans(job: str) -> int:
     rank killed between creating its segment and every peer mapping it.  Called by a rank
     whose start-up failed, which also covers jobs started without ``sdprun`` (whose sweep,
     :func:`remove_job_files`, needs it to outlive the job).  Returns how many."""
-    removed = 0
-    for path in glob.glob(os.path.join(SHM_DIR, f"sdp-{glob.escape(job)}-*-*")):
+    def dead_creator(path: str) -> bool:
         pid = path.rsplit("-", 1)[1]
-        if pid.isdigit() and process_state(pid) in (None, "Z", "X"):
-            try:
-                os.unlink(path)
-                removed += 1
-            except OSError:
-                pass
-    return removed
+        return pid.isdigit() and process_state(pid) in (None, "Z", "X")
+
+    return _unlink_job_files(job, "*-*", dead_creator)
 
 
 class ResultPool:
