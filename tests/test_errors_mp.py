@@ -121,7 +121,8 @@ def test_allreduce_from_several_threads_in_different_orders():
 
 def test_shutdown_of_the_last_ranks_is_not_held_by_undeliverable_byes():
     # a BYE queued to a peer that had already closed held the closing rank for the whole 2 s
-    # ZeroMQ linger (in 4 runs of 6 with 4 ranks); now every rank leaves within ~0.2 s
+    # ZeroMQ linger (in 4 runs of 6 with 4 ranks); now every rank leaves within ~0.2 s (1.13 s
+    # once at load 8 on 2 cores: the bound stays well below the 2 s the defect costs)
     for _ in range(3):
         seconds = check_ok(run_workers(4, "workers_errors:timed_shutdown", [None], timeout=60))
-        assert max(seconds) < 1.0, seconds
+        assert max(seconds) < 1.5, seconds
