@@ -77,12 +77,13 @@ def test_collectives_in_tf_function_match_numpy():
 
 @pytest.mark.parametrize("threshold,buckets", [(64 << 20, 1), (2048, 4), (0, 6)])
 def test_gradient_buckets_are_submitted_one_by_one_and_match_numpy(threshold, buckets):
+    # one submit op per bucket; a single bucket is submitted by the step's blocking op itself
     # variables' bytes, last first (the order buckets are formed in): 48, 16, 2244, 4000, 60, 28
     values = check_ok(run_workers(2, "workers_tf_api:buckets", [threshold, 2], timeout=180))
     shapes = [[7], [3, 5], [1000], [33, 17], [4], [2, 2, 3]]
     want = [(np.arange(np.prod(s), dtype=np.float32).reshape(s) + 1) * 1.5 for s in shapes]  # mean of 1x, 2x
     for v in values:
-        assert v["submits"] == buckets
+        assert v["submits"] == (buckets if buckets > 1 else 0)
         for mode in ("graph", "eager"):
             for got, w in zip(v[mode], want):
                 np.testing.assert_allclose(got, w, rtol=1e-6, err_msg=mode)

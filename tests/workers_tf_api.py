@@ -178,7 +178,8 @@ def buckets(threshold, steps):
     """DistributedGradientTape over variables of odd sizes (so a fused bucket needs padding to
     keep every tensor 64-byte aligned) with the fusion threshold at ``threshold`` bytes: the
     averaged gradients inside ``tf.function`` and eagerly, and how many submit ops the traced
-    step holds (one per bucket: the tape hands each bucket to the engine on its own)."""
+    step holds (one per bucket when there are several: the tape hands each bucket to the engine
+    on its own; none for a single bucket, which the step's one blocking op submits itself)."""
     import tensorflow as tf
 
     import sdp.tensorflow as hvd
@@ -198,7 +199,7 @@ def buckets(threshold, steps):
     for _ in range(steps):
         graph_grads = step()
     submits = [op.name for op in step.get_concrete_function().graph.get_operations()
-               if op.type == "EagerPyFunc" and op.name.startswith("submit")]
+               if op.type == "PyFunc" and op.name.startswith("submit")]
     return {"graph": [g.numpy().tolist() for g in graph_grads],
             "eager": [g.numpy().tolist() for g in grads()], "submits": len(submits)}
 

@@ -1,51 +1,66 @@
 """TensorFlow ops over the engine: eagerly, direct engine calls; in ``tf.function`` and
-``tf.compat.v1`` graphs, ops that never park one of TensorFlow's threads waiting for a peer.
+``tf.compat.v1`` graphs, ops that never park one of TensorFlow's threads waiting for a peer while
+work that a peer waits for is queued behind it.
 
 **Eagerly** a collective hands read-only views of its inputs to :mod:`sdp.api` (no copy), waits
 on the Python thread that called it, and returns the engine's results as tensors through DLPack
-(no copy when the engine aligned them on 64 bytes, as it does).  No ``tf.py_function`` round
-trip; gradients come from ``tf.custom_gradient``, set up only while a tape may record.
+(no copy when the engine aligned them on 64 bytes, as it does).  No graph op round trip;
+gradients come from ``tf.custom_gradient``, set up only while a tape may record.
 
 **In graphs** the engine cannot be called from a TensorFlow kernel of its own (sdp ships no C++
-op), and a ``tf.py_function`` that blocks until the peers submitted holds one of TensorFlow's
-inter-op threads (2 on a 2-core machine, 1 with ``inter_op_parallelism_threads=1``).  A graph
-with many independent collectives, created in a different order on each rank, then deadlocks:
-every thread of rank 0 waits in a collective whose submission on rank 1 is queued behind rank 1's
-own waiting threads (Horovod's kernels are asynchronous for this reason).  Inside a
-``tf.function`` it deadlocks even with many threads, because automatic control dependencies run
-stateful ops without resource inputs (``py_function`` is one) in program order.  The design:
+op): every op here is a ``tf.numpy_function`` (not ``tf.py_function``: its inputs arrive as numpy
+views of TensorFlow's buffers and aligned numpy outputs are taken without a copy, with no
+``EagerTensor`` wrapping either way, ~10 us less per op here).  A graph op that blocks until the
+peers submitted holds one of TensorFlow's inter-op threads (2 on a 2-core machine, 1 with
+``inter_op_parallelism_threads=1``).  A graph with many independent collectives, created in a
+different order on each rank, could then deadlock: every thread of rank 0 waits in a collective
+whose submission on rank 1 is queued behind rank 1's own waiting threads (Horovod's kernels are
+asynchronous for this reason).  Inside a ``tf.function`` it would deadlock even with many threads,
+because automatic control dependencies run stateful ops without resource inputs in program order.
+The design:
 
 * A list of collectives (:class:`Batch`) becomes *submit* ops, one per bucket of at most the
-  fusion threshold: ``py_function`` ops without outputs that hand input views to the engine and
-  return at once (they never wait for a peer).  Inside a ``tf.function`` they are marked as
-  independent side effects (``AutomaticControlDependencies.run_independently``): they still
-  always run, but are not chained in program order with other stateful ops.
+  fusion threshold: ops without outputs that hand input views to the engine and return at once
+  (they never wait for a peer).  Inside a ``tf.function`` they are marked as independent side
+  effects (``AutomaticControlDependencies.run_independently``): they still always run, but are
+  not chained in program order with other stateful ops.
 * One *wait* op collects the results: ``IteratorGetNext`` on a per-op ``tf.data`` iterator over
-  an endless dataset whose ``map`` is a ``py_function`` that takes this step's handles (left by
-  the submit ops, on which the wait op has control dependencies) and blocks on them.
+  an endless dataset whose ``map`` is a ``numpy_function`` that takes this step's handles (left
+  by the submit ops, on which the wait op has control dependencies) and blocks on them.
   ``IteratorGetNext`` is an asynchronous kernel: the map function runs on the iterator's own
   background thread, so the inter-op thread is released while the peers catch up.  Every
   submit op can thus run whatever the number of inter-op threads and the order TensorFlow
   picks, so every rank submits every collective whose inputs it has, and every wait ends.
   The iterator is made once per op (eagerly, when a ``tf.function`` is traced; a one-shot
   iterator in a ``tf.compat.v1`` graph), not per step.
-* Exception, the cheap path: the first wait op built in an outermost ``tf.function`` graph is a
-  blocking ``py_function`` (one thread handover less: a 1 KB allreduce in a ``tf.function``
-  took 0.50 instead of 0.67 ms here).  It starts only after every submit op of its graph that
-  it does not feed (control inputs, added as submit ops are built), and no rank has a second
-  blocking op, so the collectives it waits for are submitted on every rank before that rank's
-  own blocking op, and nothing else holds a thread.  In a ``tf.function`` every stateful op
-  runs on every call, so these edges make nothing run that would not have run.  A
-  ``tf.compat.v1`` session runs only what the fetches need, and such edges would make a fetch
-  run unrelated submit ops: there every wait op is asynchronous.
+* Exception, the cheap path: the first :class:`Batch` built in an outermost ``tf.function``
+  graph gets the graph's one *blocking* op, which holds an inter-op thread while it waits.  If
+  the batch is one bucket (a single collective, or a gradient list under the fusion threshold)
+  it is ONE op that submits the bucket and waits for it (no submit op, no thread handover:
+  a 1 KB allreduce in a ``tf.function`` took 0.48 instead of 0.55 ms with a submit op and a
+  blocking wait op, 0.67 ms with an asynchronous wait, same window); with several buckets the
+  submit ops stay (each bucket starts as soon as its gradients exist) and the wait op blocks.
+  The blocking op starts only after every submit op of its graph that it does not feed
+  (control inputs, added as submit ops are built).  It cannot deadlock: no rank has a second
+  blocking op, so on every rank every other collective is handed to the engine by a submit op
+  that needs no blocked thread (an asynchronous wait holds none); the collective a blocking op
+  waits for is submitted on every other rank by such a submit op (it is not downstream of that
+  rank's blocking op: a batch built first on one rank cannot depend on a batch built later),
+  and by the blocking op itself here, which starts once this rank's other submit ops ran.  In
+  a ``tf.function`` every stateful op runs on every call, so these edges make nothing run that
+  would not have run.  A ``tf.compat.v1`` session runs only what the fetches need, and such
+  edges would make a fetch run unrelated submit ops: there every wait op is asynchronous.
 * Alltoall and reducescatter use the same pair (a submit op that leaves the input views, a wait
-  op that runs the collective).  Cost: a wait op adds ~0.2-0.3 ms per step to a graph (the
-  handover to the iterator's thread), paid once per list of tensors, not per tensor.
+  op that runs the collective, always asynchronous).  Cost: an asynchronous wait op adds
+  ~0.2-0.3 ms per step to a graph (the handover to the iterator's thread), paid once per list of
+  tensors, not per tensor.
 
-Results the engine aligned on 64 bytes are handed to TensorFlow through DLPack without a copy.
-Names identify a collective across ranks (see :func:`unique_name`).  ``py_function`` cannot be
-compiled by XLA: every op here raises :class:`XlaNotSupportedError` when it is built inside a
-``jit_compile=True`` function.
+What a collective in a ``tf.function`` costs above the engine is bounded below by the call of a
+``tf.function`` holding one ``numpy_function`` (no collective; ~0.16 ms here, of which ~0.12 ms
+is the call of an empty ``tf.function``); ``benchmarks/allreduce.py --api`` measures both in the
+same run.  Names identify a collective across ranks (see :func:`unique_name`).
+``numpy_function`` cannot be compiled by XLA: every op here raises :class:`XlaNotSupportedError`
+when it is built inside a ``jit_compile=True`` function.
 """
 import collections
 import weakref
@@ -77,7 +92,7 @@ _autograph_skips_sdp()
 class XlaNotSupportedError(SdpError, NotImplementedError):
     """An sdp collective was placed in a function compiled with XLA (``jit_compile=True``).
 
-    sdp's collectives run as ``tf.py_function`` ops, which XLA cannot compile.  Compile the model
+    sdp's collectives run as ``tf.numpy_function`` ops, which XLA cannot compile.  Compile the model
     or function with ``jit_compile=False``."""
 
     # AutoGraph re-raises an error from traced code with its own type only if the type's __init__
@@ -100,7 +115,7 @@ def check_not_xla(what: str) -> None:
     if _in_xla_context():
         raise XlaNotSupportedError(
             f"sdp {what} cannot run inside an XLA-compiled function (jit_compile=True): sdp's "
-            "collectives are tf.py_function ops, which XLA cannot compile. Use jit_compile=False "
+            "collectives are tf.numpy_function ops, which XLA cannot compile. Use jit_compile=False "
             "(for Keras: model.compile(..., jit_compile=False); for tf.function: "
             "tf.function(fn, jit_compile=False)).")
 
@@ -156,9 +171,10 @@ def run_numpy(fn, tensors, out_dtypes, out_shapes, name, blocking=False):
     """Run ``fn(list of numpy arrays) -> list of arrays`` as a TensorFlow op.
 
     Inputs reach ``fn`` as read-only views (no copy); each output is cast to its entry of
-    ``out_dtypes`` (TensorFlow dtypes) and handed out as in :func:`as_output`, then given its
-    entry of ``out_shapes``.  Eagerly ``fn`` is called at once (no ``py_function``).  In graphs it
-    is one ``tf.py_function``, or with ``blocking=True`` (``fn`` waits for peers) a submit op and
+    ``out_dtypes`` (TensorFlow dtypes), handed out without a copy when it is 64-byte aligned
+    (eagerly through :func:`as_output`), then given its entry of ``out_shapes``.  Eagerly ``fn``
+    is called at once (no graph op).  In graphs it is one ``tf.numpy_function``, or with
+    ``blocking=True`` (``fn`` waits for peers) a submit op and
     an asynchronous wait op (see the module docstring), so it holds no inter-op thread.  With no
     ``out_dtypes`` (a side effect) returns ``[]`` eagerly, the operation in graphs."""
     out_dtypes = [tf.as_dtype(d) for d in out_dtypes]
@@ -168,7 +184,7 @@ def run_numpy(fn, tensors, out_dtypes, out_shapes, name, blocking=False):
         return [_to_tensor(o, d) for o, d in zip(outs, out_dtypes)] if out_dtypes else []
 
     def results(outs):
-        return [as_output(np.asarray(o, dtype=d)) for o, d in zip(outs, np_dtypes)]
+        return [np.asarray(o, dtype=d) for o, d in zip(outs, np_dtypes)]
 
     if blocking and out_dtypes:
         pending = collections.deque()
@@ -176,11 +192,11 @@ def run_numpy(fn, tensors, out_dtypes, out_shapes, name, blocking=False):
         # (the collective starts in the wait op: never a blocking one, see _wait_op)
         outs = _async_wait(lambda: results(fn(_take(pending))), out_dtypes, [submit], name)
     else:
-        def body(*ts):
-            return results(fn([np.asarray(t) for t in ts]))  # read-only input views
+        def body(*arrays):
+            return results(fn(_read_only(arrays)))
 
-        outs = tf.py_function(func=body, inp=list(tensors), Tout=out_dtypes,
-                              name=_sanitize(name)[:100] if name else None)
+        outs = tf.numpy_function(body, list(tensors), out_dtypes, stateful=True,
+                                 name=_sanitize(name)[:100] if name else None)
         if not out_dtypes:
             return outs
         if not isinstance(outs, (list, tuple)):
@@ -274,16 +290,26 @@ class Batch:
                 result[i] = _to_tensor(h.wait(), self._tensors[i].dtype)
             return result
         name = (self._reduce or self._gather or self._bcast)[0][1]
-        queues = [collections.deque() for _ in starters]
-        submits = [_submit_op(lambda arrays, q=q, start=start: q.append(start(arrays)), ts, f"{name}.{k}")
-                   for k, (q, (start, ts)) in enumerate(zip(queues, starters))]
-        np_dtypes = [self._tensors[i].dtype.as_numpy_dtype for i in order]
+        dtypes = [self._tensors[i].dtype for i in order]
+        np_dtypes = [d.as_numpy_dtype for d in dtypes]
+        if len(starters) == 1 and _may_block(tf.compat.v1.get_default_graph()):
+            start, ts = starters[0]
 
-        def wait():
-            handles = [h for q in queues for h in _take(q)]
-            return [as_output(np.asarray(h.wait(), dtype=d)) for h, d in zip(handles, np_dtypes)]
+            def submit_and_wait(*arrays):  # the cheap path: one op (see the module docstring)
+                handles = start(_read_only(arrays))
+                return [np.asarray(h.wait(), dtype=d) for h, d in zip(handles, np_dtypes)]
 
-        outs = _wait_op(wait, [self._tensors[i].dtype for i in order], submits, name)
+            outs = _blocking_op(submit_and_wait, ts, dtypes, [], name)
+        else:
+            queues = [collections.deque() for _ in starters]
+            submits = [_submit_op(lambda arrays, q=q, start=start: q.append(start(arrays)), ts, f"{name}.{k}")
+                       for k, (q, (start, ts)) in enumerate(zip(queues, starters))]
+
+            def wait():
+                handles = [h for q in queues for h in _take(q)]
+                return [np.asarray(h.wait(), dtype=d) for h, d in zip(handles, np_dtypes)]
+
+            outs = _wait_op(wait, dtypes, submits, name)
         result = [None] * len(order)
         for i, o in zip(order, outs):
             o.set_shape(self._shapes[i])
@@ -334,17 +360,27 @@ def _take(queue):
     return entry
 
 
+def _read_only(arrays) -> list:
+    """``numpy_function`` inputs (views of TensorFlow's buffers, no copy) made read-only: the
+    engine only reads them, and a TensorFlow tensor must never change under its consumers.
+    (A scalar arrives as a numpy scalar: made a 0-d array.)"""
+    out = [np.asarray(a) for a in arrays]
+    for a in out:
+        a.flags.writeable = False
+    return out
+
+
 def _submit_op(put, tensors, name):
-    """A ``py_function`` without outputs that calls ``put(arrays)`` (read-only input views; it
+    """A ``numpy_function`` without outputs that calls ``put(arrays)`` (read-only input views; it
     must not block) and returns at once.  Inside a ``tf.function`` it is marked as an independent
     side effect: it always runs, but automatic control dependencies do not chain it in program
     order with other stateful ops (which could make it wait for a collective of a peer)."""
-    def body(*ts):
-        put([np.asarray(t) for t in ts])  # read-only views, no copy (.numpy() copies)
+    def body(*arrays):
+        put(_read_only(arrays))
         return []
 
-    op = tf.py_function(func=body, inp=list(tensors), Tout=[],
-                        name=_sanitize("submit." + name)[:100] if name else None)
+    op = tf.numpy_function(body, list(tensors), [], stateful=True,
+                           name=_sanitize("submit." + name)[:100] if name else None)
     _independent(op)
     blocking = _BLOCKING.get(op.graph)
     if blocking is not None and not _is_ancestor(blocking, op):
@@ -393,22 +429,35 @@ _ITERATORS = weakref.WeakKeyDictionary()  # FuncGraph -> the iterators its wait 
 _BLOCKING = weakref.WeakKeyDictionary()  # outermost FuncGraph -> its one blocking wait op
 
 
+def _may_block(graph) -> bool:
+    """True if the next wait op built in ``graph`` may be its blocking op: ``graph`` is an
+    outermost ``tf.function`` graph (with automatic control dependencies) that has none yet."""
+    return bool(getattr(graph, "building_function", False) and getattr(graph, "_add_control_dependencies", False)
+                and not getattr(getattr(graph, "outer_graph", None), "building_function", False)
+                and graph not in _BLOCKING)
+
+
 def _wait_op(wait, dtypes, deps, name):
     """Tensors of ``dtypes`` returned by ``wait()`` (it may block for peers), computed after the
-    ops ``deps``.  The first wait op of an outermost ``tf.function`` graph is a blocking
-    ``py_function`` (the cheap path: one thread handover less), which starts only after every
-    submit op of the graph that it does not feed (control inputs added as they are built, see
-    :func:`_submit_op`); every other wait op is asynchronous (:func:`_async_wait`).  See the
-    module docstring for why this cannot deadlock.  Only for :class:`Batch`, whose submit ops
-    hand the collectives to the engine (alltoall and reducescatter start theirs in the wait op:
-    two ranks each blocked in one of those would wait for each other)."""
-    graph = tf.compat.v1.get_default_graph()
-    if not (getattr(graph, "building_function", False) and getattr(graph, "_add_control_dependencies", False)
-            and not getattr(getattr(graph, "outer_graph", None), "building_function", False)
-            and graph not in _BLOCKING):
+    ops ``deps``: the graph's blocking op when :func:`_may_block` (:func:`_blocking_op`), else
+    asynchronous (:func:`_async_wait`).  Only for :class:`Batch`, whose submit ops hand the
+    collectives to the engine (alltoall and reducescatter start theirs in the wait op: two ranks
+    each blocked in one of those would wait for each other)."""
+    if not _may_block(tf.compat.v1.get_default_graph()):
         return _async_wait(wait, dtypes, deps, name)
+    return _blocking_op(wait, [], dtypes, deps, name)
+
+
+def _blocking_op(fn, tensors, dtypes, deps, name):
+    """Tensors of ``dtypes`` returned by ``fn(*input arrays)``, a ``numpy_function`` that may block
+    for peers and runs after the ops ``deps``: the one blocking op of the current (outermost
+    ``tf.function``) graph, see :func:`_may_block`.  It starts only after every submit op of the
+    graph that it does not feed (control inputs added as they are built, see
+    :func:`_submit_op`); the module docstring says why this cannot deadlock."""
+    graph = tf.compat.v1.get_default_graph()
     with tf.control_dependencies(deps):
-        outs = tf.py_function(func=wait, inp=[], Tout=list(dtypes), name=_sanitize(name)[:100] if name else None)
+        outs = tf.numpy_function(fn, list(tensors), list(dtypes), stateful=True,
+                                 name=_sanitize(name)[:100] if name else None)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     _independent(outs[0].op)
     _BLOCKING[graph] = outs[0].op
@@ -422,7 +471,7 @@ def _async_wait(wait, dtypes, deps, name):
     dtypes = list(dtypes)
 
     def element(_):
-        return tuple(tf.py_function(func=lambda _z: wait(), inp=[_], Tout=dtypes))
+        return tuple(tf.numpy_function(lambda _z: wait(), [_], dtypes, stateful=True))
 
     def dataset():
         return tf.data.Dataset.from_tensors(np.int64(0)).repeat().map(
@@ -441,9 +490,9 @@ def _async_wait(wait, dtypes, deps, name):
 
 
 def as_output(arr: np.ndarray):
-    """``arr`` as a py_function output: a tensor sharing its memory (through DLPack) when
+    """``arr`` as an eager result: a tensor sharing its memory (through DLPack) when
     TensorFlow can use that memory as it is (C-contiguous, 64-byte aligned, as the engine's
-    results are; TensorFlow aborts on a misaligned one), else ``arr`` itself, which py_function
+    results are; TensorFlow aborts on a misaligned one), else ``arr`` itself, which TensorFlow
     copies (~6 GB/s here, 9 ms for 56 MB of gradients per step)."""
     if arr.size and arr.flags.c_contiguous and arr.flags.writeable and arr.ctypes.data % ALIGN_BYTES == 0:
         try:
