@@ -43,7 +43,10 @@ def parse_args(argv=None):
     p.add_argument("--target", default="0.8,0.85",
                    help="comma-separated test accuracies; each run stops at the highest")
     p.add_argument("--max-steps", type=int, default=300, help="step budget (and cosine decay length) per run")
-    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-near", type=float, default=0.03,
+                   help="evaluate every step while the test accuracy is within this much below a target "
+                        "not reached yet, so steps to target are exact (the same rule for every row)")
     p.add_argument("--kfac-lr", default="0.1,0.3", help="comma-separated K-FAC learning rates")
     p.add_argument("--sgd-lr", default="0.02,0.05,0.1", help="comma-separated SGD-momentum learning rates")
     p.add_argument("--adam-lr", default="0.002,0.004,0.008", help="comma-separated Adam learning rates")
@@ -92,13 +95,15 @@ def steps_to_target(args):
     runs += [("adam", "", float(lr)) for lr in args.adam_lr.split(",")]
     print(f"\nsteps (and wall s) to test accuracy {', '.join(map(str, targets))} on {Path(args.data_dir).name}, "
           f"{args.np} ranks, global batch {args.batch_size}, budget {args.max_steps} steps (evaluated every "
-          f"{args.eval_every}; a run stops at {targets[-1]})")
+          f"{args.eval_every} steps, every step within {args.eval_near} below a target; a run stops at "
+          f"{targets[-1]})")
     print(f"{'optimizer':<14} {'strategy':<8} {'lr':>7} " + " ".join(f"{'@' + str(t):>15}" for t in targets)
           + f" {'last acc':>9}")
     results = []
     for opt, strategy, lr in runs:
         extra = ["--optimizer", opt, "--lr", str(lr), "--steps", str(args.max_steps),
-                 "--eval-every", str(args.eval_every), "--target-accuracy", str(targets[-1])]
+                 "--eval-every", str(args.eval_every), "--eval-near", str(args.eval_near),
+                 "--target-accuracy", ",".join(map(str, targets))]
         if strategy:
             extra += ["--strategy", strategy]
         r = run_example(args.np, args, extra)
@@ -114,6 +119,12 @@ def steps_to_target(args):
             return min(rows, key=lambda r: r["reach"][t][0]) if rows else None
 
         first = best([r for r in results if r["optimizer"] != "kfac"])
+        for opt in ("sgd-momentum", "adam"):  # a sweep must bracket its best learning rate
+            rows = [r for r in results if r["optimizer"] == opt]
+            b = best(rows)
+            lrs = sorted(r["lr"] for r in rows)
+            if b is not None and len(lrs) > 1 and b["lr"] in (lrs[0], lrs[-1]):
+                print(f"@{t} {opt}: the best lr {b['lr']:g} is at the edge of the sweep {lrs}: extend it")
         for strategy in ("chief", "split"):
             k = best([r for r in results if r["strategy"] == strategy])
             if k is None:

@@ -34,6 +34,7 @@ import sdp.tensorflow as sdp  # noqa: E402
 from sdp.tensorflow import kfac  # noqa: E402
 
 DEFAULT_LR = {"kfac": 0.1, "sgd-momentum": 0.1, "adam": 0.002}
+DEFAULT_MOMENTUM = {"kfac": 0.5, "sgd-momentum": 0.9}  # K-FAC's clipped steps overshoot with 0.9
 
 
 def parse_args(argv=None):
@@ -47,15 +48,21 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=1080, help="global batch size, split over the ranks")
     p.add_argument("--steps", type=int, default=300, help="training steps")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: %s)" % DEFAULT_LR)
-    p.add_argument("--momentum", type=float, default=0.9, help="momentum (kfac and sgd-momentum)")
+    p.add_argument("--momentum", type=float, default=None,
+                   help="momentum (kfac and sgd-momentum; default: %s)" % DEFAULT_MOMENTUM)
     p.add_argument("--damping", type=float, default=1e-3, help="K-FAC Tikhonov damping")
     p.add_argument("--cov-ema-decay", type=float, default=0.95)
-    p.add_argument("--norm-constraint", type=float, default=1e-3, help="K-FAC KL clip (0: off)")
+    p.add_argument("--norm-constraint", type=float, default=3e-3, help="K-FAC KL clip (0: off)")
     p.add_argument("--inv-update-every", type=int, default=10)
     p.add_argument("--cov-update-every", type=int, default=5)
+    p.add_argument("--estimation-mode", choices=kfac.ESTIMATION_MODES, default="empirical",
+                   help="K-FAC's G factors from the true labels (empirical) or labels sampled from the model (gradients)")
     p.add_argument("--eval-every", type=int, default=100, help="log test accuracy every N steps (0: only at the end)")
-    p.add_argument("--target-accuracy", type=float, default=None,
-                   help="stop at the first evaluation that reaches this test accuracy")
+    p.add_argument("--target-accuracy", default=None,
+                   help="comma-separated test accuracies: stop at the first evaluation that reaches the highest")
+    p.add_argument("--eval-near", type=float, default=0.0,
+                   help="evaluate every step while the last test accuracy is within this much below a "
+                        "--target-accuracy not reached yet (so steps to each target are exact)")
     p.add_argument("--seed", type=int, default=42)
     return p.parse_args(argv)
 
@@ -83,19 +90,21 @@ def weights_checksum(model):
 def make_trainer(args, model, loss_fn, size):
     """A function ``(x, y) -> loss`` doing one synchronous step, and the K-FAC optimizer (or None)."""
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
+    momentum = args.momentum if args.momentum is not None else DEFAULT_MOMENTUM.get(args.optimizer)
     # the same cosine decay over the step budget for every optimizer
     lr = tf.keras.optimizers.schedules.CosineDecay(lr, args.steps, alpha=0.01)
     if args.optimizer == "kfac":
         opt = kfac.KfacOptimizer(model, loss_fn, learning_rate=lr, damping=args.damping,
-                                 cov_ema_decay=args.cov_ema_decay, momentum=args.momentum,
+                                 cov_ema_decay=args.cov_ema_decay, momentum=momentum,
                                  norm_constraint=args.norm_constraint or None,
                                  inv_update_every=args.inv_update_every,
-                                 cov_update_every=args.cov_update_every, strategy=args.strategy)
+                                 cov_update_every=args.cov_update_every, strategy=args.strategy,
+                                 estimation_mode=args.estimation_mode)
         return opt.step, opt
     if args.optimizer == "adam":
         opt = tf.keras.optimizers.Adam(lr)
     else:
-        opt = tf.keras.optimizers.SGD(lr, momentum=args.momentum)
+        opt = tf.keras.optimizers.SGD(lr, momentum=momentum)
 
     @tf.function
     def train_step(x, y):
@@ -133,6 +142,7 @@ def main(argv=None):
               flush=True)
     rng = np.random.default_rng(args.seed + rank)
     order, pos = rng.permutation(len(x_shard)), 0
+    targets = sorted(float(t) for t in args.target_accuracy.split(",")) if args.target_accuracy else []
     start, accuracy, step = time.perf_counter(), None, 0
     while step < args.steps:
         if pos + batch > len(order):
@@ -141,14 +151,15 @@ def main(argv=None):
         pos += batch
         loss = train_step(tf.constant(x_shard[idx]), tf.constant(y_shard[idx]))
         step += 1
-        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
+        near = accuracy is not None and any(t - args.eval_near <= accuracy < t for t in targets)
+        if (args.eval_every and step % args.eval_every == 0) or step == args.steps or near:
             accuracy = common.evaluate(model, x_test, y_test) if rank == 0 else 0.0
             if size > 1:  # every rank learns whether the target was reached
                 accuracy = float(sdp.broadcast(tf.constant(accuracy), 0, name="kfac_mnist.accuracy"))
             if rank == 0:
                 print(f"step {step}: loss {float(loss):.4f}, test accuracy {accuracy:.4f}, "
                       f"{time.perf_counter() - start:.1f} s", flush=True)
-            if args.target_accuracy is not None and accuracy >= args.target_accuracy:
+            if targets and accuracy >= targets[-1]:
                 break
     elapsed = time.perf_counter() - start
     if kfac_opt is not None:  # every rank: the inversion work differs between ranks

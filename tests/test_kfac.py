@@ -78,7 +78,8 @@ def _damped_inverses_numpy(A, G, damping):
 def test_preconditioned_gradient_is_kronecker_inverse_product():
     model = _tiny_model()
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    opt = kfac.KfacOptimizer(model, loss_fn, learning_rate=0.1, damping=0.05, inv_update_every=1)
+    opt = kfac.KfacOptimizer(model, loss_fn, learning_rate=0.1, damping=0.05, inv_update_every=1,
+                             norm_constraint=None)
     assert [b.kind for b in opt.blocks] == ["conv2d", "dense", "dense"]
     rng = np.random.default_rng(2)
     x = tf.constant(rng.standard_normal((6, 5, 5, 1)).astype(np.float32))
@@ -88,6 +89,13 @@ def test_preconditioned_gradient_is_kronecker_inverse_product():
     for (A, G), (A1, G1) in zip(opt.factors, batch_factors):
         np.testing.assert_allclose(A, A1, rtol=1e-6)
         np.testing.assert_allclose(G, G1, rtol=1e-6)
+    x2 = tf.constant(rng.standard_normal((6, 5, 5, 1)).astype(np.float32))
+    y2 = tf.constant(rng.integers(0, 2, 6))
+    _, _, batch_factors2 = opt.batch_gradients_and_factors(x2, y2)
+    opt.step(x2, y2)  # warm start: the second update is the mean of both batches (decay 1/2, not 0.95)
+    for (A, G), (A1, G1), (A2, G2) in zip(opt.factors, batch_factors, batch_factors2):
+        np.testing.assert_allclose(A, (A1 + A2) / 2, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(G, (G1 + G2) / 2, rtol=1e-5, atol=1e-7)
     variables = model.trainable_variables
     grads = [tf.constant(rng.standard_normal(v.shape).astype(np.float32)) for v in variables]
     pre = [p.numpy() for p in opt.preconditioned_gradients(grads)]
@@ -117,6 +125,24 @@ def test_preconditioned_gradient_is_kronecker_inverse_product():
         np.testing.assert_allclose(c.numpy(), p / 2, rtol=1e-4, atol=1e-7)
 
 
+def test_sampled_fisher_g_is_the_softmax_fisher():
+    # estimation_mode="gradients": g = softmax(s) - onehot(y), y ~ softmax(s), so for one input
+    # repeated, E[g gᵀ] = diag(p) - p pᵀ; with the true label instead, G = (p - e_y)(p - e_y)ᵀ
+    tf.keras.utils.set_random_seed(4)
+    model = tf.keras.Sequential([tf.keras.Input(shape=(3,)), tf.keras.layers.Dense(4)])
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x = tf.constant(np.tile([[0.5, -1.0, 2.0]], (20000, 1)).astype(np.float32))
+    y = tf.zeros(20000, tf.int64)
+    p = tf.nn.softmax(model(x[:1]))[0].numpy().astype(np.float64)
+    sampled = kfac.KfacOptimizer(model, loss_fn, estimation_mode="gradients")
+    _, _, [(_, G)] = sampled.batch_gradients_and_factors(x, y)
+    np.testing.assert_allclose(G, np.diag(p) - np.outer(p, p), atol=0.015)  # ~4 MC standard errors
+    empirical = kfac.KfacOptimizer(model, loss_fn, estimation_mode="empirical")
+    _, _, [(_, G)] = empirical.batch_gradients_and_factors(x, y)
+    e = p - np.eye(4)[0]
+    np.testing.assert_allclose(G, np.outer(e, e), rtol=1e-4, atol=1e-6)
+
+
 def test_bad_arguments_raise():
     model, loss_fn = _tiny_model(), tf.keras.losses.MeanSquaredError()
     with pytest.raises(ValueError, match="strategy"):
@@ -125,6 +151,8 @@ def test_bad_arguments_raise():
         kfac.KfacOptimizer(model, loss_fn, cov_ema_decay=1.0)
     with pytest.raises(ValueError, match="damping"):
         kfac.KfacOptimizer(model, loss_fn, damping=0)
+    with pytest.raises(ValueError, match="estimation_mode"):
+        kfac.KfacOptimizer(model, loss_fn, estimation_mode="exact")
     inputs = tf.keras.Input(shape=(3,))
     with pytest.raises(TypeError, match="Sequential"):
         kfac.KfacOptimizer(tf.keras.Model(inputs, tf.keras.layers.Dense(2)(inputs)), loss_fn)
@@ -138,14 +166,15 @@ def test_bad_arguments_raise():
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
-def test_inverse_owners_cover_every_layer_once(size):
+def test_inverse_owners_cover_every_factor_once(size):
+    # one task per Kronecker factor (A and G of a layer apart), as KfacOptimizer assigns them:
     # the example's convnet (conv 5x5x1, conv 5x5x16, dense 784->10) and a deeper mix
     for sizes in ([(26, 16), (401, 16), (785, 10)], [(10, 4), (300, 20), (50, 50), (7, 7), (200, 100), (33, 9)]):
-        costs = [a ** 3 + g ** 3 for a, g in sizes]
+        costs = [n ** 3 for a, g in sizes for n in (a, g)]
         owners = kfac.assign_inverse_owners(costs, size)
         assert len(owners) == len(costs) and all(0 <= o < size for o in owners)
         loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(size)]
-        assert sum(loads) == sum(costs)  # each layer counted once, by exactly one owner
+        assert sum(loads) == sum(costs)  # each factor counted once, by exactly one owner
         if len(costs) >= size:
             assert min(loads) > 0  # nobody idles while there is work
         assert max(loads) - min(loads) <= max(costs)  # greedy balance (largest first)
@@ -163,7 +192,7 @@ def test_one_rank_equals_two_ranks_on_the_concatenated_batch():
         np.testing.assert_array_equal(w_r0, w_r1, err_msg=f"{strategy}: ranks disagree")
         np.testing.assert_allclose(w_r0, w1, rtol=1e-4, atol=1e-5, err_msg=strategy)
         assert np.abs(w_r0 - np.asarray(_initial_weights())).max() > 1e-3  # it trained
-    assert two[0]["chief"]["owners"] == [0, 0, 0]
+    assert two[0]["chief"]["owners"] == [0] * 6  # A and G of 3 layers
     assert sorted(set(two[0]["split"]["owners"])) == [0, 1]
     # chief: only rank 0 inverts; split: both ranks own a layer and invert
     assert two[0]["chief"]["timings"]["inverse"] > 0 and two[1]["chief"]["timings"]["inverse"] == 0
