@@ -166,20 +166,37 @@ def test_bad_arguments_raise():
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
-def test_inverse_owners_cover_every_factor_once(size):
-    # one task per Kronecker factor (A and G of a layer apart), as KfacOptimizer assigns them:
-    # the example's convnet (conv 5x5x1, conv 5x5x16, dense 784->10) and a deeper mix
-    for sizes in ([(26, 16), (401, 16), (785, 10)], [(10, 4), (300, 20), (50, 50), (7, 7), (200, 100), (33, 9)]):
-        costs = [n ** 3 for a, g in sizes for n in (a, g)]
-        owners = kfac.assign_inverse_owners(costs, size)
-        assert len(owners) == len(costs) and all(0 <= o < size for o in owners)
+def test_inverse_tasks_cover_every_factor_once(size):
+    # the factors (A, G of each layer) of the example's convnet (conv 5x5x1, conv 5x5x16, dense
+    # 784->10) and of a deeper mix; a task is a column block of one factor's inverse
+    for dims in ([26, 16, 401, 16, 785, 10], [10, 4, 300, 20, 50, 50, 7, 7, 200, 100, 33, 9]):
+        tasks, owners = kfac.inverse_tasks(dims, size)
+        assert len(owners) == len(tasks) and all(0 <= o < size for o in owners)
+        for j, n in enumerate(dims):  # the blocks of factor j partition its columns [0, n) exactly once
+            blocks = sorted((lo, hi) for i, lo, hi in tasks if i == j)
+            assert blocks[0][0] == 0 and blocks[-1][1] == n and all(lo < hi for lo, hi in blocks)
+            assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+        costs = [n ** 3 / 3 + 2 * n * n * (hi - lo) for j, lo, hi in tasks for n in [dims[j]]]
         loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(size)]
-        assert sum(loads) == sum(costs)  # each factor counted once, by exactly one owner
-        if len(costs) >= size:
-            assert min(loads) > 0  # nobody idles while there is work
+        assert min(loads) > 0  # nobody idles
         assert max(loads) - min(loads) <= max(costs)  # greedy balance (largest first)
+    # the dominant 785 x 785 factor is split over the ranks, so the busiest rank does less than all
+    tasks, owners = kfac.inverse_tasks([26, 16, 401, 16, 785, 10], size)
+    assert sum(1 for j, _, _ in tasks if j == 4) == size
+    with pytest.raises(ValueError, match="size"):
+        kfac.inverse_tasks([4], 0)
     with pytest.raises(ValueError, match="size"):
         kfac.assign_inverse_owners([1.0], 0)
+
+
+def test_inverse_column_blocks_make_the_damped_inverse():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((50, 30))
+    m = x.T @ x / 50
+    chol = kfac.damped_cholesky(m, 0.1)
+    blocks = [kfac.inverse_columns(chol, lo, hi) for lo, hi in [(0, 11), (11, 20), (20, 30)]]
+    np.testing.assert_allclose(np.concatenate(blocks, axis=1), np.linalg.inv(m + 0.1 * np.eye(30)),
+                               rtol=1e-4, atol=1e-6)
 
 
 def test_one_rank_equals_two_ranks_on_the_concatenated_batch():
@@ -192,7 +209,8 @@ def test_one_rank_equals_two_ranks_on_the_concatenated_batch():
         np.testing.assert_array_equal(w_r0, w_r1, err_msg=f"{strategy}: ranks disagree")
         np.testing.assert_allclose(w_r0, w1, rtol=1e-4, atol=1e-5, err_msg=strategy)
         assert np.abs(w_r0 - np.asarray(_initial_weights())).max() > 1e-3  # it trained
-    assert two[0]["chief"]["owners"] == [0] * 6  # A and G of 3 layers
+    assert two[0]["chief"]["owners"] == [0] * 6  # A and G of 3 layers, one task each
+    assert len(two[0]["split"]["owners"]) == 7  # the 28 x 28 A of the Dense(4) in 2 column blocks
     assert sorted(set(two[0]["split"]["owners"])) == [0, 1]
     # chief: only rank 0 inverts; split: both ranks own a layer and invert
     assert two[0]["chief"]["timings"]["inverse"] > 0 and two[1]["chief"]["timings"]["inverse"] == 0
