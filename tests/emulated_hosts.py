@@ -7,6 +7,11 @@
 * its own hostname (a UTS namespace made by ``unshare --uts``) and its own ``sshd`` listening on
   ``10.77.0.N:22``: root logs in with a throwaway key only; host and user keys, sshd configs,
   ``known_hosts`` and logs live in a temporary directory;
+* optionally (``rate``, e.g. ``"2gbit"``) a rate limit on each host's link, both directions: a
+  ``tbf`` qdisc (token bucket, ``tc``'s rate syntax) on ``eth0`` inside the host (what it sends)
+  and on ``sdpt-hN-v`` (what it receives).  Unshaped, a veth "link" is the kernel copying bytes
+  on the same cores as the ranks; shaped below that speed, the link is the bottleneck, as a NIC
+  is between real hosts with cores of their own;
 * ``/etc/netns/sdpt-hN/hosts`` (all hosts' names) and ``/etc/netns/sdpt-hN/ssh/ssh_config``
   (the throwaway key, ``known_hosts`` in the temporary directory, ``accept-new``): ``ip netns
   exec`` bind-mounts them over ``/etc/hosts`` and ``/etc/ssh``, so ``ssh h2`` works inside
@@ -28,8 +33,10 @@ Needs root, ``ip`` (iproute2), ``unshare``, ``sshd`` / ``ssh`` / ``ssh-keygen`` 
 As a script::
 
     python tests/emulated_hosts.py up 3     # prints the hosts and how to use them
+    python tests/emulated_hosts.py up 2 --rate 2gbit   # links shaped to 2 Gbit/s each way
     python tests/emulated_hosts.py down
 """
+import argparse
 import json
 import os
 import shlex
@@ -48,6 +55,9 @@ BRIDGE_ADDR = f"{SUBNET}.254"
 STATE_FILE = f"/run/{PREFIX}-emulated-hosts.json"  # where `down` finds the temporary directory
 NETNS_ETC = "/etc/netns"
 TOOLS = ("ip", "unshare", "ssh", "ssh-keygen")
+RATE_ENV = "SDPT_LINK_RATE"  # the test fixtures' hosts get links shaped to this rate (tc syntax), if set
+TBF_BURST = "1mb"  # token bucket depth: >= one 64 KB GSO packet, ~1-8 ms of traffic at 1-10 Gbit/s
+TBF_LATENCY = "20ms"  # longest a packet may wait in the shaper's queue (sets its length)
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
@@ -79,10 +89,13 @@ def _run(argv: Sequence[str], check: bool = True, timeout: float = 30) -> subpro
 class EmulatedHosts:
     """``n`` emulated hosts ``h1..hn`` (see the module docstring)."""
 
-    def __init__(self, n: int, prefix: str = PREFIX, subnet: str = SUBNET):
+    def __init__(self, n: int, prefix: str = PREFIX, subnet: str = SUBNET, rate: Optional[str] = None):
+        """``rate``: None (unshaped) or each link's rate in each direction, in ``tc``'s syntax
+        (``"2gbit"``, ``"500mbit"``); see the module docstring."""
         if not 1 <= n <= 250:
             raise ValueError(f"between 1 and 250 hosts, not {n}")
         self.n = n
+        self.rate = rate or None
         self.prefix = prefix
         self.subnet = subnet
         self.bridge = f"{prefix}-br0"
@@ -201,6 +214,15 @@ class EmulatedHosts:
             _run(["ip", "-n", ns, "addr", "add", f"{self.address(h)}/24", "dev", "eth0"])
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            if self.rate:
+                self._shape(["ip", "netns", "exec", ns], "eth0")  # host -> bridge
+                self._shape([], veth)  # bridge -> host
+
+    def _shape(self, where: List[str], dev: str) -> None:
+        if shutil.which("tc") is None:
+            raise HostsUnavailable("a link rate needs tc (apt-get install iproute2)")
+        _run(where + ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", self.rate,
+                      "burst", TBF_BURST, "latency", TBF_LATENCY])
 
     def _keys_and_configs(self) -> None:
         d = self.dir
@@ -316,20 +338,25 @@ def down(prefix: str = PREFIX, names: Optional[List[str]] = None) -> None:
 
 
 def main(argv: List[str]) -> int:
-    if argv[:1] == ["up"] and len(argv) <= 2:
-        hosts = EmulatedHosts(int(argv[1]) if len(argv) > 1 else 2).up()
+    p = argparse.ArgumentParser(prog="python tests/emulated_hosts.py", description="make or remove emulated hosts")
+    p.add_argument("action", choices=("up", "down"))
+    p.add_argument("n", type=int, nargs="?", default=2, help="hosts (up; default 2)")
+    p.add_argument("--rate", default=os.environ.get(RATE_ENV),
+                   help=f"shape each host's link to this rate each way, tc syntax (2gbit, 500mbit); "
+                        f"default ${RATE_ENV} or unshaped")
+    args = p.parse_args(argv)
+    if args.action == "up":
+        hosts = EmulatedHosts(args.n, rate=args.rate).up()
         for proc in hosts.sshd.values():  # they outlive this script
             proc.returncode = 0
-        print(f"hosts {', '.join(f'{h}={hosts.address(h)}' for h in hosts.names)}; files in {hosts.dir}")
+        print(f"hosts {', '.join(f'{h}={hosts.address(h)}' for h in hosts.names)}; files in {hosts.dir}; "
+              f"links {'shaped to ' + hosts.rate + ' each way' if hosts.rate else 'unshaped'}")
         print(f"run on h1: ip netns exec {hosts.netns('h1')} unshare --uts sh -c 'hostname h1; exec bash'")
         print(f"then e.g.: sdprun -np 4 -H h1:2,h2:2 python examples/tf2_mnist.py")
         print("remove:   python tests/emulated_hosts.py down")
         return 0
-    if argv == ["down"]:
-        down()
-        return 0
-    print("usage: python tests/emulated_hosts.py up [N] | down", file=sys.stderr)
-    return 2
+    down()
+    return 0
 
 
 if __name__ == "__main__":
