@@ -28,7 +28,7 @@ Process sets (``ProcessSet``, ``init(process_sets=[...])``, ``add_process_set``,
 
 Not available: Adasum, ``tf.estimator`` (removed from
 TensorFlow 2.16; ``BroadcastGlobalVariablesHook`` works with
-``tf.compat.v1.train.MonitoredTrainingSession``), XLA (collectives are ``tf.py_function`` ops;
+``tf.compat.v1.train.MonitoredTrainingSession``), XLA (collectives are ``tf.numpy_function`` ops;
 building one under ``jit_compile=True`` raises :class:`XlaNotSupportedError`).
 """
 from sdp import api as _api

@@ -199,7 +199,7 @@ def _runtime_int(fn, name, what):
         return np.int32(fn())
     api.runtime(what)
     ops.check_not_xla(what)
-    out = tf.py_function(body, [], tf.int32, name=name)
+    out = tf.numpy_function(body, [], tf.int32, name=name)
     out.set_shape([])
     return out
 

@@ -36,7 +36,7 @@ def _optimizer_variables(optimizer):
 
 def disable_jit(model) -> None:
     """If ``model`` was compiled with ``jit_compile=True``, switch XLA off and rebuild its train
-    function: sdp's collectives are ``tf.py_function`` ops, which XLA cannot compile."""
+    function: sdp's collectives are ``tf.numpy_function`` ops, which XLA cannot compile."""
     if getattr(model, "jit_compile", False) is True and not getattr(model, "run_eagerly", False):
         warnings.warn("sdp: model was compiled with jit_compile=True; sdp's collectives cannot run under XLA, "
                       "so the model is trained with jit_compile=False.", stacklevel=3)
