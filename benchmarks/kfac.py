@@ -1,6 +1,7 @@
 """K-FAC vs. first-order optimizers on Fashion-MNIST at a large global batch, over sdp.
 
-    python benchmarks/kfac.py                      # 7 minutes on 2 shared cores (load 4-5), 17 at load 9
+    python benchmarks/kfac.py                      # ~20 minutes on 2 shared cores at load 5
+    python benchmarks/kfac.py --target '' --scaling-np 1,2   # the time-per-step table only
     python benchmarks/kfac.py --np 2 --target 0.8,0.85 --max-steps 300 --scaling-np 1,2,3,4 --scaling-inv-every 1
 
 Runs ``examples/kfac_mnist.py`` under ``sdprun`` (one job per row) and prints two tables:
@@ -54,7 +55,8 @@ def parse_args(argv=None):
                         "not reached yet, so steps to target are exact (the same rule for every row)")
     p.add_argument("--kfac-lr", default="0.1,0.3", help="comma-separated K-FAC learning rates")
     p.add_argument("--sgd-lr", default="0.02,0.05,0.1", help="comma-separated SGD-momentum learning rates")
-    p.add_argument("--adam-lr", default="0.004,0.008,0.016", help="comma-separated Adam learning rates")
+    p.add_argument("--adam-lr", default="0.008,0.016,0.032,0.064,0.128",
+                   help="comma-separated Adam learning rates")
     p.add_argument("--scaling-np", default="1,2,3,4", help="world sizes for the time-per-step table ('' skips it)")
     p.add_argument("--scaling-steps", type=int, default=20)
     p.add_argument("--scaling-inv-every", type=int, default=1,
