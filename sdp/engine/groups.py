@@ -93,14 +93,21 @@ class Group:
         self.mesh.sendrecv_done(trackers)
 
 
+#: Largest slab of a hierarchical collective (bytes).  Smaller slabs pipeline the phases better
+#: where the link between hosts is the bottleneck: 2 emulated hosts x 2 ranks on a 2 Gbit/s link,
+#: 64 MB allreduce, alternating runs: 8 MB slabs 284-294 ms (96-99% of the link's ceiling), 4 MB
+#: 281-288 ms, 32 MB 306-319 ms (89-92%); 1 Gbit/s: 8 MB 565 ms vs 64 MB 589 ms.
+CROSS_SLAB_BYTES = 8 << 20
+
+
 class Hierarchy:
     """This rank's host group (``host``) and cross groups (``cross[j]`` for each part ``j`` in
     ``parts``, the parts of ``M`` = ``nparts`` this rank owns), built from every rank's host name.
 
     ``hosts``: the host name of every job rank (index = rank).  ``segments``: this host's shared
     segments (:attr:`Mesh.host_shm`), required when this host has more than one rank.
-    ``slab_bytes``: the shared-memory slab size (the same on every rank), by which buffers are
-    cut on every host alike."""
+    ``slab_bytes``: the shared-memory slab size (the same on every rank); buffers are cut on every
+    host alike into slabs of at most that and :data:`CROSS_SLAB_BYTES`."""
 
     def __init__(self, mesh, hosts: List[str], segments=None, slab_bytes: int = 32 << 20):
         order = list(dict.fromkeys(hosts))  # hosts in the order of their first rank
@@ -114,7 +121,8 @@ class Hierarchy:
         self.owner = [j % size for j in range(self.nparts)]
         self.parts = [j for j in range(self.nparts) if self.owner[j] == local]
         self.cross = {j: Group(mesh, [m[j % len(m)] for m in members], 1 + j) for j in self.parts}
-        self.slab_bytes = slab_bytes  # a collective's slab: the same on every rank (SDP_SHM_SLAB_BYTES)
+        # a collective's slab: the same on every rank (SDP_SHM_SLAB_BYTES, at most CROSS_SLAB_BYTES)
+        self.slab_bytes = min(slab_bytes, CROSS_SLAB_BYTES)
         self.allreduces = self.allgathers = 0  # hierarchical collectives run (for tests and benchmarks)
 
     @classmethod
