@@ -1,6 +1,6 @@
 """K-FAC vs. first-order optimizers on Fashion-MNIST at a large global batch, over sdp.
 
-    python benchmarks/kfac.py                      # ~20 minutes on 2 shared cores at load 5
+    python benchmarks/kfac.py                      # 16 minutes on 2 shared cores at load 2-6
     python benchmarks/kfac.py --target '' --scaling-np 1,2   # the time-per-step table only
     python benchmarks/kfac.py --np 2 --target 0.8,0.85 --max-steps 300 --scaling-np 1,2,3,4 --scaling-inv-every 1
 
