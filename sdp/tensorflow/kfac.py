@@ -5,11 +5,12 @@ last released 2022), distributed with sdp's collectives in the two ways of its d
 
 - ``strategy="chief"``: gradients and Kronecker factors are averaged over the ranks every step with
   one fused :func:`sdp.tensorflow.grouped_allreduce`; rank 0 computes every inverse and broadcasts it.
-- ``strategy="split"``: each Kronecker factor's inverse (A and G of a layer are separate tasks)
-  belongs to one rank (:func:`assign_inverse_owners`, balanced by the n^3 cost of inverting an n x n
-  factor), which computes it and broadcasts it.  Each rank keeps a moving average of its *own*
-  factors; these are averaged only on the steps that refresh the inverses.  The average is linear,
-  so this equals the moving average of averaged factors.
+- ``strategy="split"``: the inversions are split into tasks (:func:`inverse_tasks`): one per
+  Kronecker factor (A and G of a layer apart), and a factor costing more than a rank's fair share is
+  cut into column blocks of its inverse; each task belongs to one rank (balanced by cost,
+  :func:`assign_inverse_owners`), which computes it and broadcasts it.  Each rank keeps a moving
+  average of its *own* factors; these are averaged only on the steps that refresh the inverses.
+  The average is linear, so this equals the moving average of averaged factors.
 
 Papers: Martens & Grosse 2015, "Optimizing Neural Networks with Kronecker-factored Approximate
 Curvature" (K-FAC, factored Tikhonov damping, sec. 6.3); Grosse & Martens 2016, "A
