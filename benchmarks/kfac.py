@@ -20,8 +20,9 @@ Runs ``examples/kfac_mnist.py`` under ``sdprun`` (one job per row) and prints tw
    gradient (forward, backward, preconditioning, update), factor, inverse and communication, in ms
    per step.  ``inverse`` is given as the maximum and the mean over the ranks, in wall time and in
    the CPU time of the inverting thread (``cpu``): with ``chief`` rank 0 inverts every factor, with
-   ``split`` each rank its column blocks of the factors' inverses (``kfac.inverse_tasks``).  With more ranks than cores, split's
-   ranks invert at the same time and share the cores, so its wall time grows; the CPU time does not.
+   ``split`` each rank its column blocks of the factors' inverses (``kfac.inverse_tasks``).  With
+   more ranks than cores, split's ranks invert at the same time and share the cores, so its wall
+   time grows; the CPU time does not.
 
 The machine's load average is printed first; other processes on it skew every time.  A missed
 target is printed as MISS; it does not change the exit status.

@@ -60,7 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--inv-update-every", type=int, default=10)
     p.add_argument("--cov-update-every", type=int, default=5)
     p.add_argument("--estimation-mode", choices=kfac.ESTIMATION_MODES, default="empirical",
-                   help="K-FAC's G factors from the true labels (empirical) or labels sampled from the model (gradients)")
+                   help="K-FAC's G factors from the true labels (empirical) or from labels sampled "
+                        "from the model (gradients)")
     p.add_argument("--eval-every", type=int, default=100, help="log test accuracy every N steps (0: only at the end)")
     p.add_argument("--target-accuracy", default=None,
                    help="comma-separated test accuracies: stop at the first evaluation that reaches the highest")

@@ -253,8 +253,9 @@ class KfacOptimizer:
     (this rank's own inversions) and ``communication`` (allreduce and broadcast, including waiting
     for other ranks); ``inverse_cpu`` is the CPU time of the calling thread in this rank's own
     inversions, which unlike ``inverse`` does not grow when more ranks than cores share the CPUs (it
-    is all of their work with one TensorFlow intra-op thread, as with a rank per core).  Raises ``ValueError`` for a bad strategy or hyper-parameter, an unbuilt
-    model, or a Dense layer on inputs of rank other than 2 (at the first step).
+    is all of their work with one TensorFlow intra-op thread, as with a rank per core).  Raises
+    ``ValueError`` for a bad strategy or hyper-parameter, an unbuilt model, or a Dense layer on
+    inputs of rank other than 2 (at the first step).
     """
 
     def __init__(self, model, loss_fn, learning_rate=0.1, damping=1e-3, cov_ema_decay=0.95, momentum=0.5,
