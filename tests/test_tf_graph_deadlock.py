@@ -76,3 +76,21 @@ def test_eager_collectives_and_gradients():
         np.testing.assert_allclose(v["grad_grouped"], np.full_like(x, 6.0), rtol=1e-6)
         np.testing.assert_allclose(v["tape"], np.mean([data(2, r) for r in range(SIZE)], axis=0), rtol=1e-6)
         assert v["is_tensor"]
+
+
+@pytest.mark.parametrize("threads", [1, 0], ids=["inter_op_1", "inter_op_default"])
+def test_horovod_first_batch_broadcast_in_the_training_step(threads):
+    """Horovod's TF2 examples broadcast the variables inside the ``tf.function`` step, after
+    ``apply_gradients`` of the allreduced gradients: the broadcast's submit op reads variables
+    the blocking op's results updated, so ordering it before that op would be a cycle
+    ("nodes in a cycle" when TensorFlow runs the function)."""
+    values = check_ok(run_workers(SIZE, "workers_tf_graph:first_batch_broadcast", [threads], timeout=120))
+    assert values[0]["initial"] != values[1]["initial"]  # the broadcast has something to do
+    for v in values:
+        if threads:
+            assert v["threads"] == threads
+        assert v["seconds"] < 30
+        assert all(np.isfinite(v["losses"]))
+        assert v["final"] != v["initial"]
+    for a, b in zip(values[0]["final"], values[1]["final"]):  # rank 0's start, the same averaged steps
+        np.testing.assert_allclose(a, b, rtol=1e-6)

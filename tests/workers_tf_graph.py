@@ -108,3 +108,40 @@ def eager_gradients():
     res["tape"] = hvd.DistributedGradientTape(t2).gradient(loss, [w])[0].numpy().tolist()
     res["is_tensor"] = all(isinstance(v, tf.Tensor) for v in [hvd.allreduce(x)])
     return res
+
+
+def first_batch_broadcast(threads, steps=3):
+    """Horovod's TF2 training step: ``DistributedGradientTape`` gradients applied, then on the
+    first batch ``broadcast_variables`` of the model's and the optimizer's variables, all in one
+    ``tf.function`` (the broadcast reads the variables the applied gradients just updated).
+    Every rank starts from different weights.  Returns the initial and final weights, losses."""
+    import tensorflow as tf
+    if threads:
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+
+    import sdp.tensorflow as hvd
+    rank = hvd.rank()
+    tf.keras.utils.set_random_seed(rank)  # different initial weights on every rank
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(3), tf.keras.layers.Dense(1)])
+    opt = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+    x = tf.constant(data(0, rank))[:, :1] * tf.ones([1, 4]) / 100.0
+    y = tf.reduce_sum(x, axis=1, keepdims=True)
+    initial = [v.numpy().tolist() for v in model.variables]
+
+    @tf.function
+    def train_step(first_batch):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if first_batch:
+            hvd.broadcast_variables(model.variables, root_rank=0)
+            hvd.broadcast_variables(opt.variables, root_rank=0)
+        return loss
+
+    t0 = time.monotonic()
+    losses = [float(train_step(step == 0)) for step in range(steps)]  # a Python bool, as Horovod passes
+    return {"threads": tf.config.threading.get_inter_op_parallelism_threads(), "initial": initial,
+            "final": [v.numpy().tolist() for v in model.variables], "losses": losses,
+            "seconds": time.monotonic() - t0}

@@ -41,7 +41,10 @@ The design:
   blocking wait op, 0.67 ms with an asynchronous wait, same window); with several buckets the
   submit ops stay (each bucket starts as soon as its gradients exist) and the wait op blocks.
   The blocking op starts only after every submit op of its graph that it does not feed
-  (control inputs, added as submit ops are built).  It cannot deadlock: no rank has a second
+  (control inputs, added when the trace ends, after automatic control dependencies added
+  theirs: added earlier they could close a cycle, e.g. with a ``broadcast_variables`` after
+  ``apply_gradients`` of the blocking op's results, as Horovod's TF2 examples do on their
+  first batch).  It cannot deadlock: no rank has a second
   blocking op, so on every rank every other collective is handed to the engine by a submit op
   that needs no blocked thread (an asynchronous wait holds none); the collective a blocking op
   waits for is submitted on every other rank by such a submit op (it is not downstream of that
@@ -382,10 +385,20 @@ def _submit_op(put, tensors, name):
     op = tf.numpy_function(body, list(tensors), [], stateful=True,
                            name=_sanitize("submit." + name)[:100] if name else None)
     _independent(op)
-    blocking = _BLOCKING.get(op.graph)
-    if blocking is not None and not _is_ancestor(blocking, op):
-        blocking._add_control_input(op)  # the blocking wait starts after every submit it does not feed
+    _SUBMITS.setdefault(op.graph, []).append(op)
     return op
+
+
+def _order_submits_before_blocking(graph) -> None:
+    """Make ``graph``'s blocking op start after every submit op of ``graph`` that it does not
+    feed: run when the ``tf.function``'s trace ends, after automatic control dependencies added
+    their edges.  (Added as submit ops are built, an edge could close a cycle that those edges
+    complete later: ``apply_gradients`` on the blocking op's results, then ``broadcast_variables``
+    of the updated variables, as in Horovod's TF2 examples, reads them after the updates.)"""
+    blocking = _BLOCKING.get(graph)
+    for op in _SUBMITS.pop(graph, ()):
+        if blocking is not None and not _is_ancestor(blocking, op):
+            blocking._add_control_input(op)
 
 
 def _independent(op) -> None:
@@ -427,6 +440,7 @@ _ITERATORS = weakref.WeakKeyDictionary()  # FuncGraph -> the iterators its wait 
 
 
 _BLOCKING = weakref.WeakKeyDictionary()  # outermost FuncGraph -> its one blocking wait op
+_SUBMITS = weakref.WeakKeyDictionary()  # graph -> its submit ops (until its trace ends, see _blocking_op)
 
 
 def _may_block(graph) -> bool:
@@ -434,6 +448,7 @@ def _may_block(graph) -> bool:
     outermost ``tf.function`` graph (with automatic control dependencies) that has none yet."""
     return bool(getattr(graph, "building_function", False) and getattr(graph, "_add_control_dependencies", False)
                 and not getattr(getattr(graph, "outer_graph", None), "building_function", False)
+                and getattr(graph, "_scope_exit_callbacks", None) is not None  # its trace's end is seen
                 and graph not in _BLOCKING)
 
 
@@ -452,8 +467,8 @@ def _blocking_op(fn, tensors, dtypes, deps, name):
     """Tensors of ``dtypes`` returned by ``fn(*input arrays)``, a ``numpy_function`` that may block
     for peers and runs after the ops ``deps``: the one blocking op of the current (outermost
     ``tf.function``) graph, see :func:`_may_block`.  It starts only after every submit op of the
-    graph that it does not feed (control inputs added as they are built, see
-    :func:`_submit_op`); the module docstring says why this cannot deadlock."""
+    graph that it does not feed (control inputs added when the trace ends, see
+    :func:`_order_submits_before_blocking`); the module docstring says why this cannot deadlock."""
     graph = tf.compat.v1.get_default_graph()
     with tf.control_dependencies(deps):
         outs = tf.numpy_function(fn, list(tensors), list(dtypes), stateful=True,
@@ -461,6 +476,7 @@ def _blocking_op(fn, tensors, dtypes, deps, name):
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     _independent(outs[0].op)
     _BLOCKING[graph] = outs[0].op
+    graph._add_scope_exit_callback(lambda: _order_submits_before_blocking(graph))
     return outs
 
 
