@@ -636,7 +636,11 @@ def main(argv=None) -> int:
     dtype = np.dtype(args.dtype)
     sizes = sorted({max(dtype.itemsize, parse_size(s) // dtype.itemsize * dtype.itemsize)
                     for s in args.sizes.split(",") if s.strip()})
-    sdp.init()
+    if any(a.startswith("tf-") for a in apis):
+        import sdp.tensorflow
+        sdp.tensorflow.init()  # as a TF user does (it also sets up TensorFlow's threads for sdp)
+    else:
+        sdp.init()
     n, rank = sdp.size(), sdp.rank()
     log0(summary_line(n, args.dtype))
     if apis:

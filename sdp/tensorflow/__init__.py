@@ -32,6 +32,7 @@ TensorFlow 2.16; ``BroadcastGlobalVariablesHook`` works with
 building one under ``jit_compile=True`` raises :class:`XlaNotSupportedError`).
 """
 from sdp import api as _api
+from sdp.tensorflow import threads as _threads
 from sdp.api import (cross_rank, cross_size, is_initialized, local_rank, local_size,  # noqa: F401
                      rank, shutdown, size, start_timeline, stop_timeline)
 from sdp.common.errors import (AlreadyInitializedError, NotInitializedError, PeerLostError,  # noqa: F401
@@ -72,6 +73,7 @@ def init(*args, **kwargs):
         raise NotImplementedError("sdp.tensorflow.init() supports no MPI communicator or other "
                                   f"arguments (got args={args!r}, kwargs={kwargs!r})")
     _api.init()
+    _threads.configure(_api.local_size())
     _init_process_sets(process_sets)
 
 
