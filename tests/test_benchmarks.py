@@ -32,3 +32,23 @@ def test_allreduce_benchmark_prints_both_tables_and_the_memory_floor():
     assert colls["unfused: allreduce_async, fusion threshold 0"] == "100", colls
     floor = re.search(r"memory floor \(shared memory, 2 ranks\): ([0-9.]+) ms = 1.50 x ([0-9.]+) ms", out)
     assert floor and abs(float(floor.group(1)) - 1.5 * float(floor.group(2))) <= 0.0126, out[-2000:]  # both printed to 0.01 ms
+
+
+def test_api_comparison_prints_every_api_its_floor_and_the_targets():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable,
+                        "benchmarks/allreduce.py", "--api", "numpy,tf-eager,tf-function", "--sizes", "1K,1M",
+                        "--baseline", "none", "--iters", "20", "--warmup", "3"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = p.stdout
+    assert p.returncode == 0, out[-3000:] + p.stderr[-3000:]
+    assert re.search(r"numpy us\s+busbw\s+tf-eager us\s+busbw\s+tf-function us\s+busbw\s+floor us", out), out[-3000:]
+    rows = re.findall(r"<stdout>:\s+(1K|1M)((?:\s+[0-9.]+\s+[0-9.]+){4})\s+([0-9.]+)x\s+([0-9.]+)x", out)
+    assert [r[0] for r in rows] == ["1K", "1M"], out[-3000:]
+    for size, cols, eager_ratio, fn_ratio in rows:
+        t = [float(v) for v in cols.split()[::2]]  # numpy, tf-eager, tf-function, floor (us)
+        assert all(v > 0 for v in t), rows
+        assert abs(float(fn_ratio) - t[0] / t[2]) <= 0.01 + 0.01 * t[0] / t[2], rows
+    for label in ("tf-eager 1 KB <= 500 us", "tf-function 1 KB <= 500 us", "tf-function busbw @1M >= 0.9x numpy",
+                  "an empty tf.function call", "column 'floor'"):
+        assert label in out, (label, out[-3000:])
