@@ -59,9 +59,11 @@ The design:
   tensors, not per tensor.
 
 What a collective in a ``tf.function`` costs above the engine is bounded below by the call of a
-``tf.function`` holding one ``numpy_function`` (no collective; ~0.16 ms here, of which ~0.12 ms
-is the call of an empty ``tf.function``); ``benchmarks/allreduce.py --api`` measures both in the
-same run.  Names identify a collective across ranks (see :func:`unique_name`).
+``tf.function`` holding one ``numpy_function`` (no collective; ~0.13 ms here with TensorFlow's
+threads not spinning, see :mod:`sdp.tensorflow.threads`, of which ~0.09-0.13 ms is the call of an
+empty ``tf.function``); ``benchmarks/allreduce.py --api`` measures these in the same run, and the
+``floor`` of this design (a ``tf.function`` whose one ``numpy_function`` calls the engine), which
+the ops here match within noise.  Names identify a collective across ranks (see :func:`unique_name`).
 ``numpy_function`` cannot be compiled by XLA: every op here raises :class:`XlaNotSupportedError`
 when it is built inside a ``jit_compile=True`` function.
 """
