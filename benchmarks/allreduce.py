@@ -651,8 +651,8 @@ def main(argv=None) -> int:
     sizes = sorted({max(dtype.itemsize, parse_size(s) // dtype.itemsize * dtype.itemsize)
                     for s in args.sizes.split(",") if s.strip()})
     if any(a.startswith("tf-") for a in apis):
-        import sdp.tensorflow
-        sdp.tensorflow.init()  # as a TF user does (it also sets up TensorFlow's threads for sdp)
+        import sdp.tensorflow as sdp_tf  # (a plain `import sdp.tensorflow` would make `sdp` local to main)
+        sdp_tf.init()  # as a TF user does (it also sets up TensorFlow's threads for sdp)
     else:
         sdp.init()
     n, rank = sdp.size(), sdp.rank()
