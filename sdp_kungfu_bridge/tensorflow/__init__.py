@@ -2,8 +2,12 @@
 
 Submodules: :mod:`.ops` (operators), :mod:`.optimizers` (distributed optimizers),
 :mod:`.initializer` (variable broadcast).  Importing this package joins the cluster, like
-``kungfu.python``.
+``kungfu.python``; with several workers on this host it also turns TensorFlow's thread spinning
+off, as ``sdp.tensorflow.init()`` does (see :mod:`sdp.tensorflow.threads`).
 """
 from sdp_kungfu_bridge import python as _python  # noqa: F401  (joins the cluster)
 from sdp_kungfu_bridge.python import (current_cluster_size, current_local_rank,  # noqa: F401
                                       current_local_size, current_rank, detached, run_barrier)
+from sdp.tensorflow import threads as _threads
+
+_threads.configure(current_local_size())
