@@ -61,6 +61,7 @@ HEADER = struct.Struct("<4sBIQ")
 HELLO, CTRL, DATA, BYE, SYNC, ABORT = 1, 2, 3, 4, 5, 6
 BYE_WAIT_S = 0.05  # seconds a closing rank waits for the BYEs of peers that are closing too
 COPY_BELOW = 64 * 1024  # bytes: smaller payloads are copied (cheaper than tracking)
+TRACKER_SLICE_S = 0.05  # seconds between checks for lost peers while a sent buffer is still held
 REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 LOSS_GRACE_S = 1.0  # seconds a dropped peer's other connection may still deliver its last messages
@@ -394,10 +395,26 @@ class Mesh:
         self.close(linger_s=0.5)
 
     def sendrecv_done(self, trackers) -> None:
-        """Wait until ZeroMQ has released every tracked buffer (bounded by ``timeout_s``)."""
+        """Wait until ZeroMQ has released every tracked buffer.
+
+        A buffer queued to a peer that died is never released, so the wait watches the peers
+        between slices of ``TRACKER_SLICE_S``: :class:`PeerLostError` once a peer is lost (a dead
+        one is seen in ~1 s), :class:`CollectiveTimeoutError` after ``timeout_s``.  (It once
+        waited the whole ``timeout_s``, 300 s by default, in one call, deaf to the peer's death.)"""
+        deadline = time.monotonic() + self.timeout_s
         for t in trackers:
-            if t is not None and not t.done:
-                t.wait(self.timeout_s)
+            while t is not None and not t.done:
+                try:
+                    t.wait(TRACKER_SLICE_S)
+                except zmq.NotDone:
+                    self.pump(0)
+                    if self.lost:
+                        raise self.peer_error() from None
+                    if self.stopping:
+                        raise SdpError(f"rank {self.rank}: shut down while ZeroMQ still held a sent buffer") from None
+                    if time.monotonic() > deadline:
+                        raise CollectiveTimeoutError(
+                            f"rank {self.rank}: a sent buffer was not released within {self.timeout_s:g} s") from None
 
     # -- teardown --------------------------------------------------------------------------
     def close(self, linger_s: float = 2.0) -> None:
