@@ -10,14 +10,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_allreduce_benchmark_prints_both_tables_and_the_memory_floor():
+def run_benchmark(*args) -> str:
+    """stdout of ``sdprun -np 2 python benchmarks/allreduce.py *args`` (which must succeed)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable,
-                        "benchmarks/allreduce.py", "--sizes", "1K,64K", "--baseline", "none",
-                        "--fused-iters", "5", "--latency-iters", "200", "--target-s", "0.05"],
+                        "benchmarks/allreduce.py", *args],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    out = p.stdout
-    assert p.returncode == 0, out[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def test_allreduce_benchmark_prints_both_tables_and_the_memory_floor():
+    out = run_benchmark("--sizes", "1K,64K", "--baseline", "none", "--fused-iters", "5", "--latency-iters", "200",
+                        "--target-s", "0.05")
     rows = re.findall(r"\[0\]<stdout>:\s+(1024|65536)\s+\d+\s+\d+\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+) \|", out)
     assert [r[0] for r in rows] == ["1024", "65536"], out[-3000:]
     for _, t, alg, bus in rows:  # busbw = algbw * 2(n-1)/n = algbw for 2 ranks
@@ -35,13 +40,8 @@ def test_allreduce_benchmark_prints_both_tables_and_the_memory_floor():
 
 
 def test_api_comparison_prints_every_api_its_floor_and_the_targets():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable,
-                        "benchmarks/allreduce.py", "--api", "numpy,tf-eager,tf-function", "--sizes", "1K,1M",
-                        "--baseline", "none", "--iters", "20", "--warmup", "3"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    out = p.stdout
-    assert p.returncode == 0, out[-3000:] + p.stderr[-3000:]
+    out = run_benchmark("--api", "numpy,tf-eager,tf-function", "--sizes", "1K,1M", "--baseline", "none",
+                        "--iters", "20", "--warmup", "3")
     assert re.search(r"numpy us\s+busbw\s+tf-eager us\s+busbw\s+tf-function us\s+busbw\s+floor us", out), out[-3000:]
     rows = re.findall(r"<stdout>:\s+(1K|1M)((?:\s+[0-9.]+\s+[0-9.]+){4})\s+([0-9.]+)x\s+([0-9.]+)x", out)
     assert [r[0] for r in rows] == ["1K", "1M"], out[-3000:]
