@@ -49,6 +49,19 @@ def test_killed_worker_makes_others_raise_peer_lost(victim, fused, tcp):
         assert seconds < 10, seconds
 
 
+def test_a_peer_killed_while_a_sent_buffer_is_queued_to_it_is_reported():
+    """Over TCP, rank 0 broadcasts 64 MB to rank 1, which is stopped and then killed: ZeroMQ never
+    releases rank 0's queued buffer, and rank 0 must still raise PeerLostError within seconds
+    (it once waited on the buffer for the whole SDP_TIMEOUT, 300 s)."""
+    hosts = lambda r: {"SDP_HOSTNAME": f"host{r}"}  # noqa: E731
+    results = run_workers(2, "workers_errors:killed_while_receiving", [64 << 20], timeout=60, per_rank_env=hosts)
+    assert results[1].returncode == -9
+    assert results[0].ok, results[0].stderr[-2000:]
+    etype, msg, lost, seconds = results[0].value
+    assert (etype, lost) == ("PeerLostError", 1), (etype, msg)
+    assert seconds < 10, seconds
+
+
 def test_stall_warning_names_missing_rank_and_shutdown_time_aborts():
     results = run_workers(2, "workers_errors:stall", [None], timeout=60,
                           env={"SDP_STALL_CHECK_TIME": "1", "SDP_STALL_SHUTDOWN_TIME": "3", "STALL_SLEEP": "5"})

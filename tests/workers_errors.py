@@ -226,3 +226,23 @@ def timed_shutdown(_):
     t = time.monotonic()
     sdp.shutdown()
     return time.monotonic() - t
+
+
+def killed_while_receiving(nbytes):
+    """Rank 1 stops (SIGSTOP) right after it asked for a broadcast of ``nbytes`` from rank 0; rank 0
+    then broadcasts (over TCP most of the buffer stays queued in ZeroMQ, never released) and kills
+    rank 1 1.5 s later.  Returns rank 0's (error type, message, lost rank, seconds in broadcast)."""
+    pids = [int(p) for p in sdp.allgather(np.array([os.getpid()]), name="pids")]
+    buf = np.ones(nbytes // 4, np.float32)
+    if sdp.rank() == 1:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+        sdp.broadcast(buf, root_rank=0, name="big")  # (stopped, then killed, in here)
+        return None
+    time.sleep(0.5)  # rank 1's request is in, and rank 1 is stopped
+    threading.Timer(1.5, os.kill, (pids[1], signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    try:
+        sdp.broadcast(buf, root_rank=0, name="big")
+    except errors.SdpError as e:
+        return [type(e).__name__, str(e), getattr(e, "rank", None), time.monotonic() - t0]
+    return ["none", "", None, time.monotonic() - t0]
