@@ -40,5 +40,10 @@ def test_spinning_is_off_only_when_ranks_share_a_host(local_size, spinning, want
     assert configure(local_size, spinning=spinning) == want
 
 
+def test_a_bad_value_is_a_clear_error():
+    with pytest.raises(AssertionError, match=r"ValueError: environment variable SDP_TF_THREAD_SPINNING='maybe': expected 0 or 1"):
+        configure(2, spinning="maybe")
+
+
 def test_after_tensorflow_started_nothing_changes():
     assert configure(2, initialize_first=True) == [False, False]

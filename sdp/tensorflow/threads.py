@@ -21,13 +21,27 @@ import os
 log = logging.getLogger("sdp.tensorflow")
 
 
+SPINNING_ENV = "SDP_TF_THREAD_SPINNING"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _spinning_requested() -> bool:
+    """``SDP_TF_THREAD_SPINNING`` as a bool (unset: False); ``ValueError`` naming it otherwise."""
+    value = os.environ.get(SPINNING_ENV, "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"environment variable {SPINNING_ENV}={os.environ[SPINNING_ENV]!r}: expected 0 or 1")
+    return value in _TRUE
+
+
 def configure(local_size: int) -> bool:
     """Turn off TensorFlow's thread spinning when ``local_size`` (ranks on this host) > 1 and
-    ``SDP_TF_THREAD_SPINNING`` is not ``1``; returns True if the setting was applied.
+    ``SDP_TF_THREAD_SPINNING`` is not ``1``; returns True if the setting was applied.  Raises
+    ``ValueError`` for a value of ``SDP_TF_THREAD_SPINNING`` other than 0/1 (true/false, yes/no,
+    on/off).
 
     Uses the eager context's ``ConfigProto`` (what ``tf.config.threading`` also sets) before
     TensorFlow initializes its runtime; returns False, changing nothing, once it has."""
-    if local_size <= 1 or os.environ.get("SDP_TF_THREAD_SPINNING", "0") == "1":
+    if local_size <= 1 or _spinning_requested():
         return False
     try:
         from tensorflow.core.protobuf import config_pb2
