@@ -5,8 +5,9 @@ default an idle pool thread *spins* (polls for work, ~tens of microseconds) befo
 With one rank per host that trades a core's idle time for latency.  With ``local_size() > 1``
 the spinning threads of one rank take the cores the other ranks' threads (their engine, their
 op that waits in a collective) need at that moment.  Measured on a 2-core machine, 2 ranks, a
-1 KB allreduce inside a ``tf.function``: 466-805 us with spinning (a slow mode at ~750-800 us in
-about one run of five), 422-438 us without; the call of a ``tf.function`` holding one
+1 KB allreduce inside a ``tf.function``: 466-805 us with spinning (a slow phase at ~750-800 us in
+about one run of five), 410-470 us without in most runs (the slow phase in 2 of 50); in
+alternating pairs 470-493 against 427-444 us.  The call of a ``tf.function`` holding one
 ``numpy_function`` went from ~165 to ~125 us.
 
 :func:`configure` therefore turns spinning off (TensorFlow's own
