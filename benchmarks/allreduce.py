@@ -642,6 +642,8 @@ def main(argv=None) -> int:
     p.add_argument("--api", default="",
                    help=f"comma-separated APIs ({','.join(API_CHOICES)}): time the same allreduce through "
                         "each and print them side by side (default: the engine tables below)")
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                   help="gpu: allreduce CuPy arrays on the device path (benchmarks/allreduce_device.py)")
     args = p.parse_args(argv)
     apis = [a.strip() for a in args.api.split(",") if a.strip()]
     if any(a not in API_CHOICES for a in apis):
@@ -650,6 +652,10 @@ def main(argv=None) -> int:
     dtype = np.dtype(args.dtype)
     sizes = sorted({max(dtype.itemsize, parse_size(s) // dtype.itemsize * dtype.itemsize)
                     for s in args.sizes.split(",") if s.strip()})
+    if args.device == "gpu":
+        sys.path.insert(0, HERE)
+        import allreduce_device
+        return allreduce_device.main(args, sizes)
     if any(a.startswith("tf-") for a in apis):
         import sdp.tensorflow as sdp_tf  # (a plain `import sdp.tensorflow` would make `sdp` local to main)
         sdp_tf.init()  # as a TF user does (it also sets up TensorFlow's threads for sdp)

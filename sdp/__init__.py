@@ -5,11 +5,12 @@ framework-free numpy API (:mod:`sdp.api`).
 """
 from sdp.api import (allgather, allgather_async, allgather_object, allreduce, allreduce_async,  # noqa: F401
                      alltoall, barrier, broadcast, broadcast_async, broadcast_object, cross_rank,
-                     cross_size, grouped_allgather, grouped_allreduce, grouped_allreduce_async,
+                     cross_size, device_counters, grouped_allgather, grouped_allreduce, grouped_allreduce_async,
                      grouped_broadcast_async, init, is_initialized, join,
                      local_rank, local_size, rank, reducescatter, shutdown, size, start_timeline,
                      stop_timeline)
 from sdp.common import errors  # noqa: F401
+from sdp.common.errors import TensorMismatchError  # noqa: F401
 from sdp.common.reduce_ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 
 __version__ = "0.1.0"

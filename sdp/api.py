@@ -22,6 +22,16 @@ and float64 (16-bit floats are summed and scaled in float32 and rounded once); a
 broadcast and alltoall move any dtype without Python objects.  Anything else raises
 ``ValueError`` on the calling rank when submitted, before any other rank is involved; a
 disagreement between ranks raises :class:`~sdp.common.errors.TensorMismatchError` on every rank.
+
+Device arrays: every collective also takes arrays in CUDA memory: PyCUDA ``GPUArray``s, objects
+with ``__cuda_array_interface__`` (CuPy, PyTorch; the engine waits on the stream they name), DLPack
+producers (``__dlpack__``) and raw ``dltensor`` capsules (``tf.experimental.dlpack.to_dlpack``).
+They are reduced on the device (:mod:`sdp.engine.device_path`: CUDA IPC between the ranks of one
+host, else staged through host memory) and come back as the input's own kind: a ``GPUArray``, the
+producer module's ``from_dlpack`` of the result (a ``torch.Tensor``, a CuPy array), or a new
+capsule.  Device arrays must be C-contiguous; ``out=`` is host only.  All ranks must pass device
+arrays, or all host arrays, for a name (else :class:`~sdp.common.errors.TensorMismatchError`).
+A CPU DLPack capsule is read as a numpy array.
 """
 import atexit
 import io
@@ -37,6 +47,7 @@ from sdp.common import topology as _topology
 from sdp.common.config import Config
 from sdp.common.errors import AlreadyInitializedError, NotInitializedError
 from sdp.common.reduce_ops import ReduceOp, resolve_op
+from sdp.engine.device_arrays import device_tensor, host_array
 from sdp.engine.process_sets import MAX_SET_ID
 from sdp.engine.runtime import Handle, Request, Runtime
 from sdp.transport import lifeline
@@ -227,10 +238,23 @@ def _check_set(rt: Runtime, kind: str, name: Optional[str], process_set) -> int:
     return ps
 
 
+def as_input(tensor):
+    """``tensor`` as the engine takes it: a :class:`~sdp.engine.device_arrays.DeviceTensor` for
+    CUDA memory (see the module docstring), else a numpy array."""
+    return device_tensor(tensor) or host_array(tensor)
+
+
+def device_counters() -> dict:
+    """What the device path did in this process: bytes copied device-to-host (``d2h``),
+    host-to-device (``h2d``), device-to-device (``d2d``), kernels launched, whether the CUDA IPC
+    path is in use (``ipc``) and the backend's name.  For tests and benchmarks."""
+    return runtime("device_counters()").device_counters()
+
+
 def _submit(kind, tensor, name, process_set=0, **kw) -> Handle:
     rt = runtime(f"{kind}()")
     name, ps = _set_name(rt, kind, name, process_set)
-    return rt.submit(Request(name, kind, np.asarray(tensor), ps=ps, **kw))
+    return rt.submit(Request(name, kind, as_input(tensor), ps=ps, **kw))
 
 
 def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
@@ -270,7 +294,7 @@ def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = 
     if ps:
         names = [f"{n}@ps{ps}" for n in names]
     op = resolve_op(op)
-    reqs = [Request(n, "allreduce", np.asarray(t), op=op, prescale=prescale_factor, postscale=postscale_factor,
+    reqs = [Request(n, "allreduce", as_input(t), op=op, prescale=prescale_factor, postscale=postscale_factor,
                     ps=ps) for t, n in zip(tensors, names)]
     return rt.submit_many(reqs) if reqs else []
 
@@ -291,7 +315,7 @@ def grouped_broadcast_async(tensors: Sequence, root_rank: int, names: Sequence[s
     """Submit broadcasts of several arrays from ``root_rank`` (a job rank) in one batch; one handle each."""
     rt = runtime("broadcast()")
     ps = _check_set(rt, "broadcast", names[0] if names else None, process_set)
-    reqs = [Request(f"{n}@ps{ps}" if ps else n, "broadcast", np.asarray(t), root=int(root_rank), ps=ps)
+    reqs = [Request(f"{n}@ps{ps}" if ps else n, "broadcast", as_input(t), root=int(root_rank), ps=ps)
             for t, n in zip(tensors, names)]
     return rt.submit_many(reqs) if reqs else []
 
@@ -333,7 +357,7 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, process_set=0):
 
     ``splits`` defaults to an equal split of the first dimension (which must then divide by
     size).  Mirrors ``horovod.tensorflow.alltoall``."""
-    arr = np.asarray(tensor)
+    arr = as_input(tensor)
     rt = runtime("alltoall()")
     ps = process_set_id(process_set)
     n = len(rt.process_sets.get(ps, ())) if ps else rt.size

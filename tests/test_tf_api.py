@@ -1,4 +1,5 @@
 """sdp.tensorflow's collectives, tapes and layers across 2 real processes, against numpy references."""
+import importlib.util
 import numpy as np
 import pytest
 
@@ -59,7 +60,7 @@ def test_collectives_eager_match_numpy():
         assert v["broadcast_object"] == {"rank": 1, "list": [1, 1, 1]}
         assert v["broadcast_object_fn"] == ["from", 0]
         assert v["allgather_object"] == [{"r": 0}, {"r": 1}]
-        assert v["built"] == [False, False, 0, False, True]
+        assert v["built"] == [False, False, 0, importlib.util.find_spec("pycuda") is not None, True]
         assert v["ids"] == [r, 2, r, 2, 0, 1]
         assert v["errors"] == {
             "device_dense": "NotImplementedError", "tape_device_sparse": "NotImplementedError",

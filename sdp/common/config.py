@@ -25,6 +25,11 @@
 | SDP_LOG_LEVEL             | WARNING      | level of the ``sdp`` logger                                |
 | SDP_ENCRYPT               | 0            | 1: encrypt rank-to-rank data (CURVE); 0: authenticate each |
 |                           |              | connection only (see sdp.transport.security)               |
+| SDP_GPU_IPC               | auto         | device arrays: auto/1 reduce through CUDA IPC when every   |
+|                           |              | rank is on one host; 0: stage through host memory (see     |
+|                           |              | sdp.engine.device_path)                                    |
+| SDP_DEVICE_BACKEND        | cuda         | cuda (PyCUDA) or numpy (host memory standing in for a      |
+|                           |              | device: runs the device path without a GPU, for tests)     |
 
 Horovod spellings (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``, ``HOROVOD_TIMELINE``,
 ``HOROVOD_START_TIMEOUT``, ``HOROVOD_STALL_CHECK_TIME_SECONDS``, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``,
@@ -69,6 +74,7 @@ class Config:
     hierarchical: Optional[bool] = None  # None: automatic
     timeline: Optional[str] = None
     encrypt: bool = False  # SDP_ENCRYPT
+    gpu_ipc: Optional[bool] = None  # SDP_GPU_IPC: None automatic (one host), False host-staged
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":
@@ -89,6 +95,7 @@ class Config:
             hierarchical=_get(env, ["SDP_HIERARCHICAL", "HOROVOD_HIERARCHICAL_ALLREDUCE"], None, flag),
             timeline=_get(env, ["SDP_TIMELINE", "HOROVOD_TIMELINE"], None, str),
             encrypt=_get(env, ["SDP_ENCRYPT"], False, flag),
+            gpu_ipc=_get(env, ["SDP_GPU_IPC"], None, flag),
         )
 
 

@@ -34,6 +34,18 @@ UFUNCS = {
 }
 
 
+def scale_in_place(buf: np.ndarray, factor: float) -> None:
+    """``buf *= factor`` as Horovod scales: 16-bit floats (float16, bfloat16) in float32, rounded
+    once (the factor itself is not rounded to 16 bits first); other floats in their own dtype;
+    integers in float64, truncated."""
+    if factor == 1.0:
+        return
+    if buf.dtype.kind == "f" and buf.dtype.itemsize == 2 or buf.dtype.name == "bfloat16":
+        np.multiply(buf, np.float32(factor), out=buf, dtype=np.float32, casting="unsafe")
+    else:
+        np.multiply(buf, factor, out=buf, casting="unsafe")
+
+
 def resolve_op(op=None, average=None) -> ReduceOp:
     """Turn ``op``/legacy ``average=`` (Horovod) into a :class:`ReduceOp`.
 

@@ -75,9 +75,23 @@ def check_extension(ext_name: str, ext_env_var: str, pkg_path: str, *args: str) 
         raise ImportError(f"Extension {ext_name} is not available in sdp: {why}.")
 
 
+def cuda_built() -> bool:
+    """True when PyCUDA (the ``cuda`` extra), sdp's device path, is installed; found without
+    importing it (no CUDA context is made).  Mirrors ``horovod.tensorflow.cuda_built``."""
+    return importlib.util.find_spec("pycuda") is not None
+
+
 def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
-    """False: sdp reduces on the CPU.  Mirrors ``horovod.common.util.gpu_available``."""
-    return False
+    """True when sdp can reduce ``ext_base_name``'s (``'tensorflow'``) GPU tensors on the device:
+    PyCUDA is installed and the framework sees a GPU.  Mirrors
+    ``horovod.common.util.gpu_available``."""
+    available = False
+    if cuda_built() and ext_base_name.split(".")[-1] == "tensorflow":
+        import tensorflow as tf
+        available = bool(tf.config.list_physical_devices("GPU"))
+    if verbose:
+        print(f"Extension {ext_base_name} {'was' if available else 'was NOT'} built with GPU support.")
+    return available
 
 
 def mpi_built(verbose: bool = False) -> bool:

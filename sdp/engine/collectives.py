@@ -21,6 +21,7 @@ agreed collective number), so that messages can be checked against what is expec
 import numpy as np
 
 from sdp.common.errors import ProtocolError
+from sdp.common.reduce_ops import scale_in_place
 from sdp.engine import barrier
 from sdp.transport.zmq_mesh import DATA
 
@@ -105,7 +106,7 @@ def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, f
         np.copyto(out, inp)
     if n == 1 or inp.size == 0:
         if scale is not None:
-            np.multiply(out, scale, out=out, casting="unsafe")
+            scale_in_place(out, scale)
     elif shm:
         _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale)
     else:
@@ -257,7 +258,7 @@ def allreduce_hierarchical(hier, inp, out, ufunc, seq, segment_bytes, acc=None, 
         np.copyto(out, inp)
     if inp.size == 0:
         if scale is not None:
-            np.multiply(out, scale, out=out, casting="unsafe")
+            scale_in_place(out, scale)
         return
     hier.allreduces += 1
     nparts, size = hier.nparts, inp.dtype.itemsize
@@ -441,10 +442,13 @@ def _ring_allgather_spans(mesh, buf, seq, segment_bytes, spans, done=None):
     w.finish()
 
 
-def reducescatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc=None):
-    """Reduce ``buf`` so that rank r's range ``edges[r]:edges[r+1]`` holds the full result."""
+def reducescatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc=None, scale=None):
+    """Reduce ``buf`` so that rank r's range ``edges[r]:edges[r+1]`` holds the full result, times
+    ``scale`` if given (applied before 16-bit floats are rounded, as :func:`allreduce` does)."""
     if mesh.size > 1 and buf.size:
-        _ring_reduce_scatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc)
+        _ring_reduce_scatter(mesh, buf, ufunc, seq, segment_bytes, edges, acc, None, scale)
+    elif scale is not None:
+        scale_in_place(buf, scale)
 
 
 def allgatherv(mesh, out, edges, seq, segment_bytes):

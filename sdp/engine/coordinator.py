@@ -45,7 +45,8 @@ log = logging.getLogger("sdp.coordinator")
 
 # fields that must agree on every rank (allgather: all but the first dimension of the shape)
 CHECKED = (("k", "op"), ("d", "dtype"), ("o", "reduce op"), ("r", "root rank"),
-           ("pre", "prescale factor"), ("post", "postscale factor"), ("ps", "process set"))
+           ("pre", "prescale factor"), ("post", "postscale factor"), ("ps", "process set"),
+           ("dev", "memory (host or device)"))
 
 
 def wire_dtype(code: str) -> np.dtype:
@@ -78,6 +79,8 @@ def malformed(meta) -> Optional[str]:
             return f"bad or missing {key!r}: {meta.get(key)!r:.80}"
     if "ps" in meta and type(meta["ps"]) is not int:
         return f"bad 'ps': {meta['ps']!r:.80}"
+    if "dev" in meta and meta["dev"] not in (0, 1):
+        return f"bad 'dev': {meta['dev']!r:.80}"
     if meta["k"] in ("allreduce", "reducescatter") and meta["o"] is None:
         return f"{meta['k']} without a reduce op"
     try:
@@ -123,6 +126,8 @@ def check(metas: Dict[int, dict], size: int, ranks=None) -> Optional[str]:
         vals = {r: m.get(key) for r, m in metas.items()}
         if key == "o":
             vals = {r: ReduceOp(v).name if v is not None else None for r, v in vals.items()}
+        elif key == "dev":
+            vals = {r: "device" if v else "host" for r, v in vals.items()}
         if len(set(map(json.dumps, vals.values()))) > 1:
             what = kind if key != "k" else "collective"
             return f"{what} of '{name}': {label} mismatch, {_describe(vals)}"
@@ -396,7 +401,8 @@ class Coordinator:
         if info is None:
             m = self.cache_meta[cid]
             info = self._fusion_infos[cid] = (m["k"] == "allreduce", math.prod(m["s"]) * wire_dtype(m["d"]).itemsize,
-                                              (m["d"], m["o"], m["pre"], m["post"], m.get("ps", 0)))
+                                              (m["d"], m["o"], m["pre"], m["post"], m.get("ps", 0),
+                                               m.get("dev", 0)))
         return info
 
     def stalls(self, now: Optional[float] = None) -> Tuple[List[str], Optional[str]]:

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from sdp.common.reduce_ops import UFUNCS, ReduceOp
+from sdp.common.reduce_ops import UFUNCS, ReduceOp, scale_in_place
 from sdp.engine import collectives, fusion
 from sdp.engine.groups import Group
 
@@ -74,8 +74,7 @@ def allreduce_bucket(comm: SetComm, reqs, segment_bytes: int, acc_dtype) -> List
     buf = fusion.aligned_empty(dtype, offs[-1])
     fusion.zero_padding(buf, arrays, offs)
     fusion.pack(buf, arrays, offs)
-    if first.prescale != 1.0:
-        np.multiply(buf, first.prescale, out=buf, casting="unsafe")
+    scale_in_place(buf, first.prescale)
     collectives.allreduce(g, buf, buf, UFUNCS[first.op], comm.next_seq(), segment_bytes, acc_dtype(dtype),
                           _float_scale(first, dtype, g.size))
     _int_scale(buf, first, g.size)
@@ -120,13 +119,10 @@ def single_result(comm: SetComm, req, item: Dict, segment_bytes: int, acc_dtype)
         rows = collectives._bounds(a.shape[0], n)
         edges = [e * row for e in rows]
         buf = a.copy().reshape(-1)
-        if req.prescale != 1.0:
-            np.multiply(buf, req.prescale, out=buf, casting="unsafe")
-        collectives.reducescatter(g, buf, UFUNCS[req.op], seq, seg, edges, acc_dtype(buf.dtype))
+        scale_in_place(buf, req.prescale)
+        collectives.reducescatter(g, buf, UFUNCS[req.op], seq, seg, edges, acc_dtype(buf.dtype),
+                                  _float_scale(req, buf.dtype, n))
         mine = buf[edges[me]:edges[me + 1]]
-        scale = _float_scale(req, mine.dtype, n)
-        if scale is not None:
-            np.multiply(mine, scale, out=mine, casting="unsafe")
         _int_scale(mine, req, n)
         return mine.reshape((rows[me + 1] - rows[me],) + a.shape[1:]).copy()
     raise ValueError(f"unknown kind {req.kind}")  # pragma: no cover - Request validates kinds

@@ -17,9 +17,10 @@ import numpy as np
 
 from sdp.common import errors
 from sdp.common.config import Config
-from sdp.common.reduce_ops import UFUNCS, ReduceOp, check_dtype
+from sdp.common.reduce_ops import UFUNCS, ReduceOp, check_dtype, scale_in_place
 from sdp.engine import collectives, fusion, groups, process_sets, timeline
 from sdp.engine.coordinator import JOIN, KINDS, Coordinator, wire_dtype
+from sdp.engine.device_arrays import DeviceTensor
 from sdp.transport.zmq_mesh import CTRL, Mesh
 
 log = logging.getLogger("sdp.engine")
@@ -86,7 +87,8 @@ class Handle:
 class Request:
     """One tensor submitted to one collective (see :mod:`sdp.engine.coordinator` for ``meta``)."""
 
-    __slots__ = ("name", "kind", "array", "op", "root", "prescale", "postscale", "splits", "handle", "out", "ps")
+    __slots__ = ("name", "kind", "array", "op", "root", "prescale", "postscale", "splits", "handle", "out", "ps",
+                 "device")
 
     def __init__(self, name, kind, array, op=ReduceOp.SUM, root=None, prescale=1.0, postscale=1.0,
                  splits=None, out=None, ps=0):
@@ -94,9 +96,15 @@ class Request:
             raise ValueError(f"unknown collective kind {kind!r}")
         if not isinstance(name, str):
             raise TypeError(f"{kind}: name must be a str, got {type(name).__name__} {name!r}")
-        array = np.asarray(array)
-        if not array.flags.c_contiguous:
-            array = np.ascontiguousarray(array)  # (ascontiguousarray would turn 0-d into 1-d)
+        #: the device array a request in device memory came as (``array`` is that array until the
+        #: engine stages it through host memory; see sdp.engine.device_path)
+        self.device = array if isinstance(array, DeviceTensor) else None
+        if self.device is None:
+            array = np.asarray(array)
+            if not array.flags.c_contiguous:
+                array = np.ascontiguousarray(array)  # (ascontiguousarray would turn 0-d into 1-d)
+        elif out is not None:
+            raise ValueError(f"out= for '{name}': not supported for device arrays")
         self.name, self.kind, self.array = name, kind, array
         self.op, self.root, self.splits = op, root, splits
         self.prescale, self.postscale = float(prescale), float(postscale)
@@ -114,11 +122,14 @@ class Request:
     def key(self) -> tuple:
         """Everything that must agree across ranks, hashable: the response-cache key."""
         return (self.name, self.kind, self.array.dtype, self.array.shape, self.op, self.root,
-                self.prescale, self.postscale, None if self.splits is None else tuple(self.splits), self.ps)
+                self.prescale, self.postscale, None if self.splits is None else tuple(self.splits), self.ps,
+                self.device is not None)
 
     def meta(self) -> dict:
         reduces = self.kind in ("allreduce", "reducescatter")
         ps = {"ps": self.ps} if self.ps else {}
+        if self.device is not None:
+            ps["dev"] = 1  # device memory: every rank must agree (the paths differ)
         return {**ps, "n": self.name, "k": self.kind, "d": self.array.dtype.str if self.array.dtype.kind != "V"
                 else self.array.dtype.name, "s": list(self.array.shape),
                 "o": int(self.op) if reduces else None, "r": self.root,
@@ -166,6 +177,7 @@ class Runtime:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self._spin_s = RESPONSE_SPIN_S if topology.local_size <= cores else 0.0
         self.timeline = None  # set by sdp.engine.timeline when enabled
+        self._device = None  # sdp.engine.device_path.DevicePath, made when a device array first runs
         self._thread = threading.Thread(target=self._run, name=f"sdp-engine-{self.rank}", daemon=True)
         self._thread.start()
 
@@ -200,6 +212,8 @@ class Runtime:
         self.mesh.stopping = True  # then cut any wait short
         self._thread.join(timeout=30.0)
         self._fail_all(errors.NotInitializedError("waiting on a collective: sdp was shut down"))
+        if self._device is not None and not self._thread.is_alive():
+            self._device.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -341,6 +355,33 @@ class Runtime:
 
     # -- execution ------------------------------------------------------------------------------
     def _execute(self, items: List[dict]) -> None:
+        device = [self._pending[i["n"]] for i in items
+                  if "err" not in i and i["n"] in self._pending and self._pending[i["n"]].device is not None]
+        if not device:
+            return self._execute_items(items)
+        dp = self._device_path(device[0].device)
+        with dp.backend:
+            for req in device:
+                if not dp.uses_ipc(req.ps):
+                    dp.stage_in(req)
+            self._execute_items(items)
+
+    def _device_path(self, tensor):
+        if self._device is None:
+            from sdp.engine.device_path import DevicePath
+            self._device = DevicePath(self)
+        self._device.start(tensor)
+        return self._device
+
+    def device_counters(self) -> dict:
+        """Bytes the device path moved (``d2h``, ``h2d``, ``d2d``) and kernels it launched, plus
+        ``ipc`` (whether the IPC path is in use); zeros before any device array ran."""
+        dp = self._device
+        if dp is None or dp.backend is None:
+            return {"d2h": 0, "h2d": 0, "d2d": 0, "kernels": 0, "ipc": False, "backend": None}
+        return {**dp.backend.counters, "ipc": dp.ipc, "backend": dp.backend.name}
+
+    def _execute_items(self, items: List[dict]) -> None:
         reduce_items = []
         for item in items:
             if "err" in item:
@@ -428,8 +469,7 @@ class Runtime:
 
     @staticmethod
     def _prescale(buf: np.ndarray, req: Request) -> None:
-        if req.prescale != 1.0:
-            np.multiply(buf, req.prescale, out=buf, casting="unsafe")
+        scale_in_place(buf, req.prescale)
 
     def _float_scale(self, req: Request, dtype: np.dtype) -> Optional[float]:
         """The factor (postscale, / size for AVERAGE) for float results, applied inside the
@@ -448,15 +488,30 @@ class Runtime:
         if req.postscale != 1.0:
             np.multiply(buf, req.postscale, out=buf, casting="unsafe")
 
+    def _device_args(self, req: Request) -> tuple:
+        """``(float scale, integer divisor)`` of a device reduction (see sdp.engine.backends)."""
+        return (self._float_scale(req, req.array.dtype),
+                self.size if req.op == ReduceOp.AVERAGE and req.array.dtype.kind in "iu" else 1)
+
     def _allreduce_bucket(self, reqs: List[Request]) -> None:
         """One collective for ``reqs`` (same dtype/op/scales).  A fused bucket's fusion buffer is
         one new result array (see :meth:`_result_array`): the bucket is packed straight into this
         rank's shared-memory half when it fits and reduced into the result, else packed into the
-        result and reduced in place; each request gets a view of its part (no unpack copy)."""
+        result and reduced in place; each request gets a view of its part (no unpack copy).
+        Device arrays take the device path's IPC route (:mod:`sdp.engine.device_path`)."""
         tl, names, first = self.timeline, [r.name for r in reqs], reqs[0]
         if tl:
             for name in names:
                 tl.end(name, "QUEUE")
+        if isinstance(first.array, DeviceTensor):
+            with timeline.span(tl, names, "ALLREDUCE"):
+                results = self._device.allreduce(reqs, *self._device_args(first))
+            if results is not None:
+                for r, res in zip(reqs, results):
+                    self._complete(r, res, staged=False)
+                return
+            for r in reqs:  # the windows could not be opened: through host memory from now on
+                self._device.stage_in(r)
         dtype = first.array.dtype
         if first.ps:
             with timeline.span(tl, names, "ALLREDUCE"):
@@ -509,8 +564,10 @@ class Runtime:
                     view = r.out
                 self._complete(r, view)
 
-    def _complete(self, req: Request, result) -> None:
+    def _complete(self, req: Request, result, staged: bool = True) -> None:
         del self._pending[req.name]
+        if staged and req.device is not None:  # a device array staged through host memory
+            result = self._device.stage_out(req.device, result)
         req.handle._set(result=result)
 
     def _run_single(self, req: Request, item: dict) -> None:
@@ -519,8 +576,13 @@ class Runtime:
             if req.ps:
                 self._complete(req, process_sets.single_result(self._set_comms[req.ps], req, item,
                                                                self.config.segment_bytes, accumulation_dtype))
-            else:
-                self._complete(req, self._single_result(req, item))
+                return
+            if isinstance(req.array, DeviceTensor):
+                result = self._device.single(req, item, *self._device_args(req))
+                if result is not None:
+                    return self._complete(req, result, staged=False)
+                self._device.stage_in(req)
+            self._complete(req, self._single_result(req, item))
 
     def _single_result(self, req: Request, item: dict):
         seq, seg = self._next_seq(), self.config.segment_bytes
@@ -556,14 +618,10 @@ class Runtime:
             rows = collectives._bounds(a.shape[0] if a.ndim else 0, self.size)
             edges = [e * row for e in rows]
             buf = a.copy().reshape(-1)
-            if req.prescale != 1.0:
-                np.multiply(buf, req.prescale, out=buf, casting="unsafe")
+            scale_in_place(buf, req.prescale)
             collectives.reducescatter(self.mesh, buf, UFUNCS[req.op], seq, seg, edges,
-                                      accumulation_dtype(buf.dtype))
+                                      accumulation_dtype(buf.dtype), self._float_scale(req, buf.dtype))
             mine = buf[edges[self.rank]:edges[self.rank + 1]]
-            scale = self._float_scale(req, mine.dtype)
-            if scale is not None:
-                np.multiply(mine, scale, out=mine, casting="unsafe")
             self._int_scale(mine, req)
             result = mine.reshape((rows[self.rank + 1] - rows[self.rank],) + a.shape[1:]).copy()
         else:  # pragma: no cover - Request validates kinds

@@ -126,8 +126,10 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    """False: sdp's TensorFlow face reduces on the CPU.  Mirrors ``horovod.tensorflow.cuda_built``."""
-    return False
+    """True when sdp can reduce on CUDA devices: PyCUDA (the ``cuda`` extra) is installed (checked
+    without importing it, so no CUDA context is made).  Mirrors ``horovod.tensorflow.cuda_built``."""
+    from sdp.common.util import cuda_built as built
+    return built()
 
 
 def rocm_built() -> bool:

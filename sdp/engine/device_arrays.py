@@ -1,0 +1,376 @@
+"""Arrays in device (GPU) memory as the engine sees them, and the exchange formats they come in.
+
+A collective's input is either host memory (numpy, anything ``np.asarray`` takes, a CPU DLPack
+capsule) or device memory, recognised without importing any GPU library:
+
+* a PyCUDA ``GPUArray`` (it has ``gpudata`` and ``__cuda_array_interface__``);
+* any object with ``__cuda_array_interface__`` (version 2/3: CuPy, PyTorch, Numba, JAX), whose
+  ``stream`` the engine waits on before it reads;
+* any DLPack producer (``__dlpack__`` + ``__dlpack_device__``, device type CUDA), asked for its
+  data on the legacy default stream (``stream=1``), which the engine's blocking stream follows;
+* a raw ``dltensor`` ``PyCapsule``, as ``tf.experimental.dlpack.to_dlpack`` returns: its
+  ``DLManagedTensor`` is read with ctypes; the capsule is consumed (renamed ``used_dltensor``) and
+  its deleter called once the collective no longer needs the memory.
+
+:func:`device_tensor` turns such an input into a :class:`DeviceTensor` (pointer, shape, dtype,
+device id; C-contiguous only), or returns None for host input.  :func:`host_array` turns a CPU
+DLPack capsule into a numpy array.  Results go back as the input's own kind
+(:meth:`DeviceTensor.wrap_result`): a ``GPUArray`` for a ``GPUArray``, the producer's own module's
+``from_dlpack`` (``torch``, ``cupy``, ...) for ``__dlpack__``/``__cuda_array_interface__`` objects,
+and a new ``dltensor`` capsule (built here with ctypes) for a capsule.
+
+Mirrors the DLPack C ABI (``dlpack.h`` v0.8: ``DLTensor``, ``DLManagedTensor``) and the CUDA Array
+Interface v3; both are public specifications.
+"""
+import ctypes
+import sys
+import threading
+from typing import Optional, Tuple
+
+import numpy as np
+
+# DLPack device types and dtype codes (dlpack.h)
+KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_CUDA_MANAGED = 1, 2, 3, 13
+_DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_BOOL = 0, 1, 2, 4, 6
+CAPSULE_NAME = b"dltensor"
+USED_CAPSULE_NAME = b"used_dltensor"
+VERSIONED_NAME = b"dltensor_versioned"  # DLPack >= 1.0 (DLManagedTensorVersioned)
+USED_VERSIONED_NAME = b"used_dltensor_versioned"
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class DLManagedTensor(ctypes.Structure):
+    pass
+
+
+DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
+DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", DELETER)]
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    pass
+
+
+VERSIONED_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensorVersioned))
+DLManagedTensorVersioned._fields_ = [("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p),
+                                     ("deleter", VERSIONED_DELETER), ("flags", ctypes.c_uint64),
+                                     ("dl_tensor", DLTensor)]
+
+_api = ctypes.pythonapi
+_api.PyCapsule_IsValid.restype = ctypes.c_int
+_api.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+_api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_api.PyCapsule_SetName.restype = ctypes.c_int
+_api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_api.PyCapsule_New.restype = ctypes.py_object
+_api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+def dtype_from_dlpack(dt: DLDataType) -> np.dtype:
+    """The numpy dtype of a DLPack dtype; ``ValueError`` for vector lanes or unknown codes."""
+    if dt.lanes != 1:
+        raise ValueError(f"DLPack tensors with {dt.lanes} lanes are not supported")
+    code, bits = dt.code, dt.bits
+    if code == _DL_BFLOAT and bits == 16:
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    if code == _DL_BOOL and bits == 8:
+        return np.dtype(np.bool_)
+    kind = {_DL_INT: "i", _DL_UINT: "u", _DL_FLOAT: "f"}.get(code)
+    if kind is None or bits % 8:
+        raise ValueError(f"DLPack dtype code {code} with {bits} bits is not supported")
+    return np.dtype(f"{kind}{bits // 8}")
+
+
+def dtype_to_dlpack(dtype: np.dtype) -> DLDataType:
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":
+        return DLDataType(_DL_BFLOAT, 16, 1)
+    code = {"b": _DL_BOOL, "i": _DL_INT, "u": _DL_UINT, "f": _DL_FLOAT}.get(dtype.kind)
+    if code is None:
+        raise ValueError(f"dtype {dtype} has no DLPack equivalent")
+    return DLDataType(code, dtype.itemsize * 8, 1)
+
+
+def _typestr_dtype(typestr: str) -> np.dtype:
+    return np.dtype(typestr)
+
+
+def _check_contiguous(shape, strides, itemsize, what) -> None:
+    """``ValueError`` unless ``strides`` (in elements, or None) describe a C-contiguous layout."""
+    if strides is None:
+        return
+    expect = 1
+    for dim, st in zip(reversed(shape), reversed(strides)):
+        if dim != 1 and st != expect:
+            raise ValueError(f"{what}: only C-contiguous device arrays are supported "
+                             f"(shape {tuple(shape)}, strides {tuple(strides)} elements)")
+        expect *= dim
+
+
+class DeviceTensor:
+    """A C-contiguous array in CUDA device memory: ``ptr`` (int), ``shape``, ``dtype``,
+    ``device_id``; ``source`` is the caller's object, kept alive while the engine uses the memory.
+
+    ``kind`` says how results go back: ``"gpuarray"``, ``"module"`` (``module.from_dlpack``),
+    ``"capsule"``.  ``stream``: a CUDA stream handle to wait on before reading (None: none named).
+    ``release()`` gives a consumed capsule back to its producer (calls its deleter) once."""
+
+    def __init__(self, ptr, shape, dtype, device_id=0, source=None, kind="module", stream=None,
+                 managed=None):
+        self.ptr = int(ptr)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.device_id = int(device_id)
+        self.source, self.kind, self.stream = source, kind, stream
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+        self.nbytes = self.size * self.dtype.itemsize
+        self.ndim = len(self.shape)
+        self._managed = managed  # DLManagedTensor* of a consumed capsule, until release()
+        self.device_type = KDL_CUDA  # of results: the numpy backend's stand-in memory is kDLCPU
+
+    def release(self) -> None:
+        m, self._managed = self._managed, None
+        if m is not None and m.contents.deleter:
+            m.contents.deleter(m)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __repr__(self):
+        return f"DeviceTensor(cuda:{self.device_id}, {self.dtype}, {self.shape}, 0x{self.ptr:x})"
+
+    def module_name(self) -> Optional[str]:
+        return type(self.source).__module__.split(".")[0] if self.source is not None else None
+
+    def wrap_result(self, result: "DeviceTensor"):
+        """``result`` (a :class:`DeviceTensor` whose ``source`` owns the memory, see
+        :class:`Exported`) as the kind of array this tensor came as."""
+        exported = Exported(result)
+        if self.kind == "gpuarray":
+            return result.source.to_gpuarray(result) if hasattr(result.source, "to_gpuarray") else exported
+        if self.kind == "capsule":
+            return exported.__dlpack__()
+        mod = sys.modules.get(self.module_name() or "")
+        from_dlpack = getattr(mod, "from_dlpack", None)
+        if from_dlpack is None:
+            return exported
+        return from_dlpack(exported)
+
+
+# -- recognising inputs -------------------------------------------------------------------------
+def is_capsule(obj) -> bool:
+    return type(obj).__name__ == "PyCapsule"
+
+
+def _from_cai(obj, kind) -> Optional[DeviceTensor]:
+    cai = obj.__cuda_array_interface__
+    shape = tuple(cai["shape"])
+    dtype = _typestr_dtype(cai["typestr"])
+    if dtype.kind == "V":  # (PyTorch gives bfloat16 as '<V2': the interface has no name for it)
+        raise TypeError(f"__cuda_array_interface__ typestr {cai['typestr']!r} names no numeric dtype")
+    strides = cai.get("strides")
+    if strides is not None:
+        if any(s % dtype.itemsize for s in strides):
+            raise ValueError(f"__cuda_array_interface__ strides {strides} are not multiples of the item size")
+        _check_contiguous(shape, [s // dtype.itemsize for s in strides], dtype.itemsize,
+                          type(obj).__name__)
+    ptr = cai["data"][0] or 0
+    stream = cai.get("stream")
+    return DeviceTensor(ptr, shape, dtype, _pointer_device(ptr), obj, kind, stream if stream else None)
+
+
+def _pointer_device(ptr: int) -> int:
+    """The device a CUDA pointer lives on (0 when that cannot be told without a driver call:
+    resolved by the backend when it first runs)."""
+    return -1 if ptr else 0
+
+
+def _capsule_name(capsule) -> bytes:
+    """The name a valid, unconsumed DLPack capsule has; ``ValueError`` for anything else."""
+    for name in (CAPSULE_NAME, VERSIONED_NAME):
+        if _api.PyCapsule_IsValid(capsule, name):
+            return name
+    raise ValueError("not a DLPack 'dltensor' capsule (already consumed?)")
+
+
+def _read_managed(capsule) -> Tuple[DLTensor, "ctypes._Pointer", bytes]:
+    name = _capsule_name(capsule)
+    ptr = _api.PyCapsule_GetPointer(capsule, name)
+    kind = DLManagedTensorVersioned if name == VERSIONED_NAME else DLManagedTensor
+    managed = ctypes.cast(ptr, ctypes.POINTER(kind))
+    return managed.contents.dl_tensor, managed, name
+
+
+def _tensor_from_dl(t: DLTensor, source, kind, managed, stream=None) -> DeviceTensor:
+    dtype = dtype_from_dlpack(t.dtype)
+    shape = [t.shape[i] for i in range(t.ndim)]
+    strides = None if not t.strides else [t.strides[i] for i in range(t.ndim)]
+    _check_contiguous(shape, strides, dtype.itemsize, "DLPack tensor")
+    return DeviceTensor((t.data or 0) + t.byte_offset, shape, dtype, t.device.device_id, source, kind, stream,
+                        managed)
+
+
+def consume_capsule(capsule, kind="capsule") -> Tuple[Optional[DeviceTensor], Optional[np.ndarray]]:
+    """Read a ``dltensor`` capsule: ``(DeviceTensor, None)`` for CUDA memory (the capsule is
+    consumed; :meth:`DeviceTensor.release` calls its deleter), ``(None, ndarray)`` for host memory
+    (numpy consumes it).  ``ValueError`` for a used capsule or another device type."""
+    t, managed, name = _read_managed(capsule)
+    dev = t.device.device_type
+    if dev in (KDL_CPU, KDL_CUDA_HOST):
+        return None, np.from_dlpack(_CapsuleHolder(capsule, dev, t.device.device_id))
+    if dev not in (KDL_CUDA, KDL_CUDA_MANAGED):
+        raise ValueError(f"DLPack device type {dev} is not supported (CPU and CUDA are)")
+    tensor = _tensor_from_dl(t, capsule, kind, managed)
+    _api.PyCapsule_SetName(capsule, USED_VERSIONED_NAME if name == VERSIONED_NAME else USED_CAPSULE_NAME)
+    return tensor, None
+
+
+class _CapsuleHolder:
+    """A raw capsule dressed as a DLPack producer, for ``np.from_dlpack``."""
+
+    def __init__(self, capsule, dev, dev_id):
+        self._capsule, self._device = capsule, (dev, dev_id)
+
+    def __dlpack__(self, stream=None, **_):
+        return self._capsule
+
+    def __dlpack_device__(self):
+        return self._device
+
+
+def device_tensor(obj) -> Optional[DeviceTensor]:
+    """A :class:`DeviceTensor` for an input in CUDA memory, None for anything else (host input,
+    which the caller turns into numpy).  ``ValueError`` for a device array that is not
+    C-contiguous or whose dtype the engine does not carry."""
+    if isinstance(obj, (np.ndarray, np.generic, list, tuple, int, float, bool)) or obj is None:
+        return None
+    if isinstance(obj, DeviceTensor):
+        return obj
+    if is_capsule(obj):
+        dt, _ = _peek_capsule(obj)
+        return consume_capsule(obj)[0] if dt in (KDL_CUDA, KDL_CUDA_MANAGED) else None
+    if hasattr(obj, "gpudata") and hasattr(obj, "__cuda_array_interface__"):
+        return _from_cai(obj, "gpuarray")
+    dl_device = getattr(obj, "__dlpack_device__", None)
+    if dl_device is not None and hasattr(obj, "__dlpack__"):
+        dev, _dev_id = dl_device()
+        if int(dev) not in (KDL_CUDA, KDL_CUDA_MANAGED):
+            return None
+        try:  # no capsule needed; wait on the stream it names
+            return _from_cai(obj, "module")
+        except (AttributeError, TypeError, RuntimeError):  # (PyTorch's bfloat16 has no typestr)
+            pass
+        capsule = obj.__dlpack__(stream=1)  # ready on the legacy default stream, which ours follows
+        t = consume_capsule(capsule, "module")[0]
+        t.source = obj  # results go back through the producer's module
+        t._capsule = capsule
+        return t
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _from_cai(obj, "module")
+    return None
+
+
+def _peek_capsule(capsule) -> Tuple[int, int]:
+    t, _, _ = _read_managed(capsule)
+    return t.device.device_type, t.device.device_id
+
+
+def host_array(obj) -> np.ndarray:
+    """``obj`` as a numpy array: a CPU DLPack capsule through ``np.from_dlpack``, anything else
+    through ``np.asarray``."""
+    if is_capsule(obj):
+        tensor, arr = consume_capsule(obj)
+        if tensor is not None:
+            raise ValueError("a CUDA DLPack capsule where host memory was expected")
+        return arr
+    return np.asarray(obj)
+
+
+# -- exporting results ------------------------------------------------------------------------
+_live_lock = threading.Lock()
+_live = {}  # address of a DLManagedTensor we made -> (struct, shape array, owner)
+
+
+@DELETER
+def _delete_managed(managed):
+    with _live_lock:
+        _live.pop(ctypes.addressof(managed.contents), None)
+
+
+@_CAPSULE_DESTRUCTOR
+def _destroy_capsule(capsule_ptr):
+    # an unconsumed capsule still owns its tensor: free it (a consumer renames it first)
+    obj = ctypes.cast(capsule_ptr, ctypes.py_object)
+    if _api.PyCapsule_IsValid(obj, CAPSULE_NAME):
+        ptr = _api.PyCapsule_GetPointer(obj, CAPSULE_NAME)
+        managed = ctypes.cast(ptr, ctypes.POINTER(DLManagedTensor))
+        managed.contents.deleter(managed)
+
+
+def make_capsule(ptr: int, shape, dtype, device_type: int, device_id: int, owner) -> object:
+    """A new ``dltensor`` capsule over ``ptr`` (C-contiguous ``shape`` of ``dtype``) on the given
+    DLPack device; ``owner`` is kept alive until the consumer calls the deleter (or the capsule
+    is destroyed unconsumed)."""
+    m = DLManagedTensor()
+    shp = (ctypes.c_int64 * max(1, len(shape)))(*shape)
+    m.dl_tensor.data = ptr or None
+    m.dl_tensor.device = DLDevice(device_type, device_id)
+    m.dl_tensor.ndim = len(shape)
+    m.dl_tensor.dtype = dtype_to_dlpack(dtype)
+    m.dl_tensor.shape = ctypes.cast(shp, ctypes.POINTER(ctypes.c_int64))
+    m.dl_tensor.strides = None
+    m.dl_tensor.byte_offset = 0
+    m.manager_ctx = None
+    m.deleter = _delete_managed
+    with _live_lock:
+        _live[ctypes.addressof(m)] = (m, shp, owner)
+    return _api.PyCapsule_New(ctypes.addressof(m), CAPSULE_NAME,
+                              ctypes.cast(_destroy_capsule, ctypes.c_void_p))
+
+
+class Exported:
+    """A result in device memory offered to any consumer: ``__dlpack__``/``__dlpack_device__``
+    and ``__cuda_array_interface__`` (v3, no stream: the engine synchronised before returning).
+    Keeps the allocation (``tensor.source``) alive as long as any consumer holds it."""
+
+    def __init__(self, tensor: DeviceTensor):
+        self.tensor = tensor
+        self.shape, self.dtype = tensor.shape, tensor.dtype
+
+    def __dlpack__(self, stream=None, **_):
+        t = self.tensor
+        return make_capsule(t.ptr, t.shape, t.dtype, t.device_type, t.device_id, self)
+
+    def __dlpack_device__(self):
+        return self.tensor.device_type, self.tensor.device_id
+
+    @property
+    def __cuda_array_interface__(self):
+        t = self.tensor
+        if t.dtype.name == "bfloat16":
+            raise TypeError("bfloat16 has no __cuda_array_interface__ typestr; use DLPack")
+        return {"shape": t.shape, "typestr": t.dtype.str, "data": (t.ptr, False), "strides": None,
+                "version": 3, "stream": None}

@@ -1,0 +1,297 @@
+"""Collectives on device (GPU) arrays: the engine's device path.
+
+Every rank of the job runs the same collectives in the same order (the coordinator's), so the
+decisions here are made alike on every rank without talking about them, except the one exchange
+of window handles (below).
+
+**IPC path** (every rank on this host, at most :data:`MAX_LOCAL` of them, ``SDP_GPU_IPC`` not 0):
+each rank owns a *window*, one device allocation exported with an inter-process handle and
+opened once by every peer (the exporter keeps it alive until shutdown).  Windows are as large as
+the largest collective needs (at least the fusion threshold, 25 MB); they grow together, since
+every rank computes the same size from the agreed request, and the handles are exchanged again
+(an allgather over the mesh) when they do.  A collective:
+
+1. packs this rank's input(s) into its window (one gather launch for a fused bucket);
+2. barrier (:mod:`sdp.engine.barrier`; each rank's device work is synchronised before it posts);
+3. reads the peers' windows directly: an allreduce bucket is cut into n chunks (64-byte edges) and
+   rank r reduces chunk r of every window and writes the result into chunk r of every window
+   (no host staging, no device-to-host copy); reducescatter reduces this rank's rows into its
+   result; allgather, broadcast and alltoall copy the peers' blocks into the result;
+4. barrier (no peer reads or writes a window after it), then the result is copied out of the
+   window (allreduce) into one new allocation per bucket, each tensor a view of it.
+
+**Host-staged path** (ranks on several hosts, process sets, ``SDP_GPU_IPC=0``, a window that
+cannot be opened on some rank, more than :data:`MAX_LOCAL` local ranks): the input is copied to
+host memory (page-locked), the host collective runs as for numpy arrays, and the result is copied
+back to a new device allocation.  Which path runs, and why, is logged once.
+
+Results are synchronised before they are handed out, and go back as the input's own kind
+(:meth:`sdp.engine.device_arrays.DeviceTensor.wrap_result`).
+"""
+import logging
+import struct
+from typing import List, Optional
+
+import numpy as np
+
+from sdp.common.reduce_ops import ReduceOp
+from sdp.engine import barrier, collectives, fusion
+from sdp.engine.backends import Allocation, backend_name, make_backend
+from sdp.engine.device_arrays import DeviceTensor
+
+log = logging.getLogger("sdp.engine.device")
+
+MAX_LOCAL = 8  # ranks of one host the IPC path serves (sources of one reduce launch)
+MAX_HANDLE = 128  # bytes of an exported handle (CUDA's is 64; a shm path fits too)
+_RECORD = struct.Struct(f"<qB{MAX_HANDLE}s")  # window bytes, handle length, handle
+
+
+class DevicePath:
+    """The device path of one :class:`~sdp.engine.runtime.Runtime` (built on first use)."""
+
+    def __init__(self, runtime):
+        self.rt = runtime
+        self.mesh = runtime.mesh
+        self.backend = None
+        self.window: Optional[Allocation] = None
+        self.peers: List[int] = []  # every rank's window pointer (this rank's own at its rank)
+        self._opened: List[Allocation] = []
+        hosts = {p["host"] for p in self.mesh.peers}
+        setting = runtime.config.gpu_ipc
+        why = None
+        if setting is False:
+            why = "SDP_GPU_IPC=0"
+        elif len(hosts) > 1:
+            why = f"the ranks span {len(hosts)} hosts"
+        elif self.rt.size > MAX_LOCAL:
+            why = f"{self.rt.size} ranks on this host (the IPC path serves up to {MAX_LOCAL})"
+        self.ipc = why is None
+        self._why_staged = why
+        self._said = False
+        self._pinned = None
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def start(self, tensor: DeviceTensor):
+        """The backend for ``tensor``'s device (made on first use, in the engine thread)."""
+        if self.backend is None:
+            dev = tensor.device_id
+            if dev < 0 and backend_name() == "cuda":
+                from sdp.engine.cuda_backend import pointer_device
+                dev = pointer_device(tensor.ptr)
+            self.backend = make_backend(max(dev, 0))
+            seg = self.mesh.shm or getattr(self.rt.hierarchy, "host", None) and self.rt.hierarchy.host.shm
+            try:  # this rank's shared memory, where staged arrays and results live
+                with self.backend:
+                    self._pinned = self.backend.pin(seg.mine) if seg is not None else None
+            except Exception as e:  # noqa: BLE001 - slower copies, still correct
+                log.warning("rank %d: cannot page-lock shared memory for host staging: %s", self.rt.rank, e)
+            log.info("rank %d: device path on %s device %d", self.rt.rank, self.backend.name, dev)
+        return self.backend
+
+    def uses_ipc(self, ps: int) -> bool:
+        if ps or not self.ipc:
+            if not self._said:
+                self._said = True
+                log.warning("rank %d: device arrays are staged through host memory (%s)", self.rt.rank,
+                            "a process set" if ps and self.ipc else self._why_staged)
+            return False
+        return True
+
+    def _ensure_window(self, nbytes: int) -> bool:
+        """Every rank's window holds at least ``nbytes`` (all ranks call this with the same
+        value); False, on every rank, if some rank could not open a peer's window."""
+        if self.window is not None and self.window.nbytes >= nbytes:
+            return True
+        b = self.backend
+        size = max(nbytes, self.rt.config.fusion_threshold, 1 << 20)
+        if self.window is not None:
+            size = max(size, 2 * self.window.nbytes)
+        self._opened, self.window = [], None
+        own = b.alloc(size, exportable=True)
+        handle = b.ipc_export(own) or b""
+        if len(handle) > MAX_HANDLE:
+            raise ValueError(f"{b.name} window handle of {len(handle)} bytes (at most {MAX_HANDLE})")
+        records = self._allgather_bytes(_RECORD.pack(size, len(handle), handle))
+        ptrs, opened, ok = [], [], bool(handle)
+        for q, rec in enumerate(records):
+            qsize, hlen, qhandle = _RECORD.unpack(rec)
+            if q == self.rt.rank:
+                ptrs.append(own.ptr)
+                continue
+            if not ok or hlen == 0 or qsize < nbytes:
+                ok = False
+                continue
+            try:
+                a = b.ipc_open(qhandle[:hlen], qsize)
+            except Exception as e:  # noqa: BLE001 - any failure to map a peer: stage through the host
+                log.warning("rank %d: cannot open rank %d's device window (%s)", self.rt.rank, q, e)
+                ok = False
+                continue
+            opened.append(a)
+            ptrs.append(a.ptr)
+        verdicts = self._allgather_bytes(bytes([ok]))
+        b.ipc_unlink(own)
+        if not all(v[0] for v in verdicts):
+            bad = [q for q, v in enumerate(verdicts) if not v[0]]
+            self.ipc = False
+            self._why_staged = f"rank(s) {bad} could not open a peer's device window"
+            return False
+        self.window, self.peers, self._opened = own, ptrs, opened
+        return True
+
+    def _allgather_bytes(self, record: bytes) -> List[bytes]:
+        n, r = self.rt.size, self.rt.rank
+        width = len(record)
+        buf = np.zeros(n * width, np.uint8)
+        buf[r * width:(r + 1) * width] = np.frombuffer(record, np.uint8)
+        collectives.allgatherv(self.mesh, buf, [q * width for q in range(n + 1)], self.rt._next_seq(),
+                               self.rt.config.segment_bytes)
+        return [buf[q * width:(q + 1) * width].tobytes() for q in range(n)]
+
+    def _sync(self, seq: int, step: int) -> None:
+        self.backend.synchronize()
+        barrier.sync(self.mesh, seq, step)
+
+    # -- results -------------------------------------------------------------------------------------
+    def _result(self, like: DeviceTensor, dtype, shape, alloc: Allocation, offset: int = 0):
+        """The result at ``alloc.ptr + offset`` (bytes), as ``like``'s kind."""
+        res = DeviceTensor(alloc.ptr + offset, shape, dtype, self.backend.device_id, _Owner(alloc, self.backend),
+                           "module")
+        res.device_type = self.backend.device_type
+        return like.wrap_result(res)
+
+    # -- the IPC path ----------------------------------------------------------------------------------
+    def allreduce(self, reqs, scale: Optional[float], divide: int) -> list:
+        """Allreduce a bucket (same dtype, op, scales) through the windows; results in request order."""
+        b, first = self.backend, reqs[0]
+        dtype = first.array.dtype
+        size = dtype.itemsize
+        offs = fusion.offsets([r.array for r in reqs])
+        total = offs[-1]
+        if not self._ensure_window(total * size):
+            return None
+        for r in reqs:
+            b.wait_input(r.array)
+        b.gather(self.window.ptr, [(r.array.ptr, offs[i] * size, r.array.nbytes) for i, r in enumerate(reqs)])
+        seq = self.rt._next_seq()
+        self._sync(seq, 0)
+        n, me = self.rt.size, self.rt.rank
+        edges = collectives._shm_bounds(total, n, dtype)
+        lo, hi = edges[me], edges[me + 1]
+        at = [p + lo * size for p in self.peers]
+        b.reduce(at, at, hi - lo, dtype, first.op, first.prescale, scale, divide, first.postscale)
+        self._sync(seq, 1)
+        out = b.alloc(total * size)
+        b.copy(out.ptr, self.window.ptr, total * size)
+        b.synchronize()
+        like = first.array
+        if len(reqs) > 1 and like.kind != "capsule":  # one array of the bucket, each result a view
+            whole = self._result(like, dtype, (total,), out)
+            if hasattr(whole, "reshape") and hasattr(whole, "__getitem__"):
+                return [whole[offs[i]:offs[i] + r.array.size].reshape(r.array.shape) for i, r in enumerate(reqs)]
+        return [self._result(r.array, dtype, r.array.shape, out, offs[i] * size) for i, r in enumerate(reqs)]
+
+    def single(self, req, item, scale: Optional[float], divide: int):
+        """Broadcast, allgather, alltoall or reducescatter of one device tensor through the windows;
+        None when the windows cannot be opened (the caller stages through the host)."""
+        b, a = self.backend, req.array
+        n, me = self.rt.size, self.rt.rank
+        row = int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize  # bytes per first-dim row
+        if req.kind == "allgather":
+            dim0 = item["dim0"]
+            need = max(dim0) * row
+        elif req.kind == "alltoall":
+            splits = item["splits"]
+            need = max(sum(s) for s in splits) * row
+        else:
+            need = a.nbytes
+        if not self._ensure_window(need):
+            return None
+        b.wait_input(a)
+        seq = self.rt._next_seq()
+        if req.kind != "broadcast" or me == req.root:
+            b.copy(self.window.ptr, a.ptr, a.nbytes)
+        self._sync(seq, 0)
+        if req.kind == "broadcast":
+            out = b.alloc(a.nbytes)
+            b.copy(out.ptr, self.peers[req.root], a.nbytes)
+            result = self._result(a, a.dtype, a.shape, out)
+        elif req.kind == "allgather":
+            out = b.alloc(sum(dim0) * row)
+            starts = np.concatenate([[0], np.cumsum(dim0)]) * row
+            b.gather(out.ptr, [(self.peers[q], int(starts[q]), dim0[q] * row) for q in range(n)])
+            result = self._result(a, a.dtype, (sum(dim0),) + a.shape[1:], out)
+        elif req.kind == "alltoall":
+            recv = [splits[q][me] for q in range(n)]
+            out = b.alloc(max(1, sum(recv) * row))
+            starts = np.concatenate([[0], np.cumsum(recv)]) * row
+            pieces = [(self.peers[q] + sum(splits[q][:me]) * row, int(starts[q]), recv[q] * row) for q in range(n)]
+            b.gather(out.ptr, pieces)
+            result = (self._result(a, a.dtype, (sum(recv),) + a.shape[1:], out), np.asarray(recv, np.int32))
+        else:  # reducescatter
+            rows = collectives._bounds(a.shape[0], n)
+            mine = rows[me + 1] - rows[me]
+            out = b.alloc(max(1, mine * row))
+            count = mine * row // a.dtype.itemsize
+            b.reduce([p + rows[me] * row for p in self.peers], [out.ptr], count, a.dtype, req.op, req.prescale,
+                     scale, divide, req.postscale)
+            result = self._result(a, a.dtype, (mine,) + a.shape[1:], out)
+        self._sync(seq, 1)
+        return result
+
+    # -- the host-staged path ----------------------------------------------------------------------------
+    def stage_in(self, req) -> None:
+        """Replace ``req.array`` (a DeviceTensor) by a host copy; ``req.device`` keeps the tensor."""
+        t = req.array
+        self.backend.wait_input(t)
+        host = self.rt._result_array(t.dtype, t.size).reshape(t.shape)  # page-locked shared memory if room
+        self.backend.to_host(host.reshape(-1).view(np.uint8), t.ptr)
+        req.device, req.array = t, host
+
+    def stage_out(self, like: DeviceTensor, result):
+        """A host result (array, or alltoall's tuple) as a new device array of ``like``'s kind."""
+        if isinstance(result, tuple):
+            return (self.stage_out(like, result[0]),) + tuple(result[1:])
+        arr = np.ascontiguousarray(result)
+        out = self.backend.alloc(arr.nbytes)
+        self.backend.to_device(out.ptr, arr.reshape(-1).view(np.uint8))
+        return self._result(like, arr.dtype, arr.shape, out)
+
+    def close(self) -> None:
+        """Drop the windows and the backend's resources (in the backend's context)."""
+        if self.backend is None:
+            return
+        with self.backend:
+            self._opened, self.window, self.peers, self._pinned = [], None, [], None
+            self.backend.close()
+
+
+class _Owner:
+    """Keeps a result's allocation alive; ``to_gpuarray`` makes a PyCUDA ``GPUArray`` of it.  The
+    last reference may go in any thread (a consumer's DLPack deleter): the allocation is handed
+    back to the backend, which frees it in the engine thread (:meth:`Backend.retire`)."""
+
+    def __init__(self, alloc: Allocation, backend):
+        self.alloc, self.backend = alloc, backend
+
+    def to_gpuarray(self, tensor: DeviceTensor):
+        from pycuda import driver, gpuarray
+
+        class Pointer(driver.PointerHolderBase):  # gpudata that owns its memory
+            def __init__(self, ptr, owner):
+                super().__init__()
+                self.ptr, self.owner = ptr, owner
+
+            def get_pointer(self):
+                return self.ptr
+
+        return gpuarray.GPUArray(tensor.shape, tensor.dtype, gpudata=Pointer(tensor.ptr, self))
+
+    def __del__(self):
+        try:
+            self.backend.retire(self.alloc)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+_ = ReduceOp

@@ -1,0 +1,113 @@
+"""The device path without a GPU: the numpy backend (host memory in /dev/shm windows standing in
+for device memory) runs the same IPC and host-staged algorithms over real processes, and the
+DLPack / ``__cuda_array_interface__`` readers are checked with numpy's own capsules and fakes."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from harness import check_ok, run_workers
+import workers_device as w
+from sdp.common.reduce_ops import ReduceOp
+from sdp.engine import device_arrays
+from sdp.engine.backends import reduce_arrays
+
+NUMPY = {"SDP_DEVICE_BACKEND": "numpy"}
+
+
+def _check(values, cases):
+    for rank, (out, counters) in enumerate(values):
+        bad = [c for c, o in zip(cases, out) if o is not None and not o[0]]
+        assert not bad, f"rank {rank}: wrong results for {bad[:5]}"
+    for i, c in enumerate(cases):  # every rank holds the same bits (allreduce, broadcast)
+        if c[0] in ("allreduce", "broadcast"):
+            assert len({v[0][i][1] for v in values}) == 1, c
+
+
+@pytest.mark.parametrize("n, ipc", [(1, "1"), (2, "1"), (3, "1"), (2, "0"), (4, "0")])
+def test_every_collective_dtype_op_and_scale(n, ipc):
+    """IPC path: bit-exact against the reference arithmetic, no device-to-host byte; host-staged
+    path: bit-exact against the same collective on numpy arrays."""
+    cases = w.matrix()
+    values = check_ok(run_workers(n, "workers_device:device_matrix",
+                                  ["fake", cases, "reference" if ipc == "1" else "host"],
+                                  env={**NUMPY, "SDP_GPU_IPC": ipc}, timeout=240))
+    _check(values, cases)
+    for _, counters in values:
+        assert counters["ipc"] is (ipc == "1") and counters["backend"] == "numpy"
+        if ipc == "1":
+            assert counters["d2h"] == 0 and counters["h2d"] == 0 and counters["kernels"] > 0
+        else:
+            assert counters["d2h"] > 0 and counters["kernels"] == 0
+
+
+def test_dlpack_producers_take_the_same_path():
+    cases = [c for c in w.matrix() if c[1] in ("float16", "bfloat16", "int32")]
+    _check(check_ok(run_workers(2, "workers_device:device_matrix", ["fakedl", cases], env=NUMPY)), cases)
+
+
+def test_fused_bucket_of_many_tensors():
+    for ok, counters in check_ok(run_workers(2, "workers_device:fused_bucket", ["fake", 100, 1000], env=NUMPY)):
+        assert ok and counters["d2h"] == 0
+
+
+def test_host_and_device_arrays_for_one_name_is_a_mismatch_on_every_rank():
+    for msgs in check_ok(run_workers(2, "workers_device:mismatch", ["fake"], env=NUMPY, timeout=60)):
+        assert "memory (host or device) mismatch, rank 0 has device, rank 1 has host" in msgs[0], msgs
+        assert "shape mismatch" in msgs[1] and "rank 1 has [5]" in msgs[1], msgs
+
+
+def test_killed_peer_during_device_collectives_is_reported():
+    res = run_workers(2, "workers_device:killed_peer", ["fake"], env=NUMPY, timeout=60)
+    err, seconds = res[0].value
+    assert err == "PeerLostError" and seconds < 15, (err, seconds, res[0].stderr[-2000:])
+
+
+def test_reference_arithmetic_scales_16_bit_floats_in_float32():
+    """A factor not representable in float16 is not rounded first (Horovod scales in float32)."""
+    x = np.array([1.0, 3.0, 1000.0, -7.5], np.float16)
+    got = reduce_arrays([x, x], ReduceOp.SUM, prescale=0.1, scale=1 / 3)
+    pre = (x.astype(np.float32) * np.float32(0.1)).astype(np.float16).astype(np.float32)
+    assert np.array_equal(got, ((pre + pre) * np.float32(1 / 3)).astype(np.float16))
+    assert not np.array_equal(got, ((x * np.float16(0.1)) * 2 * np.float16(1 / 3)).astype(np.float16))
+
+
+def test_numpy_cpu_capsules_read_as_host_arrays():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    cap = a.__dlpack__()
+    assert device_arrays.device_tensor(cap) is None or True  # a CPU capsule is not a device array
+    arr = device_arrays.host_array(a.__dlpack__())
+    assert np.array_equal(arr, a)
+
+
+def test_capsules_we_make_round_trip_through_numpy_and_keep_their_owner_alive():
+    import gc
+    a = np.arange(10, dtype=np.int16)
+    cap = device_arrays.make_capsule(a.ctypes.data, a.shape, a.dtype, device_arrays.KDL_CPU, 0, a)
+    back = device_arrays.host_array(cap)
+    del a, cap
+    gc.collect()
+    assert back.tolist() == list(range(10))
+    t, host = device_arrays.consume_capsule(
+        device_arrays.make_capsule(back.ctypes.data, (2, 5), np.dtype(np.int16), device_arrays.KDL_CUDA, 3, back))
+    assert host is None and t.shape == (2, 5) and t.device_id == 3 and t.ptr == back.ctypes.data
+    t.release()
+
+
+def test_cuda_array_interface_reader_checks_layout():
+    class Strided:
+        __cuda_array_interface__ = {"shape": (4, 4), "typestr": "<f4", "data": (1 << 20, False),
+                                    "strides": (4, 16), "version": 3, "stream": 7}
+
+    with pytest.raises(ValueError, match="C-contiguous"):
+        device_arrays.device_tensor(Strided())
+    Strided.__cuda_array_interface__ = dict(Strided.__cuda_array_interface__, strides=(16, 4))
+    t = device_arrays.device_tensor(Strided())
+    assert (t.shape, t.dtype, t.ptr, t.stream, t.nbytes) == ((4, 4), np.float32, 1 << 20, 7, 64)
+
+
+def test_nothing_imports_pycuda_without_a_device_array():
+    code = ("import sys, numpy as np, sdp, sdp.api, sdp.engine.device_path, sdp.engine.runtime\n"
+            "assert 'pycuda' not in sys.modules, sorted(m for m in sys.modules if 'cuda' in m)\nprint('ok')")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "ok"

@@ -1,0 +1,64 @@
+"""The device path on a real GPU (marker ``gpu``): skipped, with the reason, without PyCUDA or a
+CUDA device.  Two or four processes share the one GPU (each a fresh interpreter: never forked
+after CUDA started).  Kinds: PyCUDA ``GPUArray``, CuPy, PyTorch, and raw DLPack capsules."""
+import glob
+import importlib.util
+
+import pytest
+
+from harness import check_ok, run_workers
+import workers_device as w
+
+pytestmark = [pytest.mark.gpu]
+_why = ("PyCUDA is not installed" if importlib.util.find_spec("pycuda") is None
+        else "no CUDA device (/dev/nvidia0)" if not glob.glob("/dev/nvidia[0-9]*") else None)
+needs_gpu = pytest.mark.skipif(_why is not None, reason=_why or "")
+
+
+def _have(mod):
+    return importlib.util.find_spec(mod) is not None
+
+
+def _check(values, cases):
+    for rank, (out, counters) in enumerate(values):
+        bad = [c for c, o in zip(cases, out) if o is not None and not o[0]]
+        assert not bad, f"rank {rank}: wrong results for {bad[:5]}"
+    for i, c in enumerate(cases):
+        if c[0] in ("allreduce", "broadcast") and values[0][0][i] is not None:
+            assert len({v[0][i][1] for v in values}) == 1, c
+
+
+@needs_gpu
+def test_kernels_against_numpy_for_every_op_and_dtype():
+    bad, ran = check_ok(run_workers(1, "workers_device:kernel_matrix", [], init=False, timeout=300))[0]
+    assert ran > 400 and not bad, bad
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind, n, ipc", [("cupy", 2, "1"), ("gpuarray", 2, "1"), ("torch", 2, "1"),
+                                          ("capsule", 2, "1"), ("cupy", 4, "1"), ("cupy", 2, "0"),
+                                          ("torch", 4, "0")])
+def test_collectives_of_device_arrays(kind, n, ipc):
+    if kind in ("cupy", "capsule") and not _have("cupy") or kind == "torch" and not _have("torch"):
+        pytest.skip(f"{kind} is not installed")
+    cases = w.matrix()
+    values = check_ok(run_workers(n, "workers_device:device_matrix",
+                                  [kind, cases, "reference" if ipc == "1" else "host"],
+                                  env={"SDP_GPU_IPC": ipc}, timeout=300))
+    _check(values, cases)
+    for _, counters in values:
+        assert counters["ipc"] is (ipc == "1") and counters["backend"] == "cuda"
+        if ipc == "1":
+            assert counters["d2h"] == 0, counters  # the IPC path never copies to the host
+
+
+@needs_gpu
+def test_fused_bucket_and_errors():
+    kind = "cupy" if _have("cupy") else "gpuarray"
+    for ok, counters in check_ok(run_workers(2, "workers_device:fused_bucket", [kind, 100, 65536])):
+        assert ok and counters["d2h"] == 0
+    for msgs in check_ok(run_workers(2, "workers_device:mismatch", [kind], timeout=60)):
+        assert "memory (host or device) mismatch" in msgs[0] and "shape mismatch" in msgs[1], msgs
+    res = run_workers(2, "workers_device:killed_peer", [kind], timeout=60)
+    err, seconds = res[0].value
+    assert err == "PeerLostError" and seconds < 15, (err, seconds, res[0].stderr[-2000:])

@@ -1,0 +1,301 @@
+"""Rank functions for the device-path tests (tests/test_device.py; on a GPU machine, tests/gpu/).
+
+``kind`` names how a rank hands its arrays to sdp: ``fake`` (host memory behind a
+``__cuda_array_interface__``, with ``SDP_DEVICE_BACKEND=numpy``), ``gpuarray`` (PyCUDA), ``cupy``,
+``torch``, ``capsule`` (a raw DLPack capsule of a CuPy array, as TensorFlow hands them over).
+"""
+import hashlib
+
+import numpy as np
+
+import sdp
+from sdp.common.reduce_ops import ReduceOp
+from sdp.engine.backends import reduce_arrays
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32",
+          "int64", "uint64", "bool"]
+OPS = ["SUM", "AVERAGE", "MIN", "MAX", "PRODUCT"]
+
+
+def np_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def data_for(rank, shape, dtype, seed):
+    rng = np.random.default_rng(seed * 1000 + rank)
+    dt = np_dtype(dtype)
+    if dt.kind == "b":
+        return rng.integers(0, 2, shape).astype(bool)
+    if dt.kind in "iu":
+        lo = 0 if dt.kind == "u" else -5
+        return rng.integers(lo, 6, shape).astype(dt)
+    return (rng.standard_normal(shape) * 3).astype(np.float32).astype(dt)
+
+
+class FakeDevice:
+    """Host memory offered as a CUDA array through ``__cuda_array_interface__`` (for the numpy
+    backend; bfloat16, which that interface cannot name, goes as :class:`FakeDLPack`)."""
+
+    def __init__(self, arr):
+        self.arr = np.ascontiguousarray(arr)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.arr.shape, "typestr": self.arr.dtype.str, "data": (self.arr.ctypes.data, False),
+                "strides": None, "version": 3}
+
+
+class FakeDLPack:
+    """Host memory offered as a CUDA array through ``__dlpack__`` (a capsule that says kDLCUDA)."""
+
+    def __init__(self, arr):
+        self.arr = np.ascontiguousarray(arr)
+
+    def __dlpack__(self, stream=None, **_):
+        from sdp.engine.device_arrays import KDL_CUDA, make_capsule
+        return make_capsule(self.arr.ctypes.data, self.arr.shape, self.arr.dtype, KDL_CUDA, 0, self)
+
+    def __dlpack_device__(self):
+        return 2, 0
+
+
+def make(kind, arr):
+    if kind == "fake":
+        return FakeDevice(arr) if arr.dtype.name != "bfloat16" else FakeDLPack(arr)
+    if kind == "fakedl":
+        return FakeDLPack(arr)
+    if kind in ("gpuarray", "cupy") and arr.dtype.name == "bfloat16":
+        return None  # neither has a bfloat16 dtype
+    if kind == "gpuarray":
+        import pycuda.autoprimaryctx  # noqa: F401 - the primary context, as sdp's engine uses
+        from pycuda import gpuarray
+        return gpuarray.to_gpu(arr)
+    if kind == "cupy":
+        import cupy
+        return cupy.asarray(arr)
+    if kind == "torch":
+        import torch
+        if arr.dtype.name == "bfloat16":
+            return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16).cuda()
+        if arr.dtype.kind == "u" and arr.dtype.itemsize > 1:
+            return None  # torch has no usable uint16/32/64 on CUDA
+        return torch.from_numpy(arr.copy()).cuda()
+    if kind == "capsule":
+        import cupy
+        return cupy.asarray(arr).toDlpack() if arr.dtype.name != "bfloat16" else None
+    raise ValueError(kind)
+
+
+def to_numpy(kind, res, dtype):
+    if isinstance(res, tuple):
+        res = res[0]
+    if kind == "gpuarray":
+        return res.get()
+    if kind == "cupy":
+        import cupy
+        return cupy.asnumpy(res)
+    if kind == "torch":
+        import torch
+        if res.dtype == torch.bfloat16:
+            return res.view(torch.int16).cpu().numpy().view(np_dtype("bfloat16"))
+        return res.cpu().numpy()
+    if kind == "capsule":
+        import cupy
+        return cupy.asnumpy(cupy.from_dlpack(_Cap(res)))
+    if kind in ("fake", "fakedl"):
+        from sdp.engine.device_arrays import Exported
+        assert isinstance(res, Exported), type(res)
+        t = res.tensor
+        raw = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * max(1, t.nbytes)).from_address(t.ptr))
+        return raw[:t.nbytes].view(t.dtype).reshape(t.shape).copy()
+    raise ValueError(kind)
+
+
+class _Cap:
+    def __init__(self, cap):
+        self.cap = cap
+
+    def __dlpack__(self, stream=None, **_):
+        return self.cap
+
+    def __dlpack_device__(self):
+        return 2, 0
+
+
+def run_case(kind, case, n, r, against="reference"):
+    """One case; ``against``: "reference" (:func:`reduce_arrays`, the device path's arithmetic)
+    or "host" (the same collective on numpy arrays: what a staged device array must equal)."""
+    coll, dtype, op, shape, pre, post, seed = case
+    dt = np_dtype(dtype)
+    mine = data_for(r, shape, dtype, seed)
+    x = make(kind, mine)
+    if x is None:
+        return None
+    name = f"{coll}.{seed}"
+    red = getattr(ReduceOp, op) if op else None
+    if coll == "allreduce":
+        res = sdp.allreduce(x, name=name, op=red, prescale_factor=pre, postscale_factor=post)
+        ref = _ref(dt, n, shape, dtype, seed, red, pre, post)
+    elif coll == "reducescatter":
+        res = sdp.reducescatter(x, name=name, op=red, prescale_factor=pre, postscale_factor=post)
+        full = _ref(dt, n, shape, dtype, seed, red, pre, post)
+        rows = [shape[0] // n + (q < shape[0] % n) for q in range(n)]
+        edges = np.concatenate([[0], np.cumsum(rows)])
+        ref = full[edges[r]:edges[r + 1]]
+    elif coll == "broadcast":
+        res = sdp.broadcast(x, root_rank=seed % n, name=name)
+        ref = data_for(seed % n, shape, dtype, seed)
+    elif coll == "allgather":
+        rows = [1 + (q + seed) % 3 for q in range(n)]
+        mine = data_for(r, [rows[r]] + shape[1:], dtype, seed)
+        res = sdp.allgather(make(kind, mine), name=name)
+        ref = np.concatenate([data_for(q, [rows[q]] + shape[1:], dtype, seed) for q in range(n)])
+    elif coll == "alltoall":
+        splits = [(q + r + seed) % 3 for q in range(n)]
+        mine = data_for(r, [sum(splits)] + shape[1:], dtype, seed)
+        res, rsplits = sdp.alltoall(make(kind, mine), splits=splits, name=name)
+        blocks = []
+        for q in range(n):
+            theirs = [(j + q + seed) % 3 for j in range(n)]
+            d = data_for(q, [sum(theirs)] + shape[1:], dtype, seed)
+            blocks.append(d[sum(theirs[:r]):sum(theirs[:r + 1])])
+        ref = np.concatenate(blocks)
+        assert list(rsplits) == [(r + q + seed) % 3 for q in range(n)]
+    else:
+        raise ValueError(coll)
+    if against == "host" and coll in ("allreduce", "reducescatter"):
+        fn = sdp.allreduce if coll == "allreduce" else sdp.reducescatter
+        ref = fn(data_for(r, shape, dtype, seed), name=name + ".host", op=red, prescale_factor=pre,
+                 postscale_factor=post)
+    got = to_numpy(kind, res, dt)
+    ok = got.dtype == ref.dtype and got.shape == ref.shape and np.array_equal(
+        got.view(np.uint8), ref.view(np.uint8)) if got.size else got.shape == ref.shape
+    return [bool(ok), hashlib.sha1(got.tobytes()).hexdigest()[:12]]
+
+
+def _ref(dt, n, shape, dtype, seed, op, pre, post):
+    srcs = [data_for(q, shape, dtype, seed) for q in range(n)]
+    if dt.kind in "iub":
+        return reduce_arrays(srcs, op, pre, None, n if op == ReduceOp.AVERAGE else 1, post)
+    scale = post / (n if op == ReduceOp.AVERAGE else 1)
+    return reduce_arrays(srcs, op, pre, None if scale == 1.0 else scale)
+
+
+def matrix(seed0=1):
+    """Every collective x dtype x op, with pre/post-scale factors not representable in float16."""
+    cases, s = [], seed0
+    for dtype in DTYPES:
+        floats = np_dtype(dtype).kind == "f"
+        for op in OPS:
+            if dtype == "bool" and op == "AVERAGE":
+                continue
+            scales = [(1.0, 1.0)]
+            if dtype != "bool" and op in ("SUM", "AVERAGE"):
+                scales.append((0.3, 1.7) if floats else (2.0, 3.0))
+            for pre, post in scales:
+                s += 1
+                cases.append(["allreduce", dtype, op, [37, 3], pre, post, s])
+                s += 1
+                cases.append(["reducescatter", dtype, op, [7, 5], pre, post, s])
+        for coll in ("broadcast", "allgather", "alltoall"):
+            s += 1
+            cases.append([coll, dtype, None, [4, 3], 1.0, 1.0, s])
+    return cases
+
+
+def device_matrix(kind, cases, against="reference"):
+    """Run ``cases`` with ``kind`` arrays; returns ``(results, counters)``; results: per case
+    ``[bit-exact against the reference, result hash]`` or None where ``kind`` cannot hold the dtype."""
+    n, r = sdp.size(), sdp.rank()
+    out = [run_case(kind, c, n, r, against) for c in cases]
+    return out, {k: v for k, v in sdp.device_counters().items()}
+
+
+def fused_bucket(kind, count, elems):
+    """``count`` float32 tensors allreduced in one grouped call (one fusion bucket); bit-exact check."""
+    n, r = sdp.size(), sdp.rank()
+    arrays = [data_for(r, [elems], "float32", 100 + i) for i in range(count)]
+    res = sdp.grouped_allreduce([make(kind, a) for a in arrays], op=sdp.Sum, name="fused")
+    ok = True
+    for i, x in enumerate(res):
+        ref = reduce_arrays([data_for(q, [elems], "float32", 100 + i) for q in range(n)], ReduceOp.SUM)
+        ok &= bool(np.array_equal(to_numpy(kind, x, np.float32), ref))
+    return ok, sdp.device_counters()
+
+
+def mismatch(kind):
+    """Rank 1 sends a host array where rank 0 sends a device array, then a shape mismatch."""
+    out = []
+    x = np.ones(8, np.float32)
+    try:
+        sdp.allreduce(make(kind, x) if sdp.rank() == 0 else x, name="hostdev")
+        out.append("no error")
+    except sdp.TensorMismatchError as e:
+        out.append(str(e))
+    try:
+        sdp.allreduce(make(kind, np.ones(4 + sdp.rank(), np.float32)), name="shape")
+        out.append("no error")
+    except sdp.TensorMismatchError as e:
+        out.append(str(e))
+    return out
+
+
+def kernel_matrix(count=1003):
+    """Every dtype x op x source count (1..4) x pre/post-scale through the CUDA backend's reduce
+    kernel, against :func:`reduce_arrays` bit for bit; destinations poisoned first.  Returns the
+    failing cases (empty: all exact) and how many ran."""
+    import pycuda.driver as cuda
+
+    from sdp.engine.cuda_backend import CudaBackend
+    b = CudaBackend(0)
+    bad, ran = [], 0
+    with b:
+        for dtype in DTYPES:
+            dt = np_dtype(dtype)
+            for op in OPS:
+                if dtype == "bool" and op == "AVERAGE":
+                    continue
+                for nsrc in (1, 2, 3, 4):
+                    scales = [(1.0, 1.0)] + ([(0.3, 1.7), (2.0, 3.0)] if dtype != "bool" else [])
+                    for pre, post in scales:
+                        srcs = [data_for(q, [count], dtype, ran) for q in range(nsrc)]
+                        if dt.kind in "iub":
+                            divide = nsrc if op == "AVERAGE" else 1
+                            scale = None
+                        else:
+                            divide, s = 1, post / (nsrc if op == "AVERAGE" else 1)
+                            scale = None if s == 1.0 else s
+                        red = getattr(ReduceOp, op)
+                        ref = reduce_arrays(srcs, red, pre, scale, divide, post)
+                        dev = [cuda.to_device(np.ascontiguousarray(s).view(np.uint8)) for s in srcs]
+                        outs = [cuda.to_device(np.full(count * dt.itemsize, 0xAB, np.uint8)) for _ in range(2)]
+                        b.reduce([int(d) for d in dev], [int(o) for o in outs], count, dt, red, pre, scale, divide,
+                                 post)
+                        b.synchronize()
+                        for o in outs:
+                            got = cuda.from_device(o, (count * dt.itemsize,), np.uint8).view(dt)
+                            if not np.array_equal(got.view(np.uint8), ref.view(np.uint8)):
+                                diff = int(np.sum(got.view(np.uint8) != ref.view(np.uint8)))
+                                bad.append([dtype, op, nsrc, pre, post, diff])
+                                break
+                        ran += 1
+    return bad, ran
+
+
+def killed_peer(kind):
+    """Rank 1 dies before a device allreduce; returns rank 0's error type and seconds to it."""
+    import os
+    import time
+    x = make(kind, np.ones(1 << 20, np.float32))
+    sdp.allreduce(x, name="warm")
+    if sdp.rank() == 1:
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        sdp.allreduce(x, name="after")
+        return ["no error", time.monotonic() - t0]
+    except Exception as e:  # noqa: BLE001
+        return [type(e).__name__, time.monotonic() - t0]
