@@ -111,3 +111,10 @@ def test_nothing_imports_pycuda_without_a_device_array():
     code = ("import sys, numpy as np, sdp, sdp.api, sdp.engine.device_path, sdp.engine.runtime\n"
             "assert 'pycuda' not in sys.modules, sorted(m for m in sys.modules if 'cuda' in m)\nprint('ok')")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("ipc", ["1", "0"])
+def test_a_joined_rank_contributes_device_zeros(ipc):
+    values = check_ok(run_workers(2, "workers_device:join_with_device_arrays", ["fake"],
+                                  env={**NUMPY, "SDP_GPU_IPC": ipc}, timeout=60))
+    assert values[0] == [True, True, True, 0] and values[1] == [0], values

@@ -299,3 +299,15 @@ def killed_peer(kind):
         return ["no error", time.monotonic() - t0]
     except Exception as e:  # noqa: BLE001
         return [type(e).__name__, time.monotonic() - t0]
+
+
+def join_with_device_arrays(kind):
+    """Rank 1 joins at once; rank 0 allreduces device arrays (zeros come from rank 1), then joins."""
+    if sdp.rank() == 1:
+        return [sdp.join()]
+    out = []
+    for i in range(3):
+        x = data_for(0, [50], "float32", i)
+        res = to_numpy(kind, sdp.allreduce(make(kind, x), name=f"j{i}", op=sdp.Sum), np.float32)
+        out.append(bool(np.array_equal(res, x)))
+    return out + [sdp.join()]

@@ -343,6 +343,11 @@ def _cu_stream_synchronize(handle: int) -> None:
         raise cuda.Error(f"cuStreamSynchronize({handle:#x}) failed with CUDA error {rc}")
 
 
+def device_count() -> int:
+    cuda.init()
+    return cuda.Device.count()
+
+
 def pointer_device(ptr: int) -> int:
     """The device ordinal of a CUDA pointer (``cuPointerGetAttribute``)."""
     global _libcuda

@@ -71,13 +71,16 @@ class DevicePath:
         self._pinned = None
 
     # -- set-up ------------------------------------------------------------------------------------
-    def start(self, tensor: DeviceTensor):
-        """The backend for ``tensor``'s device (made on first use, in the engine thread)."""
+    def start(self, tensor: Optional[DeviceTensor]):
+        """The backend for ``tensor``'s device (made on first use, in the engine thread); without
+        a tensor (a rank that joined contributes zeros to device allreduces), device
+        ``local_rank % device count``, as Horovod's scripts pin one GPU per local rank."""
         if self.backend is None:
-            dev = tensor.device_id
+            dev = tensor.device_id if tensor is not None else -2
             if dev < 0 and backend_name() == "cuda":
-                from sdp.engine.cuda_backend import pointer_device
-                dev = pointer_device(tensor.ptr)
+                from sdp.engine import cuda_backend
+                dev = (cuda_backend.pointer_device(tensor.ptr) if tensor is not None
+                       else self.rt.topology.local_rank % cuda_backend.device_count())
             self.backend = make_backend(max(dev, 0))
             seg = self.mesh.shm or getattr(self.rt.hierarchy, "host", None) and self.rt.hierarchy.host.shm
             try:  # this rank's shared memory, where staged arrays and results live
@@ -247,6 +250,15 @@ class DevicePath:
         host = self.rt._result_array(t.dtype, t.size).reshape(t.shape)  # page-locked shared memory if room
         self.backend.to_host(host.reshape(-1).view(np.uint8), t.ptr)
         req.device, req.array = t, host
+
+    def to_device(self, arr: np.ndarray) -> DeviceTensor:
+        """A new device array holding a copy of host ``arr``."""
+        arr = np.ascontiguousarray(arr)
+        out = self.backend.alloc(arr.nbytes)
+        self.backend.to_device(out.ptr, arr.reshape(-1).view(np.uint8))
+        t = DeviceTensor(out.ptr, arr.shape, arr.dtype, self.backend.device_id, _Owner(out, self.backend))
+        t.device_type = self.backend.device_type
+        return t
 
     def stage_out(self, like: DeviceTensor, result):
         """A host result (array, or alltoall's tuple) as a new device array of ``like``'s kind."""

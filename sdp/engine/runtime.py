@@ -357,9 +357,10 @@ class Runtime:
     def _execute(self, items: List[dict]) -> None:
         device = [self._pending[i["n"]] for i in items
                   if "err" not in i and i["n"] in self._pending and self._pending[i["n"]].device is not None]
-        if not device:
+        joined = JOIN in self._pending and any(i.get("jm", {}).get("dev") for i in items if "err" not in i)
+        if not device and not joined:
             return self._execute_items(items)
-        dp = self._device_path(device[0].device)
+        dp = self._device_path(device[0].device if device else None)
         with dp.backend:
             for req in device:
                 if not dp.uses_ipc(req.ps):
@@ -428,11 +429,17 @@ class Runtime:
                 self.timeline.begin(name, begins)
 
     def _zeros_for_join(self, meta: dict) -> Request:
-        """A rank that has joined contributes zeros to the allreduces the others still run."""
+        """A rank that has joined contributes zeros to the allreduces the others still run (in
+        device memory when theirs are device arrays)."""
         dtype = wire_dtype(meta["d"])
-        req = Request(meta["n"], "allreduce", np.zeros(meta["s"], dtype), op=ReduceOp(meta["o"]),
+        zeros = np.zeros(meta["s"], dtype)
+        if meta.get("dev"):
+            zeros = self._device.to_device(zeros)
+        req = Request(meta["n"], "allreduce", zeros, op=ReduceOp(meta["o"]),
                       prescale=meta["pre"], postscale=meta["post"])
         self._pending[req.name] = req
+        if req.device is not None and not self._device.uses_ipc(req.ps):
+            self._device.stage_in(req)
         return req
 
     def _next_seq(self) -> int:
