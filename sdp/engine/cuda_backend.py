@@ -20,7 +20,6 @@ single launch (16-byte vectors where aligned).  Allocations come from PyCUDA's
 import collections
 import ctypes
 import logging
-import struct
 import time
 from typing import List, Optional, Sequence
 
@@ -167,7 +166,7 @@ extern "C" __global__ void gather_copy(const unsigned long long* pieces, int n, 
 }
 """
 
-_REDUCE_ARGS = "Q" * 8 + "i" + "Q" * 8 + "iqiddqd"  # see the kernel's parameters (C layout)
+_REDUCE_ARGS = "Q" * 8 + "i" + "Q" * 8 + "iqiddqd"  # the kernel's parameters; packed with native alignment, as C lays them out
 
 
 class CudaBackend(Backend):
@@ -308,9 +307,10 @@ class CudaBackend(Backend):
                 return
 
     def pin(self, array: np.ndarray):
-        """Page-lock ``array``'s memory (``cuMemHostRegister``) for fast copies; returns the
-        registration (unregistered when dropped)."""
-        return cuda.register_host_memory(array, cuda.mem_host_register_flags.PORTABLE)
+        """Page-lock ``array``'s memory (``cuMemHostRegister``, portable) for fast copies; returns
+        the registration, whose ``release()`` unregisters it.  (The driver call directly:
+        PyCUDA 2026.1's ``register_host_memory`` fails under numpy 2 setting the result's base.)"""
+        return _Registration(array)
 
     def wait_input(self, tensor) -> None:
         """Wait for the stream the producer named (``__cuda_array_interface__``'s ``stream``);
@@ -332,13 +332,34 @@ class CudaBackend(Backend):
 _libcuda = None
 
 
-def _cu_stream_synchronize(handle: int) -> None:
-    """``cuStreamSynchronize`` on a stream PyCUDA did not make (a producer's, by handle)."""
+def _lib():
     global _libcuda
     if _libcuda is None:
         _libcuda = ctypes.CDLL("libcuda.so.1")
         _libcuda.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
-    rc = _libcuda.cuStreamSynchronize(ctypes.c_void_p(handle))
+        _libcuda.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        _libcuda.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    return _libcuda
+
+
+class _Registration:
+    """``array``'s pages registered with the driver until :meth:`release` (in the backend's context)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array, self.ptr = array, array.ctypes.data
+        rc = _lib().cuMemHostRegister_v2(self.ptr, array.nbytes, 1)  # CU_MEMHOSTREGISTER_PORTABLE
+        if rc != 0:
+            raise cuda.Error(f"cuMemHostRegister of {array.nbytes} bytes failed with CUDA error {rc}")
+
+    def release(self) -> None:
+        if self.array is not None:
+            _lib().cuMemHostUnregister(self.ptr)
+            self.array = None
+
+
+def _cu_stream_synchronize(handle: int) -> None:
+    """``cuStreamSynchronize`` on a stream PyCUDA did not make (a producer's, by handle)."""
+    rc = _lib().cuStreamSynchronize(ctypes.c_void_p(handle))
     if rc != 0:
         raise cuda.Error(f"cuStreamSynchronize({handle:#x}) failed with CUDA error {rc}")
 
@@ -350,14 +371,9 @@ def device_count() -> int:
 
 def pointer_device(ptr: int) -> int:
     """The device ordinal of a CUDA pointer (``cuPointerGetAttribute``)."""
-    global _libcuda
-    if _libcuda is None:
-        _libcuda = ctypes.CDLL("libcuda.so.1")
     ordinal = ctypes.c_int(-1)
-    rc = _libcuda.cuPointerGetAttribute(ctypes.byref(ordinal), 9, ctypes.c_uint64(ptr))  # DEVICE_ORDINAL
+    rc = _lib().cuPointerGetAttribute(ctypes.byref(ordinal), 9, ctypes.c_uint64(ptr))  # DEVICE_ORDINAL
     if rc != 0:
         raise cuda.Error(f"cuPointerGetAttribute(0x{ptr:x}) failed with CUDA error {rc}: not a device pointer?")
     return ordinal.value
 
-
-_ = struct  # (kept for readers: _REDUCE_ARGS follows struct's native alignment rules)

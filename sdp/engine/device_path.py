@@ -274,6 +274,8 @@ class DevicePath:
         if self.backend is None:
             return
         with self.backend:
+            if self._pinned is not None:
+                self._pinned.release()
             self._opened, self.window, self.peers, self._pinned = [], None, [], None
             self.backend.close()
 
