@@ -36,6 +36,81 @@ def _sparse_allreduce(tensor, op, prescale_factor, postscale_factor, name, proce
     return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
 
 
+# ---------------------------------------------------------------- gradients (Horovod's definitions)
+#
+# Horovod registers a gradient for every collective op (horovod/tensorflow/mpi_ops.py): allgather ->
+# Average-allreduce of the incoming gradient, then this rank's rows (by every rank's first-dimension
+# size, allgathered); broadcast -> Average-allreduce, kept on the root, zeros elsewhere; alltoall ->
+# alltoall of the gradient with the received splits; reducescatter -> allgather of the gradient,
+# times the set's size when the op is Sum.  sdp builds them with ``tf.custom_gradient``, so they hold
+# eagerly, in ``tf.function`` and in ``tf.compat.v1`` graphs, for the op's process set.  Integer
+# tensors have no gradient (as in TensorFlow).
+
+
+def _differentiable(tensors) -> bool:
+    return (all(t.dtype.is_floating or t.dtype.is_complex for t in tensors)
+            and not (tf.executing_eagerly() and not ops._could_record()))
+
+
+def _set_index(ps) -> int:
+    """This rank's index in process set ``ps`` (its row block in an allgather)."""
+    return api.process_set_ranks(ps).index(api.rank())
+
+
+def _zero_if_none(dy, x):
+    return tf.zeros_like(x) if dy is None else dy
+
+
+def _allgather_grad(dys, xs, names, ps):
+    """Horovod's allgather gradient for each of ``xs``: this rank's rows of the averaged gradient."""
+    grads = [ops.allreduce_tensor(_zero_if_none(d, x), n + ".grad", ReduceOp.AVERAGE, process_set=ps)
+             for d, x, n in zip(dys, xs, names)]
+    sizes = ops.grouped_allgather_tensors([tf.reshape(tf.shape(x, out_type=tf.int32)[0], [1]) for x in xs],
+                                          [n + ".grad.sizes" for n in names], ps)
+    me = _set_index(ps)
+    out = []
+    for g, d in zip(grads, sizes):
+        start = tf.reduce_sum(d[:me])
+        out.append(g[start:start + d[me]])
+    return out
+
+
+def _gathered(tensors, names, ps):
+    """``grouped_allgather_tensors`` with Horovod's gradient."""
+    if not _differentiable(tensors):
+        return ops.grouped_allgather_tensors(tensors, names, ps)
+
+    @tf.custom_gradient
+    def gather(*xs):
+        ys = ops.grouped_allgather_tensors(list(xs), names, ps)
+
+        def grad(*dys):
+            return _allgather_grad(dys, xs, names, ps)
+
+        return ys, grad
+
+    out = gather(*tensors)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _broadcasted(tensor, name, root_rank, ps):
+    """``grouped_broadcast_tensors`` of one tensor with Horovod's gradient."""
+    if not _differentiable([tensor]):
+        return ops.grouped_broadcast_tensors([tensor], [name], root_rank, ps)[0]
+
+    @tf.custom_gradient
+    def bcast(x):
+        y = ops.grouped_broadcast_tensors([x], [name], root_rank, ps)[0]
+
+        def grad(dy):
+            g = ops.allreduce_tensor(_zero_if_none(dy, x), name + ".grad", ReduceOp.AVERAGE, process_set=ps)
+            return g if api.rank() == root_rank else tf.zeros_like(g)
+
+        return y, grad
+
+    return bcast(tensor)
+
+
 def allreduce(tensor, param_index=0, num_params=1, compression=Compression.none, op=None, *, average=None,
               device_dense="", device_sparse="", prescale_factor=1.0, postscale_factor=1.0, name=None,
               process_set=global_process_set, ignore_name_scope=False):
@@ -121,8 +196,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
     A ``root_rank`` outside ``[0, size)`` raises ``TensorMismatchError`` on every rank."""
     ps = check_process_set(process_set)
     tensor = ops._as_tensor(tensor)
-    return ops.grouped_broadcast_tensors([tensor], [ops._base_name("broadcast", tensor, name)], int(root_rank),
-                                         ps)[0]
+    return _broadcasted(tensor, ops._base_name("broadcast", tensor, name), int(root_rank), ps)
 
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -131,7 +205,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     first dimension is unknown.  Mirrors ``horovod.tensorflow.allgather``."""
     ps = check_process_set(process_set)
     tensor = ops._as_tensor(tensor)
-    return ops.allgather_tensor(tensor, ops._base_name("allgather", tensor, name), ps)
+    return _gathered([tensor], [ops._base_name("allgather", tensor, name)], ps)[0]
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -142,7 +216,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
     if not tensors:
         return []
     base = ops._base_name("grouped_allgather", tensors[0], name)
-    return ops.grouped_allgather_tensors(tensors, [f"{base}.{i}" for i in range(len(tensors))], ps)
+    return _gathered(tensors, [f"{base}.{i}" for i in range(len(tensors))], ps)
 
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -152,8 +226,24 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     (int32, shape ``[size]``) when ``splits`` is given.  Mirrors ``horovod.tensorflow.alltoall``."""
     ps = check_process_set(process_set)
     tensor = ops._as_tensor(tensor)
-    out, rsplits = ops.alltoall_tensor(tensor, splits, ops._base_name("alltoall", tensor, name), ps)
-    return (out, rsplits) if splits is not None else out
+    base = ops._base_name("alltoall", tensor, name)
+    if not _differentiable([tensor]):
+        out, rsplits = ops.alltoall_tensor(tensor, splits, base, ps)
+        return (out, rsplits) if splits is not None else out
+    box = []
+
+    @tf.custom_gradient
+    def exchange(x):
+        y, rs = ops.alltoall_tensor(x, splits, base, ps)
+        box.append(rs)
+
+        def grad(dy):  # Horovod's: send each rank's rows of the gradient back with the received splits
+            return ops.alltoall_tensor(_zero_if_none(dy, x), rs, base + ".grad", ps)[0]
+
+        return y, grad
+
+    out = exchange(tensor)
+    return (out, box[-1]) if splits is not None else out
 
 
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=ReduceOp.AVERAGE, name=None,
@@ -167,9 +257,25 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Redu
     op = _check_op(resolve_op(op))
     tensor = ops._as_tensor(tensor)
     compressed, ctx = compression.compress(tensor)
-    out = ops.reducescatter_tensor(compressed, ops._base_name("reducescatter", tensor, name), op,
-                                   prescale_factor, postscale_factor, ps)
-    return compression.decompress(out, ctx)
+    base = ops._base_name("reducescatter", tensor, name)
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE) or not _differentiable([compressed]):
+        out = ops.reducescatter_tensor(compressed, base, op, prescale_factor, postscale_factor, ps)
+        return compression.decompress(out, ctx)
+
+    @tf.custom_gradient
+    def scatter(x):
+        y = ops.reducescatter_tensor(x, base, op, prescale_factor, postscale_factor, ps)
+
+        def grad(dy):  # Horovod's: allgather of the gradient, times the set's size for Sum
+            scale = float(prescale_factor) * float(postscale_factor) * (set_size(ps) if op == ReduceOp.SUM else 1)
+            dy = _zero_if_none(dy, y)
+            if scale != 1.0:
+                dy = dy * tf.cast(scale, dy.dtype)
+            return ops.allgather_tensor(dy, base + ".grad", ps)
+
+        return y, grad
+
+    return compression.decompress(scatter(compressed), ctx)
 
 
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=ReduceOp.AVERAGE,
