@@ -20,8 +20,9 @@ from sdp.tensorflow.compression import Compression
 
 def check_process_set(process_set) -> int:
     """The engine id of ``process_set`` (a :class:`sdp.process_sets.ProcessSet`, an id, or None
-    for the global set).  Raises ``ValueError`` for a set that is not registered (or was removed)
-    or that does not hold this rank, naming the set and the rank."""
+    for the global set).  Raises ``ValueError`` for a set that is not registered (or was removed);
+    :class:`sdp.tensorflow.errors.InvalidCollectiveError` (``tf.errors.InvalidArgumentError``, a
+    ``ValueError``, as Horovod) for a set that does not hold this rank, naming the set and the rank."""
     ps = api.process_set_id(process_set)
     if ps:
         ranks = api.process_set_ranks(ps)
@@ -30,7 +31,8 @@ def check_process_set(process_set) -> int:
             raise ValueError(f"{process_set}: process set {ps} is not registered (hvd.init(process_sets=...) or "
                              "hvd.add_process_set())")
         if me not in ranks:
-            raise ValueError(f"rank {me} is not in process set {ps} (ranks {ranks}); only the set's ranks may "
+            from sdp.tensorflow.errors import InvalidCollectiveError
+            raise InvalidCollectiveError(f"rank {me} is not in process set {ps} (ranks {ranks}); only the set's ranks may "
                              "call its collectives")
     return ps
 
@@ -71,7 +73,8 @@ class GradientReducer:
     (AVERAGE only, else ``ValueError``) scales by ``1/f`` before the sum and ``f/size`` after.
     ``scale_local_gradients``: divide gradients of local variables by ``size()``, as Horovod does.
     ``process_set``: the set whose ranks reduce together (an id or a ``ProcessSet``; checked on
-    every call, see :func:`check_process_set`); AVERAGE divides by its size.
+    every call, see :func:`check_process_set`); AVERAGE divides by its size.  On a rank outside the
+    set, :meth:`reduce` returns the gradients as they are (Horovod's tape and optimizers do so).
     """
 
     def __init__(self, name, compression=Compression.none, sparse_as_dense=False, op=ReduceOp.AVERAGE,
@@ -108,6 +111,9 @@ class GradientReducer:
         if self._local and (variables is None or len(variables) != len(grads)):
             raise ValueError("local variables are registered: pass the variables matching the gradients")
         local = [bool(self._local) and _ref(v) in self._local for v in (variables or [None] * len(grads))]
+        ps_id = api.process_set_id(self.process_set)
+        if ps_id and api.rank() not in (api.process_set_ranks(ps_id) or [api.rank()]):
+            return grads  # a rank outside the set keeps its own gradients, as with Horovod
         ps = check_process_set(self.process_set)
         prefix = ops.unique_name(self.name)
         batch = ops.Batch("gradient allreduce", ps)

@@ -77,6 +77,7 @@ from sdp import api
 from sdp.common.errors import SdpError
 from sdp.common.reduce_ops import ReduceOp, check_dtype
 from sdp.engine.fusion import ALIGN_BYTES  # results start on this boundary: TensorFlow's EIGEN_MAX_ALIGN_BYTES
+from sdp.tensorflow.errors import tf_errors
 
 def _autograph_skips_sdp() -> None:
     """Tell AutoGraph not to convert sdp's own functions when a ``tf.function`` calls them, as it
@@ -185,7 +186,8 @@ def run_numpy(fn, tensors, out_dtypes, out_shapes, name, blocking=False):
     out_dtypes = [tf.as_dtype(d) for d in out_dtypes]
     np_dtypes = [d.as_numpy_dtype for d in out_dtypes]
     if tf.executing_eagerly():
-        outs = fn([np.asarray(_as_tensor(t)) for t in tensors])
+        with tf_errors():
+            outs = fn([np.asarray(_as_tensor(t)) for t in tensors])
         return [_to_tensor(o, d) for o, d in zip(outs, out_dtypes)] if out_dtypes else []
 
     def results(outs):
@@ -289,10 +291,11 @@ class Batch:
         starters = [(_starter(kind, items, rargs, self.process_set), [self._tensors[it[0]] for it in items])
                     for kind, items in groups]
         if tf.executing_eagerly():
-            handles = [h for start, ts in starters for h in start([np.asarray(t) for t in ts])]
-            result = [None] * len(order)
-            for i, h in zip(order, handles):
-                result[i] = _to_tensor(h.wait(), self._tensors[i].dtype)
+            with tf_errors():  # Horovod's tf.errors classes (sdp.tensorflow.errors)
+                handles = [h for start, ts in starters for h in start([np.asarray(t) for t in ts])]
+                result = [None] * len(order)
+                for i, h in zip(order, handles):
+                    result[i] = _to_tensor(h.wait(), self._tensors[i].dtype)
             return result
         name = (self._reduce or self._gather or self._bcast)[0][1]
         dtypes = [self._tensors[i].dtype for i in order]
