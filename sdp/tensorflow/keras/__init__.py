@@ -53,6 +53,32 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                                  scale_local_gradients=scale_local_gradients)
 
 
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
+                                op=Average, backward_passes_per_step=1, average_aggregated_gradients=False,
+                                groups=None, process_set=global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """:func:`DistributedOptimizer` that keeps the gradients of ``local_layers`` (a Keras layer or
+    a list of them; their ``trainable_weights`` when this is called) local to each rank, divided
+    by the set's size if ``scale_local_gradients`` (Horovod's default).  The other arguments are
+    :func:`DistributedOptimizer`'s.  Raises ``ValueError`` if an element of ``local_layers`` is not
+    a Keras layer.  Mirrors ``horovod.tensorflow.keras.PartialDistributedOptimizer``."""
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, tf.keras.layers.Layer):
+        local_layers = [local_layers]
+    local_layers = list(local_layers)
+    if not all(isinstance(layer, tf.keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    opt = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                               gradient_predivide_factor, op, backward_passes_per_step,
+                               average_aggregated_gradients, 0, groups, process_set, scale_local_gradients)
+    for layer in local_layers:
+        for var in layer.trainable_weights:
+            opt.register_local_var(var)
+    return opt
+
+
 def broadcast_global_variables(root_rank):
     """Broadcast all global variables from ``root_rank`` (TF1 graph mode; runs the op in the Keras
     session).  Eagerly it raises ``RuntimeError`` (use ``BroadcastGlobalVariablesCallback`` or
@@ -118,6 +144,6 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     return model
 
 
-__all__ = ["DistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather", "broadcast",
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather", "broadcast",
            "reducescatter", "load_model", "callbacks", "init", "shutdown", "size", "local_size", "rank",
            "local_rank", "cross_rank", "cross_size", "is_initialized", "Compression", "Average", "Sum"]

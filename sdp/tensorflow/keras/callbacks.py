@@ -47,40 +47,65 @@ def disable_jit(model) -> None:
 
 
 class BroadcastGlobalVariablesCallback(_keras.callbacks.Callback):
-    """Broadcast the model's weights and the optimizer's variables from ``root_rank`` at the start
-    of training, so that every rank starts from the same state (random initialization or a
-    restored checkpoint).  If the optimizer has no variables yet (tf_keras creates them on the
-    first step), they are broadcast again after the first batch, as Horovod does.
+    """Broadcast the model's weights and the optimizer's variables from ``root_rank``, so that
+    every rank trains from the same state (random initialization or a restored checkpoint).
+
+    When: at the start of training if the model's weights exist then; a model built lazily (a
+    ``Sequential`` without an ``Input``, as in Horovod's Keras MNIST examples) has none until its
+    first batch, so it is broadcast after the first batch instead, as Horovod does (Horovod always
+    broadcasts after the first batch).  If the optimizer has no variables yet at train begin
+    (tf_keras creates them on the first step), they are broadcast again after the first batch.
 
     ``root_rank`` (int): rank whose state everybody receives.  ``device``: not supported; a
-    non-empty value raises ``NotImplementedError``.  Also turns ``jit_compile`` off (see
-    :func:`disable_jit`).  Mirrors ``horovod.tensorflow.keras.callbacks.BroadcastGlobalVariablesCallback``."""
+    non-empty value raises ``NotImplementedError``.  ``local_variables``: a variable or a list of
+    variables kept as they are on each rank (not broadcast), e.g. a local layer's
+    ``trainable_weights`` with ``PartialDistributedOptimizer``.  Also turns ``jit_compile`` off
+    (see :func:`disable_jit`).
+    Mirrors ``horovod.tensorflow.keras.callbacks.BroadcastGlobalVariablesCallback``."""
 
-    def __init__(self, root_rank, device=""):
+    def __init__(self, root_rank, device="", local_variables=None):
         super().__init__()
         _check_device(device)
         self.root_rank = int(root_rank)
         self.device = device
         self.broadcast_done = False
-        self._again_after_first_batch = False
+        if local_variables is None:
+            local_variables = []
+        elif not isinstance(local_variables, (list, tuple, set)):
+            local_variables = [local_variables]
+        self.local_variables = list(local_variables)
+        self._local_refs = {_var_ref(v) for v in self.local_variables}
 
     def _broadcast(self):
-        variables = list(self.model.weights) + _optimizer_variables(getattr(self.model, "optimizer", None))
+        variables = _model_weights(self.model) + _optimizer_variables(getattr(self.model, "optimizer", None))
+        variables = [v for v in variables if _var_ref(v) not in self._local_refs]
         _run(broadcast_variables(variables, root_rank=self.root_rank))
 
     def on_train_begin(self, logs=None):
         disable_jit(self.model)
-        if self.broadcast_done:
-            return
+        if self.broadcast_done or not _model_weights(self.model):
+            return  # a model built lazily: its weights exist after the first batch
         self._broadcast()
-        self._again_after_first_batch = not _optimizer_variables(getattr(self.model, "optimizer", None))
-        self.broadcast_done = not self._again_after_first_batch
+        self.broadcast_done = bool(_optimizer_variables(getattr(self.model, "optimizer", None)))
 
     def on_train_batch_end(self, batch, logs=None):
         if self.broadcast_done:
             return
         self._broadcast()
         self.broadcast_done = True
+
+
+def _var_ref(v):
+    return v.ref() if hasattr(v, "ref") else id(v)
+
+
+def _model_weights(model) -> list:
+    """``model.weights``, or ``[]`` while a lazily built model has none (tf_keras raises
+    ``ValueError`` for an unbuilt ``Sequential``; Keras 3 returns an empty list)."""
+    try:
+        return list(model.weights)
+    except ValueError:
+        return []
 
 
 class MetricAverageCallback(_keras.callbacks.Callback):
