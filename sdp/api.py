@@ -60,11 +60,19 @@ _set_ids = itertools.count(1)  # ids of process sets, in the order they are adde
 
 
 def _setup_logging() -> None:
+    """The ``sdp`` logger's level from ``SDP_LOG_LEVEL`` (default WARNING), whatever the root
+    logger's level: a script's ``logging.basicConfig(level=logging.DEBUG)`` (KungFu's Keras
+    example) must not turn on sdp's debug lines.  A level set on the ``sdp`` logger itself before
+    ``init()`` is kept unless ``SDP_LOG_LEVEL`` is given.  Raises ``ValueError`` naming the
+    variable for an unknown level."""
     import os
-    level = os.environ.get("SDP_LOG_LEVEL")
+    level = os.environ.get("SDP_LOG_LEVEL", "").strip()
     logger = logging.getLogger("sdp")
-    if level:
-        logger.setLevel(level.upper())
+    if level or logger.level == logging.NOTSET:
+        name = (level or "WARNING").upper()
+        if not isinstance(logging.getLevelName(name), int):
+            raise ValueError(f"SDP_LOG_LEVEL={level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        logger.setLevel(name)
     if not logger.handlers and not logging.getLogger().handlers:
         h = logging.StreamHandler()
         h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
