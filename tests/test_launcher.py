@@ -87,8 +87,9 @@ def test_assign_errors():
 
 def test_rank_env():
     env = hosts.assign_ranks([HostSlots("a", 2)], 2)[1].env()
-    assert env == {"SDP_RANK": "1", "SDP_SIZE": "2", "SDP_LOCAL_RANK": "1", "SDP_LOCAL_SIZE": "2",
-                   "SDP_CROSS_RANK": "0", "SDP_CROSS_SIZE": "1", "SDP_HOSTNAME": "a"}
+    want = {"RANK": "1", "SIZE": "2", "LOCAL_RANK": "1", "LOCAL_SIZE": "2", "CROSS_RANK": "0", "CROSS_SIZE": "1",
+            "HOSTNAME": "a"}
+    assert env == {**{f"SDP_{k}": v for k, v in want.items()}, **{f"HOROVOD_{k}": v for k, v in want.items()}}
 
 
 def test_streaming_copies_tunable_added_kept_or_merged():

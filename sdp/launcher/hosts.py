@@ -32,16 +32,17 @@ class RankInfo(NamedTuple):
     hostname: str
 
     def env(self) -> dict:
-        """The ``SDP_*`` topology variables of this rank, as strings."""
-        return {
-            "SDP_RANK": str(self.rank),
-            "SDP_SIZE": str(self.size),
-            "SDP_LOCAL_RANK": str(self.local_rank),
-            "SDP_LOCAL_SIZE": str(self.local_size),
-            "SDP_CROSS_RANK": str(self.cross_rank),
-            "SDP_CROSS_SIZE": str(self.cross_size),
-            "SDP_HOSTNAME": self.hostname,
-        }
+        """The ``SDP_*`` topology variables of this rank, as strings, and the same values under
+        the names ``horovodrun`` gives every worker (``HOROVOD_RANK``, ``HOROVOD_SIZE``,
+        ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``, ``HOROVOD_CROSS_RANK``,
+        ``HOROVOD_CROSS_SIZE``, ``HOROVOD_HOSTNAME``), which scripts and test helpers read.
+        (sdp itself reads ``SDP_*`` first, see :mod:`sdp.common.topology`.)"""
+        values = {"RANK": self.rank, "SIZE": self.size, "LOCAL_RANK": self.local_rank,
+                  "LOCAL_SIZE": self.local_size, "CROSS_RANK": self.cross_rank, "CROSS_SIZE": self.cross_size,
+                  "HOSTNAME": self.hostname}
+        env = {f"SDP_{k}": str(v) for k, v in values.items()}
+        env.update({f"HOROVOD_{k}": str(v) for k, v in values.items()})
+        return env
 
 
 def _parse_slots(text: str, where: str) -> int:
