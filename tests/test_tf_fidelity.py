@@ -72,3 +72,101 @@ def test_gradients_on_process_sets(mode):
         np.testing.assert_allclose(v["broadcast0@1"], upstream((5, 2), r))
         np.testing.assert_allclose(v["reducescatter_sum@1"], upstream((5, 2), r))
         assert "alltoall@1" not in v
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "v1"])
+def test_error_classes_are_horovods(mode):
+    """Issue 31 item 2: eagerly a mismatch is tf.errors.FailedPreconditionError and still sdp's
+    TensorMismatchError (an SdpError), bad alltoall splits tf.errors.InvalidArgumentError, each
+    with sdp's message; in graphs (numpy_function ops) TensorFlow makes them InvalidArgumentError,
+    keeping the message.  Before: TensorMismatchError (a ValueError) eagerly."""
+    values = check_ok(run_workers(2, "workers_tf_fidelity:error_classes", [mode], timeout=240,
+                                  env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}))
+    for r, v in enumerate(values):
+        if mode == "eager":
+            for case in ("shape", "dtype", "root"):
+                assert v[case][0] == ["FailedPrecondition", "SdpError", "TensorMismatch"], (r, case, v[case])
+            assert v["splits"][0] == ["InvalidArgument", "SdpError", "TensorMismatch"], v["splits"]
+        else:
+            for case in ("shape", "dtype", "root", "splits"):
+                assert "InvalidArgument" in v[case][0], (r, case, v[case])
+        assert "shape mismatch, rank 0 has [1], rank 1 has [2]" in v["shape"][1], v["shape"]
+        assert "dtype mismatch" in v["dtype"][1] and "float64" in v["dtype"][1], v["dtype"]
+        assert "root" in v["root"][1], v["root"]
+        assert "splits" in v["splits"][1] and "rank 1" in v["splits"][1], v["splits"]
+    if mode == "eager":
+        assert values[0]["outside_set"] == "no error"
+        inv, is_value_error, is_sdp, msg = values[1]["outside_set"]
+        assert inv and is_value_error and is_sdp and "rank 1 is not in process set" in msg
+        # Horovod: a rank outside the tape's / optimizer's set keeps its local gradients
+        assert values[1]["tape_outside_set"] == [2.0, 2.0] and values[0]["tape_outside_set"] == [1.0, 1.0]
+        assert values[1]["optimizer_outside_set"] == [[2.0, 2.0]]
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["keras3", "tf_keras"])
+def test_keras_broadcast_callback_lazy_model_and_local_layers(legacy):
+    """Issue 31 item 6: a Sequential built by its first batch (Horovod's Keras MNIST pattern)
+    trains under BroadcastGlobalVariablesCallback (before: tf_keras raised "Weights for model
+    'sequential' have not yet been created" at train begin) and ends with the same weights on
+    every rank; local_variables= are not broadcast and PartialDistributedOptimizer keeps the local
+    layer's gradients local (its weights differ per rank, the others agree)."""
+    if legacy:
+        pytest.importorskip("tf_keras")
+    values = check_ok(run_workers(2, "workers_tf_fidelity:keras_lazy_model", [3], timeout=240,
+                                  env={"TF_USE_LEGACY_KERAS": "1" if legacy else "0"}))
+    a, b = values
+    for wa, wb in zip(a["lazy"], b["lazy"]):
+        np.testing.assert_array_equal(wa, wb)
+    for wa, wb in zip(a["partial"][:2], b["partial"][:2]):  # the shared layer
+        np.testing.assert_array_equal(wa, wb)
+    assert not np.allclose(a["partial"][2], b["partial"][2])  # the local head: own init, own data
+    assert a["bad_layer"] == "All local layers must be of tf.keras.layers.Layer type."
+
+
+@pytest.mark.parametrize("sdp_level", [None, "DEBUG"])
+def test_sdp_logger_follows_sdp_log_level_not_the_root_logger(sdp_level):
+    """Issue 31 item 9: with the script's root logger at DEBUG, sdp logs nothing below WARNING
+    unless SDP_LOG_LEVEL asks for it (before: "sdp.security.zap DEBUG: auth received API command
+    b'TERMINATE'" and other debug lines on every rank)."""
+    env = {"SDP_LOG_LEVEL": sdp_level} if sdp_level else {}
+    results = run_workers(2, "workers_tf_fidelity:root_logger_debug", env=env, init=False,
+                          per_rank_env=lambda r: {} if sdp_level else {"SDP_LOG_LEVEL": None})
+    levels = check_ok(results)
+    sdp_debug = [ln for r in results for ln in r.stderr.splitlines() if ln.startswith("ROOT sdp") and " DEBUG " in ln]
+    if sdp_level:
+        assert levels == ["DEBUG", "DEBUG"] and sdp_debug  # the test can see them when asked for
+    else:
+        assert levels == ["WARNING", "WARNING"] and not sdp_debug, sdp_debug[:5]
+
+
+ENV_PROBE = ("import json, os; print('ENV ' + json.dumps({k: v for k, v in os.environ.items() "
+             "if k.startswith('HOROVOD_') and k != 'HOROVOD_DYNAMIC_PROCESS_SETS'}), flush=True)")
+
+
+@pytest.mark.parametrize("compat", [None, "horovod", "kungfu"])
+def test_sdprun_exports_horovods_worker_environment(compat):
+    """Issue 31 item 4: horovodrun gives every worker HOROVOD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE,
+    _CROSS_RANK, _CROSS_SIZE and HOROVOD_HOSTNAME; sdprun now does too, beside SDP_*, under any
+    --compat and without it (before: none of them)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "SDP_"))}
+    env["PYTHONPATH"] = repo
+    args = [sys.executable, "-m", "sdp.launcher.cli", "-np", "2", "-H", "localhost:2"]
+    args += ["--compat", compat] if compat else []
+    res = subprocess.run(args + [sys.executable, "-c", ENV_PROBE], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=repo)
+    assert res.returncode == 0, res.stdout + res.stderr
+    seen = {}
+    for line in res.stdout.splitlines():
+        head, _, rest = line.partition("<stdout>:")
+        if rest.startswith("ENV "):
+            seen[int(head.strip("[]"))] = json.loads(rest[4:])
+    assert sorted(seen) == [0, 1], res.stdout
+    for r, got in seen.items():
+        assert got == {"HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": str(r),
+                       "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1",
+                       "HOROVOD_HOSTNAME": "localhost"}, got

@@ -67,3 +67,113 @@ def gradients(mode, with_set=False):
             g = tf.function(step)() if mode == "function" else step()
             out[key] = None if g is None else np.asarray(g).tolist()
     return out
+
+
+def error_classes(mode):
+    """What each rank gets from collectives that Horovod fails with a TensorFlow status, ``mode``
+    "eager", "function" or "v1".  Returns {case: [class names of the error's MRO that matter,
+    message]} and, eagerly, the process-set cases."""
+    import tensorflow as tf
+
+    import sdp.common.errors as sdp_errors
+    import sdp.compat_horovod.tensorflow as hvd
+    r = hvd.rank()
+
+    def run(build):
+        if mode == "eager":
+            return build()
+        if mode == "function":
+            return tf.function(build)()
+        with tf.Graph().as_default():
+            y = build()
+            with tf.compat.v1.Session() as sess:
+                return sess.run(y)
+
+    cases = {
+        "shape": lambda: hvd.allreduce(tf.ones([r + 1]), name="shape_case"),
+        "dtype": lambda: hvd.broadcast(tf.ones([2], tf.float32 if r == 0 else tf.float64), 0, name="dtype_case"),
+        "root": lambda: hvd.broadcast(tf.ones([2]), r, name="root_case"),
+        "splits": lambda: hvd.alltoall(tf.ones([4, 2]), splits=[2, 2 + r], name="splits_case")[0],
+    }
+    out = {}
+    for case, build in cases.items():
+        try:
+            run(build)
+            out[case] = ["no error", ""]
+        except Exception as e:  # noqa: BLE001
+            kinds = [k for k, cls in (("FailedPrecondition", tf.errors.FailedPreconditionError),
+                                      ("InvalidArgument", tf.errors.InvalidArgumentError),
+                                      ("SdpError", sdp_errors.SdpError),
+                                      ("TensorMismatch", sdp_errors.TensorMismatchError)) if isinstance(e, cls)]
+            out[case] = [kinds, str(e).splitlines()[0] if mode == "eager" else str(e)]
+    if mode == "eager":  # a set of rank 0 alone: rank 1 calls its collective, and its tape
+        solo = hvd.add_process_set([0])
+        try:
+            hvd.allreduce(tf.ones([2]), process_set=solo)
+            out["outside_set"] = "no error"
+        except Exception as e:  # noqa: BLE001
+            out["outside_set"] = [isinstance(e, tf.errors.InvalidArgumentError), isinstance(e, ValueError),
+                                  isinstance(e, sdp_errors.SdpError), str(e)]
+        w = tf.Variable([1.0, 2.0])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * (r + 1.0))
+        tape = hvd.DistributedGradientTape(tape, process_set=solo)
+        out["tape_outside_set"] = tape.gradient(loss, [w])[0].numpy().tolist()
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0), process_set=solo)
+        out["optimizer_outside_set"] = [g.numpy().tolist() for g, _ in
+                                        opt.compute_gradients(lambda: tf.reduce_sum(w * (r + 1.0)), [w])]
+        hvd.barrier()
+    return out
+
+
+def keras_lazy_model(steps=3):
+    """Horovod's Keras MNIST pattern: a Sequential without an Input (built by its first batch),
+    different initial weights per rank, fit with BroadcastGlobalVariablesCallback; a second
+    model keeps its last layer local (PartialDistributedOptimizer + local_variables=).  Runs
+    with Keras 3 or tf_keras (TF_USE_LEGACY_KERAS=1).  Returns the weights after fit."""
+    import tensorflow as tf
+
+    import sdp.compat_horovod.keras as hvd  # horovod.tensorflow.keras under --compat horovod
+    r = hvd.rank()
+    keras = tf.keras
+    tf.random.set_seed(100 + r)  # a different initialization on every rank
+    rng = np.random.default_rng(r)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    y = rng.normal(size=(16, 1)).astype(np.float32)
+
+    model = keras.Sequential([keras.layers.Dense(3, activation="relu"), keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    model.fit(x, y, batch_size=4, epochs=1, steps_per_epoch=steps, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    out = {"lazy": [w.tolist() for w in model.get_weights()]}
+
+    tf.random.set_seed(200 + r)
+    local = keras.layers.Dense(1, name="local_head")
+    part = keras.Sequential([keras.Input(shape=(4,)), keras.layers.Dense(3, activation="relu"), local])
+    opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.01), local_layers=[local])
+    part.compile(optimizer=opt, loss="mse")
+    part.fit(x, y, batch_size=4, epochs=1, steps_per_epoch=steps, verbose=0,
+             callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=local.trainable_weights)])
+    out["partial"] = [w.tolist() for w in part.get_weights()]
+    try:
+        hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.01), local_layers=[object()])
+        out["bad_layer"] = "no error"
+    except ValueError as e:
+        out["bad_layer"] = str(e)
+    return out
+
+
+def root_logger_debug():
+    """KungFu's Keras example's first lines: the root logger at DEBUG, then sdp starts, runs a
+    collective and stops (the ZAP authenticator logs at DEBUG on shutdown).  Returns the sdp
+    logger's effective level."""
+    import logging
+    import sys
+
+    logging.basicConfig(stream=sys.stderr, level=logging.DEBUG, format="ROOT %(name)s %(levelname)s %(message)s")
+    import sdp
+    sdp.init()
+    sdp.allreduce(np.ones(4, np.float32), name="log_case")
+    level = logging.getLogger("sdp").getEffectiveLevel()
+    sdp.shutdown()
+    return logging.getLevelName(level)
