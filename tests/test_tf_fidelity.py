@@ -170,3 +170,64 @@ def test_sdprun_exports_horovods_worker_environment(compat):
         assert got == {"HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": str(r),
                        "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1",
                        "HOROVOD_HOSTNAME": "localhost"}, got
+
+
+HOROVOD_UTIL_NAMES = ["EXTENSIONS", "get_ext_suffix", "get_extension_full_path", "check_extension",
+                      "extension_available", "gpu_available", "mpi_built", "gloo_built", "nccl_built", "ddl_built",
+                      "ccl_built", "env", "get_average_backwards_compatibility_fun", "num_rank_is_power_2",
+                      "split_list", "check_installed_version", "is_iterable", "is_version_greater_equal_than"]
+
+MODULE_PROBE = r"""
+import json, os
+from horovod.common.util import is_version_greater_equal_than
+from horovod.runner.common.util import env, hosts, settings
+import horovod.common.util as cutil
+out = {"missing": [n for n in json.loads(os.environ["NAMES"]) if not hasattr(cutil, n)],
+       "rank_size": list(env.get_env_rank_and_size()),
+       "versions": [is_version_greater_equal_than("2.16.1", "2.16.0"), is_version_greater_equal_than("2.9.0", "2.16.0")],
+       "exportable": [env.is_exportable("PATH"), env.is_exportable("SDP_SECRET"), env.is_exportable("OLDPWD")],
+       "slots": [s.to_response_string() for s in hosts.get_host_assignments(hosts.parse_hosts("a:2,b:1"), 3)],
+       "settings": [settings.Settings(hosts="a:2", num_proc=2).hosts, settings.Settings().verbose],
+       "modules": [env.__name__, hosts.__name__, settings.__name__, cutil.__name__]}
+print("MOD " + json.dumps(out), flush=True)
+"""
+
+
+def test_horovod_module_paths_that_user_code_imports():
+    """Issue 31 item 5: every public name of horovod.common.util (is_version_greater_equal_than
+    was missing) and horovod.runner.common.util.{env,settings,hosts} (absent) resolve under
+    sdprun --compat horovod, and env.get_env_rank_and_size() sees each rank's place."""
+    import json
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "SDP_"))}
+    env.update(PYTHONPATH=repo, NAMES=json.dumps(HOROVOD_UTIL_NAMES))
+    res = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", "--compat", "horovod", sys.executable,
+                          "-c", MODULE_PROBE], capture_output=True, text=True, timeout=120, env=env, cwd=repo)
+    assert res.returncode == 0, res.stdout + res.stderr
+    seen = {}
+    for line in res.stdout.splitlines():
+        head, _, rest = line.partition("<stdout>:")
+        if rest.startswith("MOD "):
+            seen[int(head.strip("[]"))] = json.loads(rest[4:])
+    assert sorted(seen) == [0, 1], res.stdout + res.stderr
+    for r, got in seen.items():
+        assert got["missing"] == []
+        assert got["rank_size"] == [r, 2]
+        assert got["versions"] == [True, False]
+        assert got["exportable"] == [True, False, False]
+        assert got["slots"] == ["0,3,0,2,0,2", "1,3,1,2,0,1", "2,3,0,1,1,2"]
+        assert got["settings"] == ["a:2", 0]
+        assert got["modules"] == ["sdp.compat_horovod.runner.common.util.env",
+                                  "sdp.compat_horovod.runner.common.util.hosts",
+                                  "sdp.compat_horovod.runner.common.util.settings", "sdp.common.util"]
+
+
+def test_version_helper_rejects_what_horovods_does():
+    from sdp.common.util import is_version_greater_equal_than
+    with pytest.raises(ValueError, match="two strings"):
+        is_version_greater_equal_than(2, "1.0.0")
+    with pytest.raises(ValueError, match="major.minor.patch"):
+        is_version_greater_equal_than("2.16", "2.16")

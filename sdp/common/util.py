@@ -18,6 +18,8 @@ tests that call Horovod's helpers keep working:
   ``ImportError`` naming the extension).
 - ``check_installed_version(name, version, exception=None)``: nothing to check (sdp has no
   binary built against a framework version); returns ``None``.
+- ``is_version_greater_equal_than(ver, target)``: ``ver >= target`` as versions (PEP 440, with
+  ``packaging``); ``ValueError`` unless both are strings and ``target`` is ``major.minor.patch``.
 
 This layer imports no framework: TensorFlow's presence is looked up with
 ``importlib.util.find_spec``, without importing it.
@@ -196,3 +198,17 @@ def check_installed_version(name: str, version: str, exception=None) -> None:
     """Nothing to check: sdp has no binary built against a framework version.  Mirrors the
     signature of ``horovod.common.util.check_installed_version``."""
     return None
+
+
+@_cache
+def is_version_greater_equal_than(ver: str, target: str) -> bool:
+    """True if version string ``ver`` is at least ``target`` (``"major.minor.patch"``).  Raises
+    ``ValueError`` for a non-string argument or a ``target`` of another form.  Mirrors
+    ``horovod.common.util.is_version_greater_equal_than``."""
+    if not isinstance(ver, str) or not isinstance(target, str):
+        raise ValueError(f"is_version_greater_equal_than takes two strings, got ver={ver!r} "
+                         f"({type(ver).__name__}) and target={target!r} ({type(target).__name__})")
+    if len(target.split(".")) != 3:
+        raise ValueError(f"target must be a version of the form major.minor.patch, got {target!r}")
+    from packaging.version import Version
+    return Version(ver) >= Version(target)
