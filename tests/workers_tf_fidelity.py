@@ -47,10 +47,10 @@ def gradients(mode, with_set=False):
         for case, value, build in _cases(hvd, tf, r, ps):
             key = f"{case}@{k}"
             if mode == "v1":
-                with tf.Graph().as_default():
-                    x = tf.constant(value)
+                with tf.Graph().as_default():  # (a name per case: no case can complete another's op)
+                    x = tf.constant(value, name=key.replace("@", "_"))
                     y = build(x)
-                    dy = tf.compat.v1.placeholder(tf.float32, None)
+                    dy = tf.compat.v1.placeholder(tf.float32, y.shape)  # static where known, as tf.ones(...) is
                     g = tf.gradients(y, x, grad_ys=dy)[0]
                     with tf.compat.v1.Session() as sess:
                         shape = sess.run(tf.shape(y))
@@ -66,6 +66,7 @@ def gradients(mode, with_set=False):
 
             g = tf.function(step)() if mode == "function" else step()
             out[key] = None if g is None else np.asarray(g).tolist()
+    hvd.barrier()  # rank 0 negotiates every set's collectives: it stays until the others are done
     return out
 
 

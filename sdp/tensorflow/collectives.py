@@ -104,7 +104,9 @@ def _broadcasted(tensor, name, root_rank, ps):
 
         def grad(dy):
             g = ops.allreduce_tensor(_zero_if_none(dy, x), name + ".grad", ReduceOp.AVERAGE, process_set=ps)
-            return g if api.rank() == root_rank else tf.zeros_like(g)
+            # g * 0, not tf.zeros_like(g): zeros of a known shape would not depend on the allreduce, so a
+            # TF1 session would prune it on this rank and the root would wait for it (Horovod does the same)
+            return g if api.rank() == root_rank else g * tf.cast(0, g.dtype)
 
         return y, grad
 
