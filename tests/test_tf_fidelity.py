@@ -231,3 +231,64 @@ def test_version_helper_rejects_what_horovods_does():
         is_version_greater_equal_than(2, "1.0.0")
     with pytest.raises(ValueError, match="major.minor.patch"):
         is_version_greater_equal_than("2.16", "2.16")
+
+
+def _sdprun_horovod(args, cwd=None, timeout=300, **extra):
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "SDP_"))}
+    env.update(PYTHONPATH=repo, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="", **extra)
+    return subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "--compat", "horovod", "-np", "2", sys.executable,
+                           *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd or repo)
+
+
+def _per_rank(stdout, pattern):
+    import re
+    out = {}
+    for line in stdout.splitlines():
+        head, _, rest = line.partition("<stdout>:")
+        m = re.search(pattern, rest)
+        if m and head.startswith("["):
+            out[int(head.strip("[]"))] = m
+    return out
+
+
+def test_horovod_user_fidelity_test_file_runs_unmodified():
+    """tests/horovod_user/test_tensorflow_hvd_fidelity.py (a tf.test.TestCase for items 1, 2, 4, 5,
+    6: gradients in graph and eager modes, FailedPrecondition/InvalidArgument, HOROVOD_* and
+    horovod.runner.common.util.env, the Keras callback on a lazily built model) passes on both
+    ranks under sdprun --compat horovod -np 2 python -m pytest."""
+    import os
+    res = _sdprun_horovod(["-m", "pytest", "-p", "no:cacheprovider", "-q",
+                           os.path.join("tests", "horovod_user", "test_tensorflow_hvd_fidelity.py")])
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-3000:]
+    found = _per_rank(res.stdout, r"^(\d+) passed")
+    assert sorted(found) == [0, 1], res.stdout[-3000:]
+    for m in found.values():
+        assert int(m.group(1)) == 9 and "failed" not in m.string and "error" not in m.string, m.string
+
+
+def test_horovod_keras_mnist_example_with_tf_keras(tmp_path):
+    """Horovod's tensorflow2_keras_mnist.py pattern (Sequential built by its first batch, callbacks,
+    fit, a checkpoint on rank 0) on real MNIST with TF_USE_LEGACY_KERAS=1 and tf_keras: both ranks
+    end with the same weights and the averaged losses (before: "Weights for model 'sequential'
+    have not yet been created" at train begin)."""
+    import os
+    pytest.importorskip("tf_keras")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mnist = os.path.join(repo, "..", "shared", "data", "mnist")
+    if not os.path.exists(os.path.join(mnist, "train-images-idx3-ubyte.gz")):
+        pytest.skip(f"MNIST IDX files not found in {mnist}")
+    script = os.path.join(repo, "tests", "horovod_user", "tensorflow2_keras_mnist.py")
+    res = _sdprun_horovod([script], cwd=str(tmp_path), TF_USE_LEGACY_KERAS="1", MNIST_DIR=mnist, EPOCHS="2",
+                          STEPS="8")
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-3000:]
+    found = _per_rank(res.stdout, r"KERAS_MNIST rank (\d) keras (\S+) loss (\S+) weights (\w+)")
+    assert sorted(found) == [0, 1], res.stdout[-3000:]
+    assert {m.group(2) for m in found.values()} == {"tf_keras"}
+    assert found[0].group(3) == found[1].group(3) and found[0].group(4) == found[1].group(4)
+    losses = [float(v) for v in found[0].group(3).split(",")]
+    assert losses[-1] < losses[0]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1.h5", "checkpoint-2.h5"]
