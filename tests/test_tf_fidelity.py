@@ -292,3 +292,86 @@ def test_horovod_keras_mnist_example_with_tf_keras(tmp_path):
     losses = [float(v) for v in found[0].group(3).split(",")]
     assert losses[-1] < losses[0]
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-1.h5", "checkpoint-2.h5"]
+
+
+KUNGFU_PROBE = r"""
+import json, os, gzip, shutil, tempfile
+import numpy as np
+from kungfu.tensorflow.v1.helpers.mnist import load_datasets
+from kungfu.tensorflow.v1.helpers import idx, utils
+from kungfu.tensorflow.v1.helpers.cifar import Cifar10Loader
+from kungfu.tensorflow.v1.benchmarks import all_reduce_benchmark
+import kungfu.tensorflow.v1.ops as v1ops
+from kungfu.python import current_rank
+d = os.environ["MNIST_DIR"]
+raw = load_datasets(d)
+m = load_datasets(d, normalize=True, one_hot=True)
+p = load_datasets(d, padded=True)
+out = {"raw": [list(raw.train.images.shape), str(raw.train.images.dtype), list(raw.train.labels.shape),
+               raw.train.labels[:5].tolist(), list(raw.test.images.shape), int(raw.train.images.max())],
+       "norm": [str(m.train.images.dtype), float(m.train.images.max()), list(m.train.labels.shape),
+                float(m.train.labels.sum()), m.train.labels[:5].argmax(1).tolist()],
+       "padded": [list(p.train.images.shape), int(p.train.images[:, :2].max())],
+       "sizes": [utils.show_size(3 * 1024 ** 2), utils.show_size(100), utils.show_rate(2048, 1.0)]}
+tmp = tempfile.mkdtemp()
+a = np.arange(24, dtype=np.int32).reshape(2, 3, 4)
+idx.write_idx_file(os.path.join(tmp, "a.idx"), a)
+back = idx.read_idx_file(os.path.join(tmp, "a.idx"))
+with open(os.path.join(tmp, "a.idx"), "rb") as f:
+    blob = f.read()
+with open(os.path.join(tmp, "cut.idx"), "wb") as f:
+    f.write(blob[:-4])
+try:
+    idx.read_idx_file(os.path.join(tmp, "cut.idx"))
+    cut = "no error"
+except ValueError as e:
+    cut = str(e)
+out["idx"] = [back.tolist() == a.tolist(), str(back.dtype), cut]
+durations, reduced = all_reduce_benchmark([1000, 3000], warmup_steps=1, bench_steps=2)
+out["bench"] = [len(durations), [float(r[0]) for r in reduced], [len(r) for r in reduced]]
+out["v1ops"] = hasattr(v1ops, "group_all_reduce")
+shutil.rmtree(tmp)
+print("KF " + json.dumps(out), flush=True)
+"""
+
+
+def test_kungfu_tensorflow_v1_helpers_on_real_mnist():
+    """Issue 31 item 8: kungfu.tensorflow.v1 (before: ModuleNotFoundError) under sdprun --compat
+    kungfu: helpers.mnist.load_datasets on the real MNIST IDX files (as distributed, gzipped),
+    normalize/one_hot/padded, helpers.idx round trip and a truncated file refused, helpers.utils,
+    and the fake-data allreduce benchmark on sdp's engine."""
+    import json
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mnist = os.path.join(repo, "..", "shared", "data", "mnist")
+    if not os.path.exists(os.path.join(mnist, "train-images-idx3-ubyte.gz")):
+        pytest.skip(f"MNIST IDX files not found in {mnist}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "SDP_"))}
+    env.update(PYTHONPATH=repo, MNIST_DIR=mnist, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "--compat", "kungfu", "-np", "2", sys.executable,
+                          "-c", KUNGFU_PROBE], capture_output=True, text=True, timeout=300, env=env, cwd=repo)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    found = {}
+    for line in res.stdout.splitlines():
+        head, _, rest = line.partition("<stdout>:")
+        if rest.startswith("KF "):
+            found[int(head.strip("[]"))] = json.loads(rest[3:])
+    assert sorted(found) == [0, 1], res.stdout[-3000:]
+    for got in found.values():
+        assert got["raw"] == [[60000, 28, 28], "uint8", [60000], [5, 0, 4, 1, 9], [10000, 28, 28], 255]
+        assert got["norm"] == ["float32", 1.0, [60000, 10], 60000.0, [5, 0, 4, 1, 9]]
+        assert got["padded"] == [[60000, 32, 32, 1], 0]
+        assert got["sizes"] == ["3.00Mi", "100", "2.00KiB/s"]
+        assert got["idx"][:2] == [True, "int32"] and "needs" in got["idx"][2]
+        assert got["bench"] == [2, [2.0, 2.0], [1000, 3000]]
+        assert got["v1ops"] is True
+
+
+def test_kungfu_model_sizes_are_measured_from_keras():
+    from sdp_kungfu_bridge.tensorflow.v1.benchmarks import model_sizes
+    sizes = model_sizes.resnet50_imagenet
+    assert sum(sizes) == 25583592 and len(sizes) == 214  # Keras ResNet50: 25,583,592 trainable parameters
+    with pytest.raises(AttributeError, match="bert"):
+        model_sizes.bert
