@@ -375,3 +375,22 @@ def test_kungfu_model_sizes_are_measured_from_keras():
     assert sum(sizes) == 25583592 and len(sizes) == 214  # Keras ResNet50: 25,583,592 trainable parameters
     with pytest.raises(AttributeError, match="bert"):
         model_sizes.bert
+
+
+@pytest.mark.parametrize("leaver", [1, 0])
+def test_stall_shutdown_reaches_a_rank_blocked_in_a_tf1_session(leaver, tmp_path):
+    """Issue 31 item 7: one rank leaves a loop of TF1 Session.run collectives; the other, blocked
+    inside Session.run, gets an error naming the tensor after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
+    (Horovod's name of SDP_STALL_SHUTDOWN_TIME), whether the coordinator (rank 0) or another rank
+    left; the rank that moved on gets StallError naming that tensor at its next collective.
+    (This held on the code before: the test pins it.)"""
+    flag = str(tmp_path / "failed")
+    values = check_ok(run_workers(2, "workers_tf_fidelity:diverging_tf1_loop", [leaver, flag], timeout=120,
+                                  env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "1",
+                                       "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3"}))
+    blocked = values[1 - leaver]
+    assert blocked["loop"][1:] == [True, True], blocked
+    moved = values[leaver]
+    assert moved["loop"] == "left"
+    assert moved["after"][0] == "StallError" and "'loop_grad'" in moved["after"][1], moved
+    assert f"missing ranks [{leaver}]" in moved["after"][1]

@@ -178,3 +178,41 @@ def root_logger_debug():
     level = logging.getLogger("sdp").getEffectiveLevel()
     sdp.shutdown()
     return logging.getLevelName(level)
+
+
+def diverging_tf1_loop(leaver, flag_path):
+    """Rank ``leaver`` leaves a TF1 Session loop of allreduces after 2 steps (an assertion failed
+    there) and goes on without collectives until the other rank's Session.run has failed (it
+    writes ``flag_path``), then calls a collective.  Returns what each rank saw."""
+    import os
+    import time
+
+    import tensorflow as tf
+
+    import sdp.tensorflow as hvd
+    r = hvd.rank()
+    out = {}
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4])
+        y = hvd.allreduce(x, name="loop_grad")
+        with tf.compat.v1.Session() as sess:
+            try:
+                for step in range(5):
+                    if r == leaver and step == 2:
+                        break
+                    sess.run(y, {x: np.ones(4, np.float32)})
+                out["loop"] = "left"
+            except tf.errors.OpError as e:
+                out["loop"] = [type(e).__name__, "StallError" in str(e), "'loop_grad'" in str(e)]
+                with open(flag_path + ".tmp", "w") as f:
+                    f.write("failed")
+                os.replace(flag_path + ".tmp", flag_path)
+    if r == leaver:
+        while not os.path.exists(flag_path):  # the other rank is blocked in Session.run until the stall ends it
+            time.sleep(0.05)
+        try:
+            hvd.allreduce(tf.ones([2]), name="after_loop")
+            out["after"] = "no error"
+        except Exception as e:  # noqa: BLE001
+            out["after"] = [type(e).__name__, str(e)]
+    return out
