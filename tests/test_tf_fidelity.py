@@ -1,6 +1,12 @@
 """Horovod's behaviour where a real script or test notices it (issue 31), across 2 real processes:
 gradients of every collective (eager, tf.function, TF1 graphs, process sets), TensorFlow's error
 classes."""
+import json
+import os
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -10,6 +16,43 @@ from workers_tf_fidelity import upstream
 pytest.importorskip("tensorflow")
 
 pytestmark = pytest.mark.tf
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sdprun(args, compat=None, hosts=None, cwd=None, timeout=300, **extra):
+    """``sdprun -np 2 [-H hosts] [--compat compat] python *args`` with a clean environment plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "SDP_"))}
+    env.update(PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="", **extra)
+    argv = [sys.executable, "-m", "sdp.launcher.cli", "-np", "2"] + (["-H", hosts] if hosts else [])
+    argv += (["--compat", compat] if compat else []) + [sys.executable, *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd or REPO)
+
+
+def _per_rank(stdout, pattern):
+    """{rank: re.Match} of the first match of ``pattern`` in each rank's stdout lines."""
+    out = {}
+    for line in stdout.splitlines():
+        head, _, rest = line.partition("<stdout>:")
+        m = re.search(pattern, rest)
+        if m and head.startswith("[") and int(head.strip("[]")) not in out:
+            out[int(head.strip("[]"))] = m
+    return out
+
+
+def _mnist_dir():
+    """The shared MNIST IDX files (../shared/data/mnist from the project root), else skip."""
+    mnist = os.path.join(REPO, "..", "shared", "data", "mnist")
+    if not os.path.exists(os.path.join(mnist, "train-images-idx3-ubyte.gz")):
+        pytest.skip(f"MNIST IDX files not found in {mnist}")
+    return mnist
+
+
+def _json_per_rank(res, tag):
+    """{rank: the JSON each rank printed after ``tag``}; asserts sdprun succeeded on both ranks."""
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    found = {r: json.loads(m.group(1)) for r, m in _per_rank(res.stdout, "^" + tag + " (.*)$").items()}
+    assert sorted(found) == [0, 1], res.stdout[-3000:]
+    return found
 
 
 def _expected_gradients(n=2):
@@ -148,24 +191,7 @@ def test_sdprun_exports_horovods_worker_environment(compat):
     """Issue 31 item 4: horovodrun gives every worker HOROVOD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE,
     _CROSS_RANK, _CROSS_SIZE and HOROVOD_HOSTNAME; sdprun now does too, beside SDP_*, under any
     --compat and without it (before: none of them)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "SDP_"))}
-    env["PYTHONPATH"] = repo
-    args = [sys.executable, "-m", "sdp.launcher.cli", "-np", "2", "-H", "localhost:2"]
-    args += ["--compat", compat] if compat else []
-    res = subprocess.run(args + [sys.executable, "-c", ENV_PROBE], capture_output=True, text=True, timeout=120,
-                         env=env, cwd=repo)
-    assert res.returncode == 0, res.stdout + res.stderr
-    seen = {}
-    for line in res.stdout.splitlines():
-        head, _, rest = line.partition("<stdout>:")
-        if rest.startswith("ENV "):
-            seen[int(head.strip("[]"))] = json.loads(rest[4:])
-    assert sorted(seen) == [0, 1], res.stdout
+    seen = _json_per_rank(_sdprun(["-c", ENV_PROBE], compat=compat, hosts="localhost:2", timeout=120), "ENV")
     for r, got in seen.items():
         assert got == {"HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": str(r),
                        "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1",
@@ -197,22 +223,8 @@ def test_horovod_module_paths_that_user_code_imports():
     """Issue 31 item 5: every public name of horovod.common.util (is_version_greater_equal_than
     was missing) and horovod.runner.common.util.{env,settings,hosts} (absent) resolve under
     sdprun --compat horovod, and env.get_env_rank_and_size() sees each rank's place."""
-    import json
-    import os
-    import subprocess
-    import sys
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "SDP_"))}
-    env.update(PYTHONPATH=repo, NAMES=json.dumps(HOROVOD_UTIL_NAMES))
-    res = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", "--compat", "horovod", sys.executable,
-                          "-c", MODULE_PROBE], capture_output=True, text=True, timeout=120, env=env, cwd=repo)
-    assert res.returncode == 0, res.stdout + res.stderr
-    seen = {}
-    for line in res.stdout.splitlines():
-        head, _, rest = line.partition("<stdout>:")
-        if rest.startswith("MOD "):
-            seen[int(head.strip("[]"))] = json.loads(rest[4:])
-    assert sorted(seen) == [0, 1], res.stdout + res.stderr
+    seen = _json_per_rank(_sdprun(["-c", MODULE_PROBE], compat="horovod", timeout=120,
+                                  NAMES=json.dumps(HOROVOD_UTIL_NAMES)), "MOD")
     for r, got in seen.items():
         assert got["missing"] == []
         assert got["rank_size"] == [r, 2]
@@ -233,36 +245,13 @@ def test_version_helper_rejects_what_horovods_does():
         is_version_greater_equal_than("2.16", "2.16")
 
 
-def _sdprun_horovod(args, cwd=None, timeout=300, **extra):
-    import os
-    import subprocess
-    import sys
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "SDP_"))}
-    env.update(PYTHONPATH=repo, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="", **extra)
-    return subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "--compat", "horovod", "-np", "2", sys.executable,
-                           *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd or repo)
-
-
-def _per_rank(stdout, pattern):
-    import re
-    out = {}
-    for line in stdout.splitlines():
-        head, _, rest = line.partition("<stdout>:")
-        m = re.search(pattern, rest)
-        if m and head.startswith("["):
-            out[int(head.strip("[]"))] = m
-    return out
-
-
 def test_horovod_user_fidelity_test_file_runs_unmodified():
     """tests/horovod_user/test_tensorflow_hvd_fidelity.py (a tf.test.TestCase for items 1, 2, 4, 5,
     6: gradients in graph and eager modes, FailedPrecondition/InvalidArgument, HOROVOD_* and
     horovod.runner.common.util.env, the Keras callback on a lazily built model) passes on both
     ranks under sdprun --compat horovod -np 2 python -m pytest."""
-    import os
-    res = _sdprun_horovod(["-m", "pytest", "-p", "no:cacheprovider", "-q",
-                           os.path.join("tests", "horovod_user", "test_tensorflow_hvd_fidelity.py")])
+    res = _sdprun(["-m", "pytest", "-p", "no:cacheprovider", "-q",
+                   os.path.join("tests", "horovod_user", "test_tensorflow_hvd_fidelity.py")], compat="horovod")
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-3000:]
     found = _per_rank(res.stdout, r"^(\d+) passed")
     assert sorted(found) == [0, 1], res.stdout[-3000:]
@@ -275,15 +264,11 @@ def test_horovod_keras_mnist_example_with_tf_keras(tmp_path):
     fit, a checkpoint on rank 0) on real MNIST with TF_USE_LEGACY_KERAS=1 and tf_keras: both ranks
     end with the same weights and the averaged losses (before: "Weights for model 'sequential'
     have not yet been created" at train begin)."""
-    import os
     pytest.importorskip("tf_keras")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    mnist = os.path.join(repo, "..", "shared", "data", "mnist")
-    if not os.path.exists(os.path.join(mnist, "train-images-idx3-ubyte.gz")):
-        pytest.skip(f"MNIST IDX files not found in {mnist}")
-    script = os.path.join(repo, "tests", "horovod_user", "tensorflow2_keras_mnist.py")
-    res = _sdprun_horovod([script], cwd=str(tmp_path), TF_USE_LEGACY_KERAS="1", MNIST_DIR=mnist, EPOCHS="2",
-                          STEPS="8")
+    mnist = _mnist_dir()
+    script = os.path.join(REPO, "tests", "horovod_user", "tensorflow2_keras_mnist.py")
+    res = _sdprun([script], compat="horovod", cwd=str(tmp_path), TF_USE_LEGACY_KERAS="1", MNIST_DIR=mnist, EPOCHS="2",
+                  STEPS="8")
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-3000:]
     found = _per_rank(res.stdout, r"KERAS_MNIST rank (\d) keras (\S+) loss (\S+) weights (\w+)")
     assert sorted(found) == [0, 1], res.stdout[-3000:]
@@ -340,25 +325,8 @@ def test_kungfu_tensorflow_v1_helpers_on_real_mnist():
     kungfu: helpers.mnist.load_datasets on the real MNIST IDX files (as distributed, gzipped),
     normalize/one_hot/padded, helpers.idx round trip and a truncated file refused, helpers.utils,
     and the fake-data allreduce benchmark on sdp's engine."""
-    import json
-    import os
-    import subprocess
-    import sys
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    mnist = os.path.join(repo, "..", "shared", "data", "mnist")
-    if not os.path.exists(os.path.join(mnist, "train-images-idx3-ubyte.gz")):
-        pytest.skip(f"MNIST IDX files not found in {mnist}")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "SDP_"))}
-    env.update(PYTHONPATH=repo, MNIST_DIR=mnist, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "--compat", "kungfu", "-np", "2", sys.executable,
-                          "-c", KUNGFU_PROBE], capture_output=True, text=True, timeout=300, env=env, cwd=repo)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    found = {}
-    for line in res.stdout.splitlines():
-        head, _, rest = line.partition("<stdout>:")
-        if rest.startswith("KF "):
-            found[int(head.strip("[]"))] = json.loads(rest[3:])
-    assert sorted(found) == [0, 1], res.stdout[-3000:]
+    mnist = _mnist_dir()
+    found = _json_per_rank(_sdprun(["-c", KUNGFU_PROBE], compat="kungfu", MNIST_DIR=mnist), "KF")
     for got in found.values():
         assert got["raw"] == [[60000, 28, 28], "uint8", [60000], [5, 0, 4, 1, 9], [10000, 28, 28], 255]
         assert got["norm"] == ["float32", 1.0, [60000, 10], 60000.0, [5, 0, 4, 1, 9]]

@@ -27,48 +27,39 @@ import tensorflow as tf
 from sdp.common import errors as _errors
 
 
-class TensorMismatchError(tf.errors.FailedPreconditionError, _errors.TensorMismatchError):
+class _FromMessage:
+    """Mixin of the classes below: built from sdp's message alone (the ``OpError``'s ``node_def``
+    and ``op`` are None), printed as that message, and picklable."""
+    _op_error = tf.errors.OpError  # the TensorFlow class whose constructor is used
+
+    def __init__(self, message: str):
+        self._op_error.__init__(self, None, None, message)
+
+    def __str__(self):
+        return self.message
+
+    def __reduce__(self):
+        return type(self), (self.message,)
+
+
+class TensorMismatchError(_FromMessage, tf.errors.FailedPreconditionError, _errors.TensorMismatchError):
     """Ranks disagree on a collective (shape, dtype, op, root rank, scale factors): Horovod's
     ``tf.errors.FailedPreconditionError``, also :class:`sdp.common.errors.TensorMismatchError`."""
-
-    def __init__(self, message: str):
-        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
-
-    def __str__(self):
-        return self.message
-
-    def __reduce__(self):
-        return type(self), (self.message,)
+    _op_error = tf.errors.FailedPreconditionError
 
 
-class InvalidCollectiveError(tf.errors.InvalidArgumentError, _errors.SdpError, ValueError):
+class InvalidCollectiveError(_FromMessage, tf.errors.InvalidArgumentError, _errors.SdpError, ValueError):
     """A collective called with arguments Horovod rejects (a rank outside the process set it
-    calls; alltoall splits that do not match the tensor): ``tf.errors.InvalidArgumentError``, also
-    :class:`sdp.common.errors.SdpError` and ``ValueError`` (what sdp raised before)."""
-
-    def __init__(self, message: str):
-        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
-
-    def __str__(self):
-        return self.message
-
-    def __reduce__(self):
-        return type(self), (self.message,)
+    calls): ``tf.errors.InvalidArgumentError``, also :class:`sdp.common.errors.SdpError` and
+    ``ValueError`` (what sdp raised before)."""
+    _op_error = tf.errors.InvalidArgumentError
 
 
-class AlltoallSplitsError(tf.errors.InvalidArgumentError, _errors.TensorMismatchError):
+class AlltoallSplitsError(_FromMessage, tf.errors.InvalidArgumentError, _errors.TensorMismatchError):
     """A rank's alltoall ``splits`` do not add up to its first dimension (or are not one per
     rank): Horovod's ``tf.errors.InvalidArgumentError``, also
     :class:`sdp.common.errors.TensorMismatchError` (every rank raises it)."""
-
-    def __init__(self, message: str):
-        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
-
-    def __str__(self):
-        return self.message
-
-    def __reduce__(self):
-        return type(self), (self.message,)
+    _op_error = tf.errors.InvalidArgumentError
 
 
 def as_tf_error(e: BaseException) -> BaseException:
