@@ -1,17 +1,29 @@
 """Small helpers shared by the sdp examples: flags, CPU threads, GPU pinning, the input pipeline's
-options, a model, evaluation.
+options, a model, a progress bar, evaluation.
 
 Only the set-up that every example repeats lives here.  What makes training distributed
 (``init``, ``DistributedGradientTape`` / ``DistributedOptimizer``, the KungFu optimizers, the
 broadcast from rank 0) stays in each example, where it can be read.
 
 The MNIST loading and sharding helpers are in ``mnist_data.py`` next to this file.
+
+This module imports TensorFlow only inside the functions that need it, so that an example can
+parse its arguments (and answer ``--help``) before TensorFlow loads, which takes 5-20 s.
 """
 
+import argparse
 import os
+import sys
 
 import numpy as np
-import tensorflow as tf
+
+
+def argument_parser(doc):
+    """An ``argparse`` parser whose description is the first paragraph of ``doc`` (the example's
+    docstring) and whose help shows every flag's default."""
+    first = doc.strip().split("\n\n")[0]
+    return argparse.ArgumentParser(description=" ".join(first.split()),
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
 def add_common_args(parser, *, batch_size=64, lr=0.001, epochs=1, seed=42, per="rank"):
@@ -21,15 +33,35 @@ def add_common_args(parser, *, batch_size=64, lr=0.001, epochs=1, seed=42, per="
     default is None.  ``per`` names one process in the help texts ("rank" or "worker").
     """
     parser.add_argument("--data-dir", default=None,
-                        help="directory with the MNIST IDX .gz files "
-                             "(default: $SDP_MNIST_DIR or ../shared/data/mnist, else download)")
+                        help="directory with the MNIST IDX .gz files; None: $SDP_MNIST_DIR or "
+                             "../shared/data/mnist, else download with Keras")
     if epochs is not None:
-        parser.add_argument("--epochs", type=int, default=epochs)
+        parser.add_argument("--epochs", type=int, default=epochs, help="passes over the training data")
     parser.add_argument("--batch-size", type=int, default=batch_size, help=f"batch size per {per}")
     parser.add_argument("--lr", type=float, default=lr, help=f"Adam learning rate for one {per}")
     if seed is not None:
-        parser.add_argument("--seed", type=int, default=seed)
+        parser.add_argument("--seed", type=int, default=seed,
+                            help=f"random seed (each {per} adds its rank)")
     return parser
+
+
+def progress_bar(target, rank, unit="step"):
+    """A Keras ``Progbar`` for ``target`` steps on rank 0 (None elsewhere): call
+    ``bar.update(step, [("loss", loss), ("images/s", rate)])`` after each step.
+
+    Keras redraws the bar in place (with a carriage return); ``sdprun`` shows such an in-place
+    line at most every 10 s, and the last one.  ``images/s`` is shown as given (not averaged)."""
+    if rank != 0:
+        return None
+    import keras
+    return keras.utils.Progbar(target, unit_name=unit, stateful_metrics=["images/s"],
+                               interval=0.5 if sys.stdout.isatty() else 0.05)
+
+
+def interrupted(rank, step):
+    """Ctrl-C / SIGTERM reached this rank: say where, in one line, and exit with 130."""
+    print(f"rank {rank}: interrupted at step {step}", file=sys.stderr, flush=True)
+    raise SystemExit(130)
 
 
 def threads_per_process(local_size):
@@ -42,6 +74,7 @@ def configure_threads(local_size, min_inter_op=1):
     start one thread per core.  Sets TensorFlow's intra-op threads to the cores per process and its
     inter-op threads to that, or to ``min_inter_op`` if more; returns the cores per process.
     Call it before TensorFlow runs any op."""
+    import tensorflow as tf
     threads = threads_per_process(local_size)
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(max(min_inter_op, threads))
@@ -51,6 +84,7 @@ def configure_threads(local_size, min_inter_op=1):
 def pin_gpu(local_rank):
     """One GPU per process, chosen by local rank, with memory growth on; nothing without GPUs.
     Call it before TensorFlow initialises its devices."""
+    import tensorflow as tf
     gpus = tf.config.list_physical_devices("GPU")
     for gpu in gpus:
         tf.config.experimental.set_memory_growth(gpu, True)
@@ -64,6 +98,7 @@ def without_autotune(dataset, prefetch=2):
     With autotuning on, deleting an iterator (at the end of a ``for`` loop over a dataset) waits
     for tf.data's autotuning thread; in about one run in three here (TF 2.21) that held the end
     of an epoch up by ~17 s, with the CPUs idle.  An in-memory MNIST pipeline needs no tuning."""
+    import tensorflow as tf
     options = tf.data.Options()
     options.autotune.enabled = False
     return dataset.prefetch(prefetch).with_options(options)
@@ -73,6 +108,7 @@ def build_convnet(filters=(16, 32), dropout=None):
     """A small MNIST convnet for (28, 28, 1) images, returning logits for 10 classes: one
     Conv2D(3x3, ReLU) + MaxPooling2D block per entry of ``filters``, Flatten, Dropout(``dropout``)
     if given, Dense(64, ReLU), Dense(10)."""
+    import tensorflow as tf
     layers = [tf.keras.Input(shape=(28, 28, 1))]
     for n in filters:
         layers += [tf.keras.layers.Conv2D(n, 3, activation="relu"), tf.keras.layers.MaxPooling2D()]
