@@ -45,6 +45,17 @@ def add_common_args(parser, *, batch_size=64, lr=0.001, epochs=1, seed=42, per="
     return parser
 
 
+KUNGFU_OPTIMIZERS = ("pair-avg", "sma", "sync-sgd")
+
+
+def add_kungfu_optimizer_arg(parser):
+    """``--optimizer`` of the KungFu examples: one of ``KUNGFU_OPTIMIZERS``."""
+    parser.add_argument("--optimizer", choices=KUNGFU_OPTIMIZERS, default="sync-sgd",
+                        help="KungFu optimizer: S-SGD (sync-sgd), SMA model averaging (sma) or "
+                             "AD-PSGD pair averaging (pair-avg)")
+    return parser
+
+
 def progress_bar(target, rank, unit="step"):
     """A Keras ``Progbar`` for ``target`` steps on rank 0 (None elsewhere): call
     ``bar.update(step, [("loss", loss), ("images/s", rate)])`` after each step.

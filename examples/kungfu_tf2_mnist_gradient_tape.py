@@ -22,13 +22,10 @@ sys.path.append(str(_HERE.parent))
 
 import common  # noqa: E402  (helpers shared by the examples; no TensorFlow yet: --help answers at once)
 
-OPTIMIZER_NAMES = ("pair-avg", "sma", "sync-sgd")
-
 
 def parse_args(argv=None):
     p = common.argument_parser(__doc__)
-    p.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="sync-sgd",
-                   help="KungFu optimizer: S-SGD, SMA (model averaging) or AD-PSGD (pair averaging)")
+    common.add_kungfu_optimizer_arg(p)
     # --data-dir, --epochs, --batch-size, --lr, --seed
     common.add_common_args(p, epochs=1, batch_size=64, lr=0.001, seed=1, per="worker")
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps (None: every step of --epochs)")
