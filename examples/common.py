@@ -14,6 +14,7 @@ parse its arguments (and answer ``--help``) before TensorFlow loads, which takes
 import argparse
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -56,17 +57,37 @@ def add_kungfu_optimizer_arg(parser):
     return parser
 
 
-def progress_bar(target, rank, unit="step"):
-    """A Keras ``Progbar`` for ``target`` steps on rank 0 (None elsewhere): call
-    ``bar.update(step, [("loss", loss), ("images/s", rate)])`` after each step.
+class Progress:
+    """Rank 0's progress bar for a training loop: a Keras ``Progbar`` of ``target`` steps showing
+    the mean loss so far and images/s (``images_per_step`` over the time since the previous
+    update); does nothing on other ranks.  Call ``update(step, loss)`` after each step, and
+    ``end()`` after a loop that may stop before ``target``.
 
     Keras redraws the bar in place (with a carriage return); ``sdprun`` shows such an in-place
-    line at most every 10 s, and the last one.  ``images/s`` is shown as given (not averaged)."""
-    if rank != 0:
-        return None
-    import keras
-    return keras.utils.Progbar(target, unit_name=unit, stateful_metrics=["images/s"],
-                               interval=0.5 if sys.stdout.isatty() else 0.05)
+    line at most every 10 s, and the last one."""
+
+    def __init__(self, target, rank, images_per_step):
+        self.bar = None
+        if rank == 0:
+            import keras
+            self.bar = keras.utils.Progbar(target, stateful_metrics=["loss", "images/s"],
+                                           interval=0.5 if sys.stdout.isatty() else 0.05)
+        self.target, self.images_per_step = target, images_per_step
+        self.step, self.loss_sum, self.count, self.last = 0, 0.0, 0, time.perf_counter()
+
+    def update(self, step, loss):
+        if self.bar is None:
+            return
+        now = time.perf_counter()
+        rate = self.images_per_step / max(now - self.last, 1e-9)
+        self.loss_sum, self.count, self.last = self.loss_sum + float(loss), self.count + 1, now
+        self.step = step
+        self.bar.update(step, [("loss", self.loss_sum / self.count), ("images/s", round(rate))])
+
+    def end(self):
+        """End the bar's line if the loop stopped before ``target`` (Keras ends it at ``target``)."""
+        if self.bar is not None and 0 < self.step < self.target:
+            print(flush=True)
 
 
 def interrupted(rank, step):

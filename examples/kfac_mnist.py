@@ -161,18 +161,15 @@ def main(argv=None):
     order, pos = rng.permutation(len(x_shard)), 0
     targets = sorted(float(t) for t in args.target_accuracy.split(",")) if args.target_accuracy else []
     start, accuracy, step = time.perf_counter(), None, 0
-    bar = common.progress_bar(args.steps, rank)  # rank 0 only
+    progress = common.Progress(args.steps, rank, args.batch_size)  # a bar on rank 0
     while step < args.steps:
         if pos + batch > len(order):
             order, pos = rng.permutation(len(x_shard)), 0
         idx = order[pos:pos + batch]
         pos += batch
-        step_start = time.perf_counter()
         loss = train_step(tf.constant(x_shard[idx]), tf.constant(y_shard[idx]))
         step += 1
-        if bar is not None:
-            rate = args.batch_size / (time.perf_counter() - step_start)
-            bar.update(step, [("loss", float(loss)), ("images/s", round(rate))])
+        progress.update(step, loss)
         near = accuracy is not None and any(t - args.eval_near <= accuracy < t for t in targets)
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps or near:
             if rank == 0 and not near:
@@ -185,6 +182,7 @@ def main(argv=None):
                       f"{time.perf_counter() - start:.1f} s", flush=True)
             if targets and accuracy >= targets[-1]:
                 break
+    progress.end()
     elapsed = time.perf_counter() - start
     if kfac_opt is not None:  # every rank: the inversion work differs between ranks
         t = kfac_opt.timings

@@ -90,13 +90,11 @@ def main():
         print(f"training with {args.optimizer} on {size} worker(s), {per_worker} images each", flush=True)
     start = time.perf_counter()
     total = (per_worker // args.batch_size) * args.epochs
-    bar = common.progress_bar(min(total, args.steps or total), rank)  # rank 0 only
+    progress = common.Progress(min(total, args.steps or total), rank, args.batch_size * size)
     for batch, (images, labels) in enumerate(dataset):
-        step_start = time.perf_counter()
         loss = training_step(images, labels, batch == 0)
-        if bar is not None:
-            rate = args.batch_size * size / (time.perf_counter() - step_start)
-            bar.update(batch + 1, [("loss", float(loss)), ("images/s", round(rate))])
+        progress.update(batch + 1, loss)
+    progress.end()
     elapsed = time.perf_counter() - start
     run_barrier()  # with pair averaging, peers may still pull from this worker's store
     if rank == 0:

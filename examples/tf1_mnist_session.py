@@ -83,14 +83,11 @@ def main():
         with tf.compat.v1.train.MonitoredTrainingSession(checkpoint_dir=checkpoint_dir, hooks=hooks,
                                                          config=config, save_summaries_steps=None,
                                                          save_summaries_secs=None) as sess:
-            bar = common.progress_bar(args.steps, rank)  # rank 0 only
+            progress = common.Progress(args.steps, rank, args.batch_size * size)  # a bar on rank 0
             for step in range(1, args.steps + 1):
                 idx = rng.integers(0, len(x_shard), args.batch_size)
-                step_start = time.perf_counter()
                 _, loss_value = sess.run([train_op, loss], feed_dict={images: x_shard[idx], labels: y_shard[idx]})
-                if bar is not None:
-                    rate = args.batch_size * size / (time.perf_counter() - step_start)
-                    bar.update(step, [("loss", float(loss_value)), ("images/s", round(rate))])
+                progress.update(step, loss_value)
             if rank == 0:
                 print(f"evaluating on {len(x_test)} test images", flush=True)
             test_acc = sess.run(accuracy, feed_dict={images: (x_test.reshape(-1, 784) / 255.0).astype(np.float32),

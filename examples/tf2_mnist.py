@@ -128,9 +128,8 @@ def main():
     for epoch in range(1, args.epochs + 1):
         start = time.perf_counter()
         losses = []
-        bar = common.progress_bar(steps_per_epoch, rank)  # rank 0 only
+        progress = common.Progress(steps_per_epoch, rank, args.batch_size * size)  # a bar on rank 0
         for images, labels in dataset:
-            step_start = time.perf_counter()
             losses.append(training_step(images, labels))
             step += 1
             if step == 1:
@@ -138,12 +137,11 @@ def main():
                 # they exist, copy model and optimizer state from rank 0.
                 sdp.broadcast_variables(model.variables, root_rank=0)
                 sdp.broadcast_variables(opt.variables, root_rank=0)
-            if bar is not None:
-                rate = args.batch_size * size / (time.perf_counter() - step_start)
-                bar.update(len(losses), [("loss", float(losses[-1])), ("images/s", round(rate))])
+            progress.update(len(losses), losses[-1])
             if args.steps is not None and step >= args.steps:
                 done = True
                 break
+        progress.end()
         elapsed = time.perf_counter() - start
         # Every rank takes part in the allreduce; only rank 0 reports.
         mean_loss = sdp.allreduce(tf.reduce_mean(tf.stack(losses)), op=sdp.ReduceOp.AVERAGE)
