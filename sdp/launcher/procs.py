@@ -87,15 +87,12 @@ def _pump(pipe: IO[bytes], prefix: str, sink: _Sink, on_line: Optional[Callable[
         while True:
             chunk = pipe.read1(_MAX_LINE)
             buf += chunk
-            while buf:
-                # a trailing \r may be the first half of \r\n: wait for the next read
-                m = _EOL.search(buf, 0, len(buf) - 1 if chunk and buf.endswith(b"\r") else len(buf))
-                if m is None:
-                    if len(buf) >= _MAX_LINE or not chunk:
-                        show(buf)
-                        buf = b""
-                    break
-                piece, buf = buf[:m.start()], buf[m.end():]
+            # a trailing \r may be the first half of \r\n: wait for the next read
+            end = len(buf) - 1 if chunk and buf.endswith(b"\r") else len(buf)
+            pos = 0
+            for m in _EOL.finditer(buf, 0, end):
+                piece = buf[pos:m.start()]
+                pos = m.end()
                 if m.group() != b"\r":
                     show(piece)
                 elif piece.strip(b"\b \t"):
@@ -103,6 +100,10 @@ def _pump(pipe: IO[bytes], prefix: str, sink: _Sink, on_line: Optional[Callable[
                     if now - shown_at >= PROGRESS_INTERVAL_S:
                         shown_at = now
                         show(piece)
+            buf = buf[pos:]
+            if buf and (len(buf) >= _MAX_LINE or not chunk):
+                show(buf)
+                buf = b""
             if not chunk:
                 return
 
