@@ -19,47 +19,43 @@ first-order optimizers use ``sdp.DistributedGradientTape``.  Rank 0 logs the tes
 and at the end; every rank prints its weights checksum.
 """
 
-import argparse
-import hashlib
 import sys
-import time
 from pathlib import Path
-
-import numpy as np
-import tensorflow as tf
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.append(str(_HERE.parent))
 
-import common  # noqa: E402
-import mnist_data  # noqa: E402
-import sdp.tensorflow as sdp  # noqa: E402
-from sdp.tensorflow import kfac  # noqa: E402
+import common  # noqa: E402  (no TensorFlow yet: --help answers at once)
 
 DEFAULT_LR = {"kfac": 0.1, "sgd-momentum": 0.1, "adam": 0.002}
 DEFAULT_MOMENTUM = {"kfac": 0.5, "sgd-momentum": 0.9}  # K-FAC's clipped steps overshoot with 0.9
+STRATEGIES = ("chief", "split")  # sdp.tensorflow.kfac.STRATEGIES
+ESTIMATION_MODES = ("empirical", "gradients")  # sdp.tensorflow.kfac.ESTIMATION_MODES
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.argument_parser(__doc__)
     p.add_argument("--data-dir", default=None,
-                   help="directory with the (Fashion-)MNIST IDX .gz files "
-                        "(default: $SDP_MNIST_DIR or ../shared/data/mnist, else download)")
-    p.add_argument("--optimizer", choices=("kfac", "sgd-momentum", "adam"), default="kfac")
-    p.add_argument("--strategy", choices=kfac.STRATEGIES, default="split",
+                   help="directory with the (Fashion-)MNIST IDX .gz files; None: $SDP_MNIST_DIR or "
+                        "../shared/data/mnist, else download with Keras")
+    p.add_argument("--optimizer", choices=("kfac", "sgd-momentum", "adam"), default="kfac",
+                   help="the optimizer to train with")
+    p.add_argument("--strategy", choices=STRATEGIES, default="split",
                    help="K-FAC distribution: rank 0 inverts everything (chief) or each layer's owner (split)")
     p.add_argument("--batch-size", type=int, default=1080, help="global batch size, split over the ranks")
     p.add_argument("--steps", type=int, default=300, help="training steps")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: %s)" % DEFAULT_LR)
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (None: %s)" % ", ".join(f"{k} {v}" for k, v in DEFAULT_LR.items()))
     p.add_argument("--momentum", type=float, default=None,
-                   help="momentum (kfac and sgd-momentum; default: %s)" % DEFAULT_MOMENTUM)
+                   help="momentum of kfac and sgd-momentum (None: %s)"
+                        % ", ".join(f"{k} {v}" for k, v in DEFAULT_MOMENTUM.items()))
     p.add_argument("--damping", type=float, default=1e-3, help="K-FAC Tikhonov damping")
-    p.add_argument("--cov-ema-decay", type=float, default=0.95)
+    p.add_argument("--cov-ema-decay", type=float, default=0.95, help="K-FAC factors' moving-average decay")
     p.add_argument("--norm-constraint", type=float, default=3e-3, help="K-FAC KL clip (0: off)")
-    p.add_argument("--inv-update-every", type=int, default=10)
-    p.add_argument("--cov-update-every", type=int, default=5)
-    p.add_argument("--estimation-mode", choices=kfac.ESTIMATION_MODES, default="empirical",
+    p.add_argument("--inv-update-every", type=int, default=10, help="refresh K-FAC's inverses every N steps")
+    p.add_argument("--cov-update-every", type=int, default=5, help="update K-FAC's factors every N steps")
+    p.add_argument("--estimation-mode", choices=ESTIMATION_MODES, default="empirical",
                    help="K-FAC's G factors from the true labels (empirical) or from labels sampled "
                         "from the model (gradients)")
     p.add_argument("--eval-every", type=int, default=100, help="log test accuracy every N steps (0: only at the end)")
@@ -68,8 +64,24 @@ def parse_args(argv=None):
     p.add_argument("--eval-near", type=float, default=0.0,
                    help="evaluate every step while the last test accuracy is within this much below a "
                         "--target-accuracy not reached yet (so steps to each target are exact)")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=42, help="random seed (each rank adds its rank)")
     return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and flag errors before TensorFlow loads (5-20 s)
+
+import hashlib  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import mnist_data  # noqa: E402
+import sdp.tensorflow as sdp  # noqa: E402
+from sdp.tensorflow import kfac  # noqa: E402
+
+assert kfac.STRATEGIES == STRATEGIES and kfac.ESTIMATION_MODES == ESTIMATION_MODES
 
 
 def build_model():
@@ -149,6 +161,7 @@ def main(argv=None):
     order, pos = rng.permutation(len(x_shard)), 0
     targets = sorted(float(t) for t in args.target_accuracy.split(",")) if args.target_accuracy else []
     start, accuracy, step = time.perf_counter(), None, 0
+    progress = common.Progress(args.steps, rank, args.batch_size)  # a bar on rank 0
     while step < args.steps:
         if pos + batch > len(order):
             order, pos = rng.permutation(len(x_shard)), 0
@@ -156,8 +169,11 @@ def main(argv=None):
         pos += batch
         loss = train_step(tf.constant(x_shard[idx]), tf.constant(y_shard[idx]))
         step += 1
+        progress.update(step, loss)
         near = accuracy is not None and any(t - args.eval_near <= accuracy < t for t in targets)
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps or near:
+            if rank == 0 and not near:
+                print(f"step {step}: evaluating on {len(x_test)} test images", flush=True)
             accuracy = common.evaluate(model, x_test, y_test) if rank == 0 else 0.0
             if size > 1:  # every rank learns whether the target was reached
                 accuracy = float(sdp.broadcast(tf.constant(accuracy), 0, name="kfac_mnist.accuracy"))
@@ -166,6 +182,7 @@ def main(argv=None):
                       f"{time.perf_counter() - start:.1f} s", flush=True)
             if targets and accuracy >= targets[-1]:
                 break
+    progress.end()
     elapsed = time.perf_counter() - start
     if kfac_opt is not None:  # every rank: the inversion work differs between ranks
         t = kfac_opt.timings

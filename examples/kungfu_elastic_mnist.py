@@ -14,25 +14,14 @@ cluster grows.  The loop follows KungFu's elastic pattern:
 Each worker trains on batches drawn for (step, rank), so the data is spread over however many
 workers there are.  Rank 0 evaluates on the test set at the end.
 """
-import argparse
-import os
 import sys
 from pathlib import Path
-
-import numpy as np
-import tensorflow as tf
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.append(str(_HERE.parent))
 
-import common  # noqa: E402  (helpers shared by the examples)
-import mnist_data  # noqa: E402
-from sdp_kungfu_bridge.python import (current_cluster_size, current_rank, resize,  # noqa: E402
-                                      run_barrier)
-from sdp_kungfu_bridge.tensorflow.initializer import broadcast_variables  # noqa: E402
-from sdp_kungfu_bridge.tensorflow.ops import broadcast  # noqa: E402
-from sdp_kungfu_bridge.tensorflow.optimizers import SynchronousSGDOptimizer  # noqa: E402
+import common  # noqa: E402  (helpers shared by the examples; no TensorFlow yet: --help answers at once)
 
 
 def parse_schedule(text):
@@ -44,13 +33,29 @@ def parse_schedule(text):
     return out
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None):
+    p = common.argument_parser(__doc__)
     # --data-dir, --batch-size, --lr
     common.add_common_args(p, epochs=None, batch_size=64, lr=0.002, seed=None, per="worker")
     p.add_argument("--schedule", default="100:4,200:2", help="STEP:SIZE,... resize after STEP to SIZE")
-    p.add_argument("--max-step", type=int, default=300)
-    return p.parse_args()
+    p.add_argument("--max-step", type=int, default=300, help="train until this step")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and flag errors before TensorFlow loads (5-20 s)
+
+import os  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import mnist_data  # noqa: E402
+from sdp_kungfu_bridge.python import (current_cluster_size, current_rank, resize,  # noqa: E402
+                                      run_barrier)
+from sdp_kungfu_bridge.tensorflow.initializer import broadcast_variables  # noqa: E402
+from sdp_kungfu_bridge.tensorflow.ops import broadcast  # noqa: E402
+from sdp_kungfu_bridge.tensorflow.optimizers import SynchronousSGDOptimizer  # noqa: E402
 
 
 def main():

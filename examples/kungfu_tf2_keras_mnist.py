@@ -7,17 +7,29 @@ The KungFu Keras recipe (kungfu.tensorflow.* is sdp_kungfu_bridge.tensorflow.*):
 optimizer in a KungFu optimizer, compile, and pass ``BroadcastGlobalVariablesCallback`` to
 ``fit`` (it broadcasts rank 0's model and optimizer state after the first batch).
 """
-import argparse
 import sys
 from pathlib import Path
-
-import tensorflow as tf
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.append(str(_HERE.parent))
 
-import common  # noqa: E402  (helpers shared by the examples)
+import common  # noqa: E402  (helpers shared by the examples; no TensorFlow yet: --help answers at once)
+
+
+def parse_args(argv=None):
+    p = common.argument_parser(__doc__)
+    common.add_kungfu_optimizer_arg(p)
+    # --data-dir, --epochs, --batch-size, --lr, --seed
+    common.add_common_args(p, epochs=1, batch_size=64, lr=0.001, seed=1, per="worker")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and flag errors before TensorFlow loads (5-20 s)
+
+import tensorflow as tf  # noqa: E402
+
 import mnist_data  # noqa: E402
 from sdp_kungfu_bridge.python import (current_cluster_size, current_local_size,  # noqa: E402
                                       current_rank, run_barrier)
@@ -28,14 +40,6 @@ from sdp_kungfu_bridge.tensorflow.optimizers import (PairAveragingOptimizer,  # 
 
 OPTIMIZERS = {"sync-sgd": SynchronousSGDOptimizer, "sma": SynchronousAveragingOptimizer,
               "pair-avg": PairAveragingOptimizer}
-
-
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sync-sgd")
-    # --data-dir, --epochs, --batch-size, --lr, --seed
-    common.add_common_args(p, epochs=1, batch_size=64, lr=0.001, seed=1, per="worker")
-    return p.parse_args()
 
 
 def main():
@@ -56,10 +60,11 @@ def main():
     # KungFu step 2: the broadcast callback.  Every worker runs the same number of steps.
     steps = per_worker // args.batch_size
     model.fit(x[:steps * args.batch_size], y[:steps * args.batch_size], batch_size=args.batch_size,
-              epochs=args.epochs, shuffle=True, verbose=2 if rank == 0 else 0,
+              epochs=args.epochs, shuffle=True, verbose=1 if rank == 0 else 0,  # sdprun: a line every 10 s
               callbacks=[BroadcastGlobalVariablesCallback(with_keras=True)])
     run_barrier()  # with pair averaging, peers may still pull from this worker's store
     if rank == 0:
+        print(f"evaluating on {len(x_test)} test images", flush=True)
         _, accuracy = model.evaluate(x_test, y_test, batch_size=1000, verbose=0)
         print(f"test accuracy: {accuracy:.4f}", flush=True)
 

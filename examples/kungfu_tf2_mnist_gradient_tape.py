@@ -13,18 +13,34 @@ The KungFu recipe (kungfu.tensorflow.* is sdp_kungfu_bridge.tensorflow.*):
   2. after the first step, broadcast the model and optimizer variables from rank 0;
   3. each worker reads its own shard of the data; rank 0 evaluates at the end.
 """
-import argparse
 import sys
-import time
 from pathlib import Path
-
-import tensorflow as tf
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.append(str(_HERE.parent))
 
-import common  # noqa: E402  (helpers shared by the examples)
+import common  # noqa: E402  (helpers shared by the examples; no TensorFlow yet: --help answers at once)
+
+
+def parse_args(argv=None):
+    p = common.argument_parser(__doc__)
+    common.add_kungfu_optimizer_arg(p)
+    # --data-dir, --epochs, --batch-size, --lr, --seed
+    common.add_common_args(p, epochs=1, batch_size=64, lr=0.001, seed=1, per="worker")
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (None: every step of --epochs)")
+    p.add_argument("--v1-optimizer", action="store_true",
+                   help="wrap tf.compat.v1.train.AdamOptimizer (as KungFu's example) instead of Keras Adam")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and flag errors before TensorFlow loads (5-20 s)
+
+import time  # noqa: E402
+
+import tensorflow as tf  # noqa: E402
+
 import mnist_data  # noqa: E402
 from sdp_kungfu_bridge.python import (current_cluster_size, current_local_size,  # noqa: E402
                                       current_rank, run_barrier)
@@ -35,17 +51,6 @@ from sdp_kungfu_bridge.tensorflow.optimizers import (PairAveragingOptimizer,  # 
 
 OPTIMIZERS = {"sync-sgd": SynchronousSGDOptimizer, "sma": SynchronousAveragingOptimizer,
               "pair-avg": PairAveragingOptimizer}
-
-
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sync-sgd")
-    # --data-dir, --epochs, --batch-size, --lr, --seed
-    common.add_common_args(p, epochs=1, batch_size=64, lr=0.001, seed=1, per="worker")
-    p.add_argument("--steps", type=int, default=None, help="stop after this many steps")
-    p.add_argument("--v1-optimizer", action="store_true",
-                   help="wrap tf.compat.v1.train.AdamOptimizer (as KungFu's example) instead of Keras Adam")
-    return p.parse_args()
 
 
 def main():
@@ -84,13 +89,16 @@ def main():
     if rank == 0:
         print(f"training with {args.optimizer} on {size} worker(s), {per_worker} images each", flush=True)
     start = time.perf_counter()
+    total = (per_worker // args.batch_size) * args.epochs
+    progress = common.Progress(min(total, args.steps or total), rank, args.batch_size * size)
     for batch, (images, labels) in enumerate(dataset):
         loss = training_step(images, labels, batch == 0)
-        if batch % 100 == 0 and rank == 0:
-            print(f"step {batch}: loss {float(loss):.4f}", flush=True)
+        progress.update(batch + 1, loss)
+    progress.end()
     elapsed = time.perf_counter() - start
     run_barrier()  # with pair averaging, peers may still pull from this worker's store
     if rank == 0:
+        print(f"evaluating on {len(x_test)} test images", flush=True)
         accuracy = common.evaluate(model, x_test, y_test)
         print(f"trained {batch + 1} steps in {elapsed:.1f} s", flush=True)
         print(f"test accuracy: {accuracy:.4f}", flush=True)

@@ -14,31 +14,36 @@ tutorial.  The Horovod TF1 recipe, unchanged apart from the import:
 (tf.estimator was removed in TensorFlow 2.16; MonitoredTrainingSession is what remains of that style.)
 """
 
-import argparse
 import sys
-import tempfile
-import time
 from pathlib import Path
-
-import numpy as np
-import tensorflow as tf
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.append(str(_HERE.parent))
 
-import common  # noqa: E402  (helpers shared by the examples)
-import mnist_data  # noqa: E402
-import sdp.tensorflow as hvd  # noqa: E402
+import common  # noqa: E402  (helpers shared by the examples; no TensorFlow yet: --help answers at once)
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None):
+    p = common.argument_parser(__doc__)
     # --data-dir, --batch-size, --lr, --seed
     common.add_common_args(p, epochs=None, batch_size=100, lr=0.002, seed=42)
     p.add_argument("--steps", type=int, default=600, help="training steps (every rank runs all of them)")
-    p.add_argument("--checkpoint-dir", default=None, help="rank 0's checkpoint directory (default: a temp dir)")
-    return p.parse_args()
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="directory where rank 0's MonitoredTrainingSession writes checkpoints (None: none)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and flag errors before TensorFlow loads (5-20 s)
+
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import mnist_data  # noqa: E402
+import sdp.tensorflow as hvd  # noqa: E402
 
 
 def main():
@@ -69,21 +74,22 @@ def main():
         train_op = opt.minimize(loss, global_step=global_step)
 
         hooks = [hvd.BroadcastGlobalVariablesHook(0)]
-        checkpoint_dir = None
+        checkpoint_dir = args.checkpoint_dir if rank == 0 else None
         if rank == 0:
-            checkpoint_dir = args.checkpoint_dir or tempfile.mkdtemp(prefix="sdp_tf1_mnist_")
-            print(f"training on {size} rank(s), {args.steps} steps of {args.batch_size} per rank; "
-                  f"checkpoints in {checkpoint_dir}", flush=True)
+            print(f"training on {size} rank(s), {args.steps} steps of {args.batch_size} per rank"
+                  + (f"; checkpoints in {checkpoint_dir}" if checkpoint_dir else ""), flush=True)
 
         start = time.perf_counter()
         with tf.compat.v1.train.MonitoredTrainingSession(checkpoint_dir=checkpoint_dir, hooks=hooks,
                                                          config=config, save_summaries_steps=None,
                                                          save_summaries_secs=None) as sess:
+            progress = common.Progress(args.steps, rank, args.batch_size * size)  # a bar on rank 0
             for step in range(1, args.steps + 1):
                 idx = rng.integers(0, len(x_shard), args.batch_size)
                 _, loss_value = sess.run([train_op, loss], feed_dict={images: x_shard[idx], labels: y_shard[idx]})
-                if rank == 0 and step % 100 == 0:
-                    print(f"step {step}: loss {loss_value:.4f}", flush=True)
+                progress.update(step, loss_value)
+            if rank == 0:
+                print(f"evaluating on {len(x_test)} test images", flush=True)
             test_acc = sess.run(accuracy, feed_dict={images: (x_test.reshape(-1, 784) / 255.0).astype(np.float32),
                                                      labels: y_test.astype(np.int64)})
         elapsed = time.perf_counter() - start

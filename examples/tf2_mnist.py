@@ -14,16 +14,8 @@ The recipe is the usual Horovod / SageMaker data-parallel one:
   6. checkpoint (and evaluate) on rank 0 only.
 """
 
-import argparse
-import hashlib
-import os
 import sys
-import tempfile
-import time
 from pathlib import Path
-
-import numpy as np
-import tensorflow as tf
 
 # mnist_data.py and common.py (helpers shared by the examples) live next to this
 # script. Running from a source checkout without `pip install` also works: the
@@ -32,20 +24,32 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.append(str(_HERE.parent))
 
-import common  # noqa: E402
-import mnist_data  # noqa: E402
-import sdp.tensorflow as sdp  # noqa: E402
+import common  # noqa: E402  (no TensorFlow yet: --help answers at once)
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None):
+    p = common.argument_parser(__doc__)
     # --data-dir, --epochs, --batch-size, --lr, --seed
     common.add_common_args(p, epochs=1, batch_size=64, lr=0.001, seed=42)
     p.add_argument("--steps", type=int, default=None,
-                   help="stop after this many training steps in total (default: no cap)")
+                   help="stop after this many training steps in total (None: no cap)")
     p.add_argument("--checkpoint-dir", default=None,
-                   help="where rank 0 saves the final checkpoint (default: a new temp dir)")
-    return p.parse_args()
+                   help="directory where rank 0 saves the final checkpoint (None: no checkpoint)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and flag errors before TensorFlow loads (5-20 s)
+
+import hashlib  # noqa: E402
+import os  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import mnist_data  # noqa: E402
+import sdp.tensorflow as sdp  # noqa: E402
 
 
 def build_model():
@@ -124,6 +128,7 @@ def main():
     for epoch in range(1, args.epochs + 1):
         start = time.perf_counter()
         losses = []
+        progress = common.Progress(steps_per_epoch, rank, args.batch_size * size)  # a bar on rank 0
         for images, labels in dataset:
             losses.append(training_step(images, labels))
             step += 1
@@ -132,9 +137,11 @@ def main():
                 # they exist, copy model and optimizer state from rank 0.
                 sdp.broadcast_variables(model.variables, root_rank=0)
                 sdp.broadcast_variables(opt.variables, root_rank=0)
+            progress.update(len(losses), losses[-1])
             if args.steps is not None and step >= args.steps:
                 done = True
                 break
+        progress.end()
         elapsed = time.perf_counter() - start
         # Every rank takes part in the allreduce; only rank 0 reports.
         mean_loss = sdp.allreduce(tf.reduce_mean(tf.stack(losses)), op=sdp.ReduceOp.AVERAGE)
@@ -146,11 +153,12 @@ def main():
             break
 
     if rank == 0:
-        checkpoint_dir = args.checkpoint_dir or tempfile.mkdtemp(prefix="sdp_mnist_")
-        checkpoint = tf.train.Checkpoint(model=model, optimizer=opt)
-        path = checkpoint.save(os.path.join(checkpoint_dir, "ckpt"))
-        print(f"checkpoint saved to {path}", flush=True)
+        if args.checkpoint_dir:
+            checkpoint = tf.train.Checkpoint(model=model, optimizer=opt)
+            path = checkpoint.save(os.path.join(args.checkpoint_dir, "ckpt"))
+            print(f"checkpoint saved to {path}", flush=True)
 
+        print(f"evaluating on {len(x_test)} test images", flush=True)
         accuracy = common.evaluate(model, x_test, y_test)
         print(f"test accuracy: {accuracy:.4f}", flush=True)
 

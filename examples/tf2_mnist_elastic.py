@@ -22,34 +22,38 @@ checks that every batch of the run is in it exactly once ("batches: N trained on
 show here.  Every rank prints its weights checksum after each sync and at the end.
 """
 
-import argparse
-import hashlib
-import os
 import sys
-import time
 from pathlib import Path
-
-import numpy as np
-import tensorflow as tf
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.append(str(_HERE.parent))
 
-import common  # noqa: E402
+import common  # noqa: E402  (helpers shared by the examples; no TensorFlow yet: --help answers at once)
+
+
+def parse_args(argv=None):
+    p = common.argument_parser(__doc__)
+    common.add_common_args(p, epochs=1, batch_size=128, lr=0.001, seed=42, per="step")
+    p.add_argument("--commit-every", type=int, default=10, help="commit the state every N batches")
+    p.add_argument("--steps", type=int, default=None, help="train only this many global batches in all (None: every batch of --epochs)")
+    p.add_argument("--step-delay", type=float, default=0.0,
+                   help="sleep this long after each step (seconds; lets tests act mid-run)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and flag errors before TensorFlow loads (5-20 s)
+
+import hashlib  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
 import mnist_data  # noqa: E402
 import sdp.tensorflow as sdp  # noqa: E402
 from sdp.tensorflow import elastic  # noqa: E402
-
-
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_common_args(p, epochs=1, batch_size=128, lr=0.001, seed=42, per="step")
-    p.add_argument("--commit-every", type=int, default=10, help="commit the state every N batches (default 10)")
-    p.add_argument("--steps", type=int, default=None, help="train only this many global batches in all")
-    p.add_argument("--step-delay", type=float, default=0.0,
-                   help="sleep this long after each step (seconds; lets tests act mid-run)")
-    return p.parse_args()
 
 
 def checksum(model):
@@ -115,6 +119,7 @@ def main():
         done = np.bincount(np.asarray(state.done, np.int64), minlength=total)
         print(f"batches: {int(np.sum(done == 1))} trained once, {int(np.sum(done > 1))} twice, "
               f"{int(np.sum(done == 0))} lost (of {total})", flush=True)
+        print(f"evaluating on {len(x_test)} test images", flush=True)
         acc = common.evaluate(model, x_test, y_test)
         print(f"test accuracy: {acc:.4f} ({time.time() - t0:.1f} s)", flush=True)
     sdp.shutdown()

@@ -11,34 +11,38 @@ minute on a 2-core CPU; every size is a flag.  The same script with ``import hor
 hvd`` is Horovod's tensorflow2_synthetic_benchmark.py.
 """
 
-import argparse
 import sys
-import timeit
 from pathlib import Path
-
-import numpy as np
-import tensorflow as tf
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.append(str(_HERE.parent))
 
-import common  # noqa: E402  (helpers shared by the examples)
-import sdp.tensorflow as hvd  # noqa: E402
+import common  # noqa: E402  (helpers shared by the examples; no TensorFlow yet: --help answers at once)
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def parse_args(argv=None):
+    p = common.argument_parser(__doc__)
     p.add_argument("--fp16-allreduce", action="store_true", help="send gradients as float16")
     p.add_argument("--model", default="MobileNetV2", help="a tf.keras.applications model name")
     p.add_argument("--image-size", type=int, default=64, help="height and width of the synthetic images")
-    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--num-classes", type=int, default=1000, help="classes of the synthetic labels")
     p.add_argument("--batch-size", type=int, default=16, help="batch size per rank")
     p.add_argument("--num-warmup-batches", type=int, default=2, help="batches before timing starts")
     p.add_argument("--num-batches-per-iter", type=int, default=3, help="batches per timed iteration")
     p.add_argument("--num-iters", type=int, default=3, help="timed iterations")
-    return p.parse_args()
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and flag errors before TensorFlow loads (5-20 s)
+
+import timeit  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import sdp.tensorflow as hvd  # noqa: E402
 
 
 def log(msg):

@@ -10,7 +10,10 @@ from sdp.api import (allgather, allgather_async, allgather_object, allreduce, al
                      local_rank, local_size, rank, reducescatter, shutdown, size, start_timeline,
                      stop_timeline)
 from sdp.common import errors  # noqa: F401
+from sdp.common import rank_signals as _rank_signals
 from sdp.common.errors import TensorMismatchError  # noqa: F401
 from sdp.common.reduce_ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 
 __version__ = "0.1.0"
+
+_rank_signals.install_from_env()  # under sdprun: quiet Ctrl-C / SIGTERM, stacks on SIGUSR1

@@ -51,10 +51,10 @@ Never shadowing a real installation silently
 
 Keras 3 optimizers
     Horovod/SageMaker scripts call ``hvd.broadcast_variables(opt.variables(), root_rank=0)``; in
-    Keras 3 ``Optimizer.variables`` is a property returning a list.  While the ``horovod`` or
-    ``smdistributed`` mapping is active, the first import of an alias of ``sdp.tensorflow``
-    patches that property to return a list subclass that is also callable (calling it returns the
-    list itself), so both spellings work.  Plain ``import sdp.tensorflow`` never patches Keras.
+    Keras 3 ``Optimizer.variables`` is a property returning a list.  ``import sdp.tensorflow``
+    (and so every alias of it) patches that property to return a list subclass that is also
+    callable (calling it returns the list itself), so both spellings work, with or without
+    ``--compat``.
 """
 import importlib
 import importlib.abc

@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -448,3 +449,109 @@ def test_segments_left_by_killed_workers_are_removed():
     job = res.stdout.split()[0]
     assert len(job) == 16
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"sdp-{job}-")]
+
+
+# ---------------------------------------------------------------- output pumps, stalls, quiet stops
+
+def _pumped(data: bytes, times=None):
+    """What procs._pump shows for ``data`` (one read per chunk of a list), as text."""
+    import io
+    from sdp.launcher import procs
+
+    class Chunks(io.RawIOBase):
+        def __init__(self, chunks):
+            self.chunks = list(chunks)
+
+        def read1(self, n=-1):
+            return self.chunks.pop(0) if self.chunks else b""
+
+    out = io.StringIO()
+    clock = iter(times).__next__ if times is not None else (lambda: 0.0)
+    procs._pump(Chunks(data if isinstance(data, list) else [data]), "[0]:", procs._Sink(out, threading.Lock()),
+                clock=clock)
+    return out.getvalue()
+
+
+def test_pump_shows_in_place_progress_at_most_every_interval():
+    # a Keras-style bar: "\b...\r<bar>" redraws, a final "<bar>\n"
+    bar = b"".join(b"\b\b\b\r%d/9" % i for i in range(1, 9)) + b"\b\b\b\r9/9 done\n"
+    # clock: update 1 at t=0 (shown), 2..7 within 10 s (dropped), 8 at t=10 (shown)
+    assert _pumped(bar, times=[0, 1, 2, 3, 4, 5, 6, 10]) == "[0]:1/9\n[0]:8/9\n[0]:9/9 done\n"
+
+
+def test_pump_lines_crlf_split_reads_and_trailing_text():
+    assert _pumped([b"a\r", b"\nb\n", b"tail"]) == "[0]:a\n[0]:b\n[0]:tail\n"
+    assert _pumped(b"\r\n") == "[0]:\n"
+
+
+def test_stalled_rank_prints_its_python_stack(tmp_path):
+    """A rank stuck in Python (not in a collective): when rank 0's stall check names it, sdprun
+    asks it for its stacks (SIGUSR1, faulthandler) and prints them once, under a line naming the
+    rank and its host; the function it is in shows."""
+    script = tmp_path / "hang.py"
+    script.write_text("import time, numpy as np, sdp\nsdp.init()\n"
+                      "def stuck_in_data_loading():\n    time.sleep(60)\n"
+                      "if sdp.rank() == 1:\n    stuck_in_data_loading()\n"
+                      "sdp.allreduce(np.ones(4), name='grad')\n")
+    proc = subprocess.Popen([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=_env(SDP_STALL_CHECK_TIME="1"))
+    lines = []
+    try:
+        deadline = time.monotonic() + 60
+        stalls = 0
+        while time.monotonic() < deadline and stalls < 3:  # the warning repeats; the stack must not
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip("\n"))
+            stalls += "stall:" in line
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=20)
+        lines += rest.splitlines()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "\n".join(lines)
+    assert stalls == 3, text
+    asked = [ln for ln in lines if "its Python stacks follow" in ln]
+    assert len(asked) == 1 and "rank 1 (host " in asked[0], text
+    assert sum("in stuck_in_data_loading" in ln for ln in lines) == 1, text
+    assert [ln for ln in lines if "in stuck_in_data_loading" in ln][0].startswith("[1]<stderr>:"), text
+    # and the quiet stop: one line per rank, no traceback
+    assert "[1]<stderr>:rank 1: interrupted (SIGINT)" in lines and "Traceback" not in text, text
+    assert proc.returncode == 128 + signal.SIGINT
+
+
+def test_rank_signals_step_and_line():
+    from sdp.common import rank_signals
+
+    def outer():
+        step = 7  # noqa: F841  (read from the traceback)
+        inner()
+
+    def inner():
+        step = "not an int"  # noqa: F841
+        raise KeyboardInterrupt
+
+    try:
+        outer()
+    except KeyboardInterrupt:
+        tb = sys.exc_info()[2]
+    assert rank_signals.step_of(tb) == 7
+    assert rank_signals.interrupted_line("1", signal.SIGTERM, 7) == "rank 1: interrupted at step 7 (SIGTERM)"
+    assert rank_signals.interrupted_line("0", signal.SIGINT, None) == "rank 0: interrupted (SIGINT)"
+
+
+def test_help_groups_options_and_requires_only_the_command():
+    text = cli.build_parser().format_help()
+    usage = text.split("\n\n")[0]
+    assert "[-np N]" in usage and " -np N " not in usage.replace("[-np N]", "")
+    for group in ("processes and hosts (horovodrun's and kungfu-run's names)", "network and ssh (horovodrun's names)",
+                  "elastic: Horovod Elastic (horovodrun's names)", "elastic: KungFu watch mode (kungfu-run's names)",
+                  "accepted and ignored"):
+        assert group + ":" in text or group in text, group
+    assert "Only COMMAND is required" in text
+    res = _sdprun()
+    assert res.returncode == 2 and "no command given" in res.stderr

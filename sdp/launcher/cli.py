@@ -97,70 +97,73 @@ def _compat_list(value: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``sdprun`` argument parser (horovodrun and kungfu-run spellings accepted)."""
+    """The ``sdprun`` argument parser (horovodrun and kungfu-run spellings accepted), its options
+    grouped as ``horovodrun --help`` groups them."""
     p = argparse.ArgumentParser(
         prog="sdprun", allow_abbrev=False,
-        usage="sdprun [-h] -np N [-H HOSTS | --hostfile FILE] [options] [--] COMMAND ...\n"
+        usage="sdprun [-h] [-np N] [-H HOSTS | --hostfile FILE] [options] [--] COMMAND ...\n"
               "       sdprun --check [-H HOSTS | --hostfile FILE] [-p PORT] [-i FILE] [-nic IFACE]",
-        description="Start N sdp worker processes on this machine and, through ssh, on other "
-                    "hosts.  horovodrun and kungfu-run command lines are accepted.")
-    p.add_argument("-np", "--num-proc", dest="np", type=int, metavar="N",
-                   help="number of processes (default: the total slots of -H/--hostfile)")
-    hosts = p.add_mutually_exclusive_group()
+        description="Start N sdp worker processes on this machine and, through ssh, on other hosts.\n"
+                    "horovodrun and kungfu-run command lines are accepted.\n\n"
+                    "Only COMMAND is required: -np defaults to the slots of -H/--hostfile, and sdprun\n"
+                    "derives each rank's SDP_RANK, SDP_LOCAL_RANK, ... from the host list, serves the\n"
+                    "rendezvous and makes the job's secret.",
+        epilog="examples:\n"
+               "  sdprun -np 2 python train.py                      # 2 ranks on this machine\n"
+               "  sdprun -np 8 -H h1:4,h2:4 python train.py         # 2 hosts, over ssh\n"
+               "  sdprun --compat horovod -np 2 python hvd_train.py # an unmodified Horovod script\n"
+               "  sdprun --check -H h1:4,h2:4                       # can every host run ranks?\n"
+               "\nCtrl-C / SIGTERM: forwarded to every rank, which ends with one line; ranks\n"
+               "still running 3 s later are killed.  A rank that rank 0's stall check names\n"
+               "(SDP_STALL_CHECK_TIME) is asked once for its Python stacks.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
+                   help="the program to run on every rank and its arguments (required)")
+
+    procs = p.add_argument_group("processes and hosts (horovodrun's and kungfu-run's names)")
+    procs.add_argument("-np", "--num-proc", dest="np", type=int, metavar="N",
+                       help="number of processes (default: the total slots of -H/--hostfile, "
+                            "SLURM_NTASKS with --launcher slurm)")
+    hosts = procs.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS[,...]",
                        help="hosts and their slots, e.g. localhost:4 (default: N slots on this machine)")
     hosts.add_argument("--hostfile", metavar="FILE",
                        help="file with one 'host slots=N' or 'host:N' per line")
-    p.add_argument("-nic", "--network-interface", dest="nic", metavar="IFACE",
-                   help="network interface for all job traffic: sdprun's servers listen on its "
-                        "address; passed to workers as SDP_IFACE (default: $SDP_IFACE, else the "
-                        "interface that routes to the remote hosts)")
-    p.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
-                   help="ssh port of the remote hosts (default: ssh's own, usually 22)")
-    p.add_argument("-i", "--ssh-identity-file", metavar="FILE",
-                   help="private key ssh uses to log in to the remote hosts")
-    p.add_argument("-x", dest="export", action="append", default=[], metavar="NAME[=VALUE]",
-                   help="also give every rank this variable (this environment's value, or VALUE); "
-                        "repeatable (mpirun's -x)")
-    p.add_argument("--launcher", choices=("auto", "ssh", "mpi", "slurm"), default="auto",
-                   help="how ranks are started: ssh (this machine directly, other hosts through "
-                        "ssh), mpi (one Open MPI mpirun), slurm (one srun job step inside an "
-                        "allocation); default auto: slurm inside an allocation (SLURM_JOB_ID) "
-                        "without -H/--hostfile, else ssh")
-    p.add_argument("--check", action="store_true",
-                   help="check the hosts and exit: per host whether ssh reaches it, its Python and "
-                        "sdp versions, free /dev/shm, and the interface it would use")
-    p.add_argument("--start-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="how long ranks may take to reach rendezvous (default 60); "
-                        "passed to workers as SDP_START_TIMEOUT")
-    p.add_argument("--compat", type=_compat_list, metavar="{horovod,smdistributed,kungfu}[,...]",
-                   help="let unmodified horovod/smdistributed/kungfu scripts import sdp (comma list "
-                        "or 'all'); a real installation is kept unless SDP_COMPAT_FORCE=1")
-    p.add_argument("--verbose", action="store_true", help="log launcher details (rank table, pids)")
-    p.add_argument("--no-prefix", action="store_true",
-                   help="do not prefix output lines with [rank]<stdout>: / [rank]<stderr>:")
-    # Accepted so pasted horovodrun / kungfu-run command lines work; they change nothing here.
-    p.add_argument("--gloo", "--mpi", action="store_true", dest="ignored_controller",
-                   help="ignored (horovodrun controller choice; sdp uses its own transport)")
-    p.add_argument("-strategy", dest="ignored_strategy", metavar="NAME",
-                   help="ignored (kungfu-run allreduce strategy)")
-    p.add_argument("-q", dest="ignored_quiet", action="store_true",
-                   help="ignored (kungfu-run quiet mode)")
-    p.add_argument("-logdir", dest="ignored_logdir", metavar="DIR",
-                   help="ignored (kungfu-run log directory; output goes to the terminal)")
-    # kungfu-run's elastic mode; see sdp.launcher.elastic
-    p.add_argument("-w", "--watch", action="store_true",
-                   help="elastic mode: serve a config server and grow/shrink the job when the "
-                        "workers resize (KungFu resize / propose_new_size)")
-    p.add_argument("--config-server", "-config-server", dest="config_server", metavar="URL",
-                   help="config server the workers read the desired cluster size from "
-                        "(default with -w: the built-in one, http://127.0.0.1:PORT/config); implies -w")
-    p.add_argument("--builtin-config-port", "-builtin-config-port", dest="builtin_config_port",
-                   type=int, metavar="PORT",
-                   help="port of the built-in config server (on sdprun's listen address, 127.0.0.1 for "
-                        "a local job; default: a free port); implies -w")
+    procs.add_argument("--launcher", choices=("auto", "ssh", "mpi", "slurm"), default="auto",
+                       help="how ranks are started: ssh (this machine directly, other hosts through "
+                            "ssh), mpi (one Open MPI mpirun), slurm (one srun job step inside an "
+                            "allocation); default auto: slurm inside an allocation (SLURM_JOB_ID) "
+                            "without -H/--hostfile, else ssh")
+    procs.add_argument("--check", action="store_true",
+                       help="check the hosts and exit: per host whether ssh reaches it, its Python and "
+                            "sdp versions, free /dev/shm, and the interface it would use")
+    procs.add_argument("--start-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="how long ranks may take to reach rendezvous (default 60); "
+                            "passed to workers as SDP_START_TIMEOUT")
+
+    net = p.add_argument_group("network and ssh (horovodrun's names)")
+    net.add_argument("-nic", "--network-interface", dest="nic", metavar="IFACE",
+                     help="network interface for all job traffic: sdprun's servers listen on its "
+                          "address; passed to workers as SDP_IFACE (default: $SDP_IFACE, else the "
+                          "interface that routes to the remote hosts)")
+    net.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
+                     help="ssh port of the remote hosts (default: ssh's own, usually 22)")
+    net.add_argument("-i", "--ssh-identity-file", metavar="FILE",
+                     help="private key ssh uses to log in to the remote hosts")
+
+    env = p.add_argument_group("environment and output")
+    env.add_argument("-x", dest="export", action="append", default=[], metavar="NAME[=VALUE]",
+                     help="also give every rank this variable (this environment's value, or VALUE); "
+                          "repeatable (mpirun's -x)")
+    env.add_argument("--compat", type=_compat_list, metavar="{horovod,smdistributed,kungfu}[,...]",
+                     help="let unmodified horovod/smdistributed/kungfu scripts import sdp (comma list "
+                          "or 'all'); a real installation is kept unless SDP_COMPAT_FORCE=1")
+    env.add_argument("--verbose", action="store_true", help="log launcher details (rank table, pids)")
+    env.add_argument("--no-prefix", action="store_true",
+                     help="do not prefix output lines with [rank]<stdout>: / [rank]<stderr>:")
+
     # horovodrun's elastic mode (Horovod Elastic); see sdp.launcher.elastic.HorovodElasticDriver
-    el = p.add_argument_group("elastic (Horovod Elastic)")
+    el = p.add_argument_group("elastic: Horovod Elastic (horovodrun's names)")
     el.add_argument("--host-discovery-script", metavar="SCRIPT",
                     help="elastic mode: run SCRIPT every second; it prints 'host:slots' lines (this machine only)")
     el.add_argument("--min-np", type=int, metavar="N", help="stop the job below N workers (default: -np)")
@@ -173,8 +176,29 @@ def build_parser() -> argparse.ArgumentParser:
     el.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("MIN", "MAX"),
                     help="a host whose workers all failed comes back after a random MIN..MAX seconds "
                          "(default: never)")
-    p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
-                   help="the program to run and its arguments")
+
+    # kungfu-run's elastic mode; see sdp.launcher.elastic
+    kf = p.add_argument_group("elastic: KungFu watch mode (kungfu-run's names)")
+    kf.add_argument("-w", "--watch", action="store_true",
+                    help="elastic mode: serve a config server and grow/shrink the job when the "
+                         "workers resize (KungFu resize / propose_new_size)")
+    kf.add_argument("--config-server", "-config-server", dest="config_server", metavar="URL",
+                    help="config server the workers read the desired cluster size from "
+                         "(default with -w: the built-in one, http://127.0.0.1:PORT/config); implies -w")
+    kf.add_argument("--builtin-config-port", "-builtin-config-port", dest="builtin_config_port",
+                    type=int, metavar="PORT",
+                    help="port of the built-in config server (on sdprun's listen address, 127.0.0.1 for "
+                         "a local job; default: a free port); implies -w")
+
+    # Accepted so pasted horovodrun / kungfu-run command lines work; they change nothing here.
+    ign = p.add_argument_group("accepted and ignored (horovodrun's and kungfu-run's)")
+    ign.add_argument("--gloo", "--mpi", action="store_true", dest="ignored_controller",
+                     help="horovodrun's controller choice; sdp uses its own transport")
+    ign.add_argument("-strategy", dest="ignored_strategy", metavar="NAME",
+                     help="kungfu-run's allreduce strategy")
+    ign.add_argument("-q", dest="ignored_quiet", action="store_true", help="kungfu-run's quiet mode")
+    ign.add_argument("-logdir", dest="ignored_logdir", metavar="DIR",
+                     help="kungfu-run's log directory; output goes to the terminal")
     return p
 
 
@@ -329,7 +353,7 @@ def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=No
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command and not args.check:
-        parser.error("no command given (usage: sdprun -np N [--] COMMAND ...)")
+        parser.error("no command given (usage: sdprun [-np N] [--] COMMAND ...)")
     if args.start_timeout <= 0:
         parser.error("--start-timeout must be positive")
     _setup_logging(args.verbose)

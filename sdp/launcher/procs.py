@@ -4,8 +4,20 @@ How a rank is started is a :class:`~sdp.launcher.base.Launcher`'s job (:mod:`sdp
 :mod:`sdp.launcher.ssh`); :class:`WorkerGroup` only sees :class:`~sdp.launcher.base.RankProcess`
 objects.  Stopping means: the signal (SIGTERM by default) to every rank and all it started, then
 SIGKILL to those still alive after a grace period.
+
+Output: every line a worker writes is shown with its ``[rank]<stdout>:`` / ``[rank]<stderr>:``
+prefix.  A progress bar that redraws itself in place (Keras' ``Progbar``, ``model.fit(verbose=1)``,
+tqdm: text ending in a carriage return instead of a newline) is shown as lines too, at most one
+every ``PROGRESS_INTERVAL_S`` (10 s) per stream, the first at once; the final line always.
+
+A hung rank: when a rank's output reports a stall (the engine's ``stall: ... missing ranks [R, ...]``
+warning, which rank 0 logs after ``SDP_STALL_CHECK_TIME`` seconds), each missing rank is sent
+``STACK_SIGNAL`` (SIGUSR1) once; a rank started under ``sdprun`` has Python's ``faulthandler``
+registered on it (:mod:`sdp.common.rank_signals`) and prints every thread's Python stack, which
+appears under the rank's prefix after a line naming the rank and its host.
 """
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +25,7 @@ import threading
 import time
 from typing import IO, Callable, List, Mapping, Optional, Sequence
 
+from sdp.common.rank_signals import STACK_SIGNAL
 from sdp.launcher.base import Launcher, RankProcess
 from sdp.launcher.local import LocalLauncher
 
@@ -21,6 +34,10 @@ log = logging.getLogger("sdp.launcher")
 DEFAULT_GRACE_S = 3.0
 _POLL_S = 0.05
 _MAX_LINE = 1 << 16  # bytes; a longer line without newline is emitted in pieces
+#: seconds: the least time between two in-place progress lines shown from one stream
+PROGRESS_INTERVAL_S = 10.0
+_EOL = re.compile(rb"\r\n|\n|\r")
+_STALL = re.compile(r"missing ranks \[([0-9, ]*)\]")
 
 
 def exit_code(returncode: int) -> int:
@@ -52,14 +69,43 @@ class _Sink:
                 self.broken = True  # keep draining the worker's pipe, drop the text
 
 
-def _pump(pipe: IO[bytes], prefix: str, sink: _Sink) -> None:
-    """Copy ``pipe`` to ``sink`` line by line, each line starting with ``prefix``."""
+def _pump(pipe: IO[bytes], prefix: str, sink: _Sink, on_line: Optional[Callable[[str], None]] = None,
+          clock: Callable[[], float] = time.monotonic) -> None:
+    """Copy ``pipe`` to ``sink`` line by line, each line starting with ``prefix``; call
+    ``on_line(text)`` for each line shown.  Text ended by a lone carriage return (a progress bar
+    redrawn in place) is shown at most every ``PROGRESS_INTERVAL_S`` seconds; the rest of such
+    updates are dropped (the next newline-ended line supersedes them)."""
+    def show(raw: bytes) -> None:
+        text = raw.replace(b"\b", b"").decode("utf-8", errors="replace")
+        sink.write(prefix + text + "\n")
+        if on_line is not None:
+            on_line(text)
+
+    shown_at = -float("inf")
+    buf = b""
     with pipe:
-        for raw in iter(lambda: pipe.readline(_MAX_LINE), b""):
-            text = raw.decode("utf-8", errors="replace")
-            if not text.endswith("\n"):
-                text += "\n"
-            sink.write(prefix + text)
+        while True:
+            chunk = pipe.read1(_MAX_LINE)
+            buf += chunk
+            # a trailing \r may be the first half of \r\n: wait for the next read
+            end = len(buf) - 1 if chunk and buf.endswith(b"\r") else len(buf)
+            pos = 0
+            for m in _EOL.finditer(buf, 0, end):
+                piece = buf[pos:m.start()]
+                pos = m.end()
+                if m.group() != b"\r":
+                    show(piece)
+                elif piece.strip(b"\b \t"):
+                    now = clock()
+                    if now - shown_at >= PROGRESS_INTERVAL_S:
+                        shown_at = now
+                        show(piece)
+            buf = buf[pos:]
+            if buf and (len(buf) >= _MAX_LINE or not chunk):
+                show(buf)
+                buf = b""
+            if not chunk:
+                return
 
 
 class Worker:
@@ -111,6 +157,7 @@ class WorkerGroup:
         self._stop_signal: Optional[int] = None
         self._stopping = False
         self._add_lock = threading.Lock()
+        self._stacks_asked: set = set()  # ranks already sent STACK_SIGNAL
 
     def start(self) -> "WorkerGroup":
         """Start all workers.  Raises ``OSError`` (e.g. ``FileNotFoundError`` for an unknown
@@ -131,7 +178,7 @@ class WorkerGroup:
         pumps = []
         for pipe, tag, sink in ((proc.stdout, "stdout", self._out), (proc.stderr, "stderr", self._err)):
             prefix = f"[{rank}]<{tag}>:" if self.prefix else ""
-            t = threading.Thread(target=_pump, args=(pipe, prefix, sink),
+            t = threading.Thread(target=_pump, args=(pipe, prefix, sink, self._watch_line),
                                  name=f"sdprun-{tag}-{rank}", daemon=True)
             t.start()
             pumps.append(t)
@@ -149,6 +196,24 @@ class WorkerGroup:
             self.workers.append(w)
         log.debug("started worker %d: pid %d", rank, w.pid)
         return w
+
+    def _watch_line(self, text: str) -> None:
+        """A worker's output line: on the engine's stall warning, ask each missing rank (once
+        per job) for its Python stacks (see the module docstring)."""
+        if "stall:" not in text:
+            return
+        missing = {int(r) for group in _STALL.findall(text) for r in group.split(",") if r.strip()}
+        for rank in sorted(missing - self._stacks_asked):
+            self._stacks_asked.add(rank)
+            # (one mpirun / srun for all ranks has no SDP_RANK: not ours to ask)
+            found = [(w, env) for w, env in zip(self.workers, self.envs) if env.get("SDP_RANK") == str(rank)]
+            if not found or found[0][0].proc.poll() is not None:
+                continue
+            worker, env = found[0]
+            host = env.get("SDP_HOSTNAME") or "this host"
+            log.warning("rank %d (host %s, %s pid %d) is missing from a collective; "
+                        "its Python stacks follow", rank, host, worker.launcher, worker.pid)
+            worker.proc.signal(STACK_SIGNAL)
 
     def request_stop(self, signum: int) -> None:
         """Ask :meth:`wait` to stop all workers, forwarding ``signum`` to them.  Safe to call

@@ -149,3 +149,10 @@ __all__ = [
     "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
     "rocm_built",
 ]
+
+# Horovod / SMDDP scripts call ``hvd.broadcast_variables(opt.variables(), root_rank=0)``; Keras 3
+# made ``variables`` a list property.  Let both spellings work on every Keras 3 optimizer
+# (tf_keras already accepts both).  See sdp.compat.patch_keras_optimizer_variables.
+from sdp.compat import patch_keras_optimizer_variables as _patch_keras_optimizer_variables  # noqa: E402
+
+_patch_keras_optimizer_variables()

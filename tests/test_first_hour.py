@@ -1,0 +1,163 @@
+"""A new user's first hour (issue 26): the quick start's one-import script with ``opt.variables()``
+on Keras 3 and tf_keras, ``--help`` of every example before TensorFlow loads, progress lines
+within seconds of training, and a quiet Ctrl-C of a 2-rank MNIST run."""
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name not in ("common.py", "mnist_data.py"))
+
+# The README's "change one import" script, as a Horovod user writes it (no --compat).
+ONE_IMPORT = """\
+import tensorflow as tf
+import sdp.tensorflow as hvd          # was: import horovod.tensorflow as hvd
+
+hvd.init()
+model = tf.keras.Sequential([tf.keras.Input(shape=(4,)), tf.keras.layers.Dense(2)])
+opt = tf.keras.optimizers.Adam(0.001 * hvd.size())
+tf.keras.utils.set_random_seed(hvd.rank())
+x, y = tf.random.normal((8, 4)), tf.random.normal((8, 2))
+with tf.GradientTape() as tape:
+    loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+tape = hvd.DistributedGradientTape(tape)
+opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+hvd.broadcast_variables(model.variables, root_rank=0)
+hvd.broadcast_variables(opt.variables(), root_rank=0)     # Horovod's spelling
+hvd.broadcast_variables(opt.variables, root_rank=0)       # Keras 3's
+total = sum(float(tf.reduce_sum(v)) for v in model.variables + list(opt.variables))
+print(f"rank {hvd.rank()}: {type(opt).__module__} {len(opt.variables())} optimizer variables, sum {total:.6f}")
+"""
+
+
+def _env(**extra):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["keras3", "tf_keras"])
+def test_one_import_script_with_opt_variables_called(tmp_path, legacy):
+    pytest.importorskip("tensorflow")
+    if legacy:
+        pytest.importorskip("tf_keras")
+    script = tmp_path / "train.py"
+    script.write_text(ONE_IMPORT)
+    env = _env(**({"TF_USE_LEGACY_KERAS": "1"} if legacy else {}))
+    env.pop("SDP_COMPAT", None)
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, str(script)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    lines = [ln.split(":", 1)[1] for ln in p.stdout.splitlines() if "optimizer variables" in ln]
+    assert len(lines) == 2, p.stdout
+    assert ("tf_keras." if legacy else "keras.") in lines[0]
+    # after the broadcasts both ranks hold rank 0's model and optimizer state
+    assert lines[0].split(":", 1)[1] == lines[1].split(":", 1)[1], lines
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_example_help_is_fast_and_shows_defaults(example):
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, str(example), "--help"], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert p.returncode == 0, p.stderr
+    assert elapsed < 2.0, f"{example.name} --help took {elapsed:.1f} s"
+    assert "tensorflow" not in p.stderr.lower()
+    assert "(default:" in p.stdout
+    # the description is the docstring's whole first paragraph, ending a sentence
+    description = p.stdout.split("\n\n")[1].strip()
+    assert description.endswith((".", ":", ")")), description
+
+
+class _Lines:
+    """The merged output of a process, line by line, with the time each line arrived."""
+
+    def __init__(self, proc):
+        self.q = queue.Queue()
+        self.all = []
+        threading.Thread(target=self._read, args=(proc.stdout,), daemon=True).start()
+
+    def _read(self, pipe):
+        for line in iter(pipe.readline, ""):
+            self.q.put((time.monotonic(), line.rstrip("\n")))
+        self.q.put((time.monotonic(), None))
+
+    def until(self, predicate, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                t, line = self.q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                return None, None
+            self.all.append((t, line))
+            if predicate(line):
+                return t, line
+        raise AssertionError("no such line in time; got:\n" + "\n".join(ln for _, ln in self.all[-30:]))
+
+
+def _mnist_dir():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from mnist_data import find_mnist_dir
+    finally:
+        sys.path.pop(0)
+    return find_mnist_dir()
+
+
+@pytest.mark.slow
+def test_mnist_progress_then_quiet_ctrl_c(tmp_path):
+    """2-rank MNIST: a progress line (images/s) within 15 s of "training on"; then SIGINT to
+    sdprun: at most 6 lines after it (one "interrupted at step N" per rank), exit 130 within
+    5 s, no rank process and no /dev/shm file of the job left."""
+    pytest.importorskip("tensorflow")
+    psutil = pytest.importorskip("psutil")
+    mnist = _mnist_dir()
+    if mnist is None:
+        pytest.skip("MNIST not found: set SDP_MNIST_DIR or provide ../shared/data/mnist")
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable,
+                             "examples/tf2_mnist.py", "--data-dir", str(mnist)],
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out = _Lines(proc)
+        t_train, _ = out.until(lambda ln: "training on 2 rank(s)" in ln, timeout=180)
+        t_progress, line = out.until(lambda ln: "images/s" in ln, timeout=60)
+        assert t_progress - t_train < 15, line
+        out.until(lambda ln: "images/s" in ln and "/468" in ln, timeout=30)  # training goes on
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+        assert len(ranks) >= 2
+        before = len(out.all)
+        t_sig = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+        t_end = time.monotonic()
+        while True:
+            _, ln = out.q.get(timeout=10)
+            if ln is None:
+                break
+            out.all.append((time.monotonic(), ln))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    after = [ln for _, ln in out.all[before:]]
+    assert rc == 130, after
+    assert t_end - t_sig < 5, f"{t_end - t_sig:.1f} s"
+    assert len(after) <= 6, after
+    for rank in (0, 1):
+        assert any(f"rank {rank}: interrupted at step " in ln for ln in after), after
+    assert not any("Traceback" in ln for ln in after), after
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("sdp")]
