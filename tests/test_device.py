@@ -118,3 +118,15 @@ def test_a_joined_rank_contributes_device_zeros(ipc):
     values = check_ok(run_workers(2, "workers_device:join_with_device_arrays", ["fake"],
                                   env={**NUMPY, "SDP_GPU_IPC": ipc}, timeout=60))
     assert values[0] == [True, True, True, 0] and values[1] == [0], values
+
+
+def test_tf_face_sends_gpu_tensors_as_capsules_and_takes_capsules_back():
+    """The TF face's eager route: CPU tensors go as numpy views; a capsule result (what the device
+    path returns for a GPU tensor's capsule) comes back as a tensor (CPU capsules here)."""
+    tf = pytest.importorskip("tensorflow")
+    from sdp.tensorflow import ops
+    t = tf.constant([1.0, 2.0, 3.0])
+    assert isinstance(ops.eager_input(t), np.ndarray)
+    back = ops._to_tensor(tf.experimental.dlpack.to_dlpack(t * 2), tf.float32)
+    assert back.numpy().tolist() == [2.0, 4.0, 6.0]
+    assert device_arrays.device_tensor(tf.experimental.dlpack.to_dlpack(t)) is None  # a CPU capsule: host path

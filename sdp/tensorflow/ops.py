@@ -68,6 +68,7 @@ the ops here match within noise.  Names identify a collective across ranks (see 
 when it is built inside a ``jit_compile=True`` function.
 """
 import collections
+import functools
 import weakref
 
 import numpy as np
@@ -166,9 +167,26 @@ def _as_tensor(t):
     return tf.convert_to_tensor(t)
 
 
+@functools.lru_cache(maxsize=None)
+def _device_path() -> bool:
+    from sdp.common.util import cuda_built
+    return cuda_built()
+
+
+def eager_input(t):
+    """An eager tensor as the engine takes it: a GPU tensor as a DLPack capsule when sdp can
+    reduce on the device (PyCUDA installed: the engine's device path, no host copy), anything
+    else as a numpy view."""
+    if "GPU" in (getattr(t, "device", "") or "").upper() and _device_path():
+        return tf.experimental.dlpack.to_dlpack(t)
+    return np.asarray(t)
+
+
 def _to_tensor(arr, dtype):
     """An engine result as an eager tensor of ``dtype`` (through DLPack without a copy when
-    :func:`as_output` can)."""
+    :func:`as_output` can; a device result comes as a DLPack capsule)."""
+    if type(arr).__name__ == "PyCapsule":
+        return tf.experimental.dlpack.from_dlpack(arr)
     out = as_output(np.asarray(arr, dtype=dtype.as_numpy_dtype))
     return out if isinstance(out, tf.Tensor) else tf.convert_to_tensor(out, dtype)
 
@@ -292,7 +310,7 @@ class Batch:
                     for kind, items in groups]
         if tf.executing_eagerly():
             with tf_errors():  # Horovod's tf.errors classes (sdp.tensorflow.errors)
-                handles = [h for start, ts in starters for h in start([np.asarray(t) for t in ts])]
+                handles = [h for start, ts in starters for h in start([eager_input(t) for t in ts])]
                 result = [None] * len(order)
                 for i, h in zip(order, handles):
                     result[i] = _to_tensor(h.wait(), self._tensors[i].dtype)
