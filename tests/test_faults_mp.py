@@ -164,3 +164,96 @@ def test_stall_shutdown_is_an_error_on_every_rank_naming_tensors_and_missing_ran
             assert part in msg, (r.rank, msg)
         assert seconds < (4.5 if r.rank != quiet else 7.5), (r.rank, seconds)
     assert f"'w' (waited 1 s, missing ranks [{quiet}])" in results[0].stderr, results[0].stderr[-2000:]
+
+
+def _job_leftovers(job: str) -> list:
+    """Everything of job ``job`` on this host: /dev/shm files, ipc directories in the temp
+    directory, and shared-memory segments (memfds) any process still holds."""
+    import tempfile
+    left = glob.glob(f"/dev/shm/sdp-{job}-*") + glob.glob(os.path.join(tempfile.gettempdir(), f"sdp-{job}-*"))
+    return left + _memfds(job)
+
+
+def _memfds(job: str, rank=None) -> list:
+    """``/proc/<pid>/fd/<n>`` of every open memfd named for ``job`` (and ``rank``)."""
+    want = f"/memfd:sdp-{job}-" + ("" if rank is None else f"{rank}")
+    out = []
+    for fd_dir in glob.glob("/proc/[0-9]*/fd"):
+        try:
+            names = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for n in names:
+            try:
+                if os.readlink(f"{fd_dir}/{n}").startswith(want):
+                    out.append(f"{fd_dir}/{n}")
+            except OSError:
+                pass
+    return out
+
+
+LATE_RANK_1 = """
+import os, sys, time
+import numpy as np
+if os.environ["SDP_RANK"] == "1":
+    time.sleep(5)
+import sdp
+sdp.init()
+print("sum", float(sdp.allreduce(np.ones(4), name="x", op=sdp.Sum)[0]), flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("kill", ["sdprun", "rank"])
+def test_nothing_of_a_job_remains_after_an_abnormal_end(tmp_path, kill):
+    """Issue 25 items 4 and 5.  sdprun: ``sdprun -np 2`` with rank 1 late by 5 s; ``kill -9`` of
+    sdprun 0.5 s after rank 0's segment appears (before the ranks met): 10 s later nothing of
+    the job is left (was: rank 0's 192 MiB /dev/shm segment, ended by the parent-death SIGTERM
+    before it could clean up, and its ipc directory in /tmp).  rank: ``kill -9`` of rank 1 once
+    both ran a collective: sdprun stops rank 0, and again nothing is left (was: rank 0's ipc
+    directory)."""
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "late.py"
+    script.write_text(LATE_RANK_1)
+    import psutil
+    proc = subprocess.Popen([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, str(script), "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    job = "?"
+    try:
+        deadline = time.monotonic() + 60
+        while job == "?":  # sdprun makes the job id (SDP_JOB_ID of its ranks)
+            assert proc.poll() is None and time.monotonic() < deadline, "no rank started"
+            for child in psutil.Process(proc.pid).children():
+                try:
+                    job = child.environ().get("SDP_JOB_ID", "?")
+                except psutil.Error:
+                    pass
+            time.sleep(0.02)
+        if kill == "sdprun":
+            while not (glob.glob(f"/dev/shm/sdp-{job}-0-*") or _memfds(job, 0)):
+                assert proc.poll() is None and time.monotonic() < deadline, "rank 0 made no segment"
+                time.sleep(0.02)
+            time.sleep(0.5)
+            proc.kill()
+        else:
+            assert proc.stdout.readline().endswith("sum 2.0\n")
+            rank1 = [p for p in psutil.Process(proc.pid).children()
+                     if p.environ().get("SDP_RANK") == "1"]
+            assert len(rank1) == 1, rank1
+            rank1[0].kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _job_leftovers(job) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _job_leftovers(job) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        import shutil
+        for path in _job_leftovers(job):
+            if path.startswith("/dev/shm"):
+                os.unlink(path)
+            elif not path.startswith("/proc"):
+                shutil.rmtree(path, ignore_errors=True)

@@ -96,9 +96,16 @@ def attacked_job(intruder_env):
     out["stray"] = _stray(mesh)
     out["refused_by_gatekeeper"] = mesh._gate.rejected
     out["listening"] = _listening()
-    out["ipc_dir_mode"] = oct(stat.S_IMODE(os.stat(mesh._ipc_dir).st_mode))
+    out["ipc_dir_mode"] = _ipc_mode(mesh)
     out["encrypt"] = mesh.encrypt
     return out
+
+
+def _ipc_mode(mesh):
+    """"abstract" for a Linux abstract ipc socket (no file at all), else its directory's mode."""
+    if mesh.endpoints["ipc"].startswith("ipc://@"):
+        return "abstract"
+    return oct(stat.S_IMODE(os.stat(mesh._ipc_dir).st_mode))
 
 
 def listening_and_modes(_):
@@ -109,7 +116,7 @@ def listening_and_modes(_):
     if seg is not None and os.path.exists(seg.path):
         shm_mode = oct(stat.S_IMODE(os.stat(seg.path).st_mode))
     x = sdp.allreduce(np.ones(4, np.float32), name="modes", op=sdp.Sum)
-    return {"listening": _listening(), "ipc_dir_mode": oct(stat.S_IMODE(os.stat(mesh._ipc_dir).st_mode)),
+    return {"listening": _listening(), "ipc_dir_mode": _ipc_mode(mesh),
             "shm_mode": shm_mode, "sum": float(x[0])}
 
 

@@ -1,8 +1,15 @@
 """Shared-memory segments for ranks on the same host.
 
-Each rank creates one file in ``/dev/shm`` of ``2 * slab_bytes + pool_bytes + 4096`` bytes, advertises
-its path at rendezvous, and maps every same-host peer's file.  Files are unlinked as soon as every
-peer has mapped them, so nothing is left behind even if a process is killed.  ZeroMQ stays the
+Each rank creates one segment of ``2 * slab_bytes + pool_bytes + 4096`` bytes, advertises its path
+at rendezvous, and maps every same-host peer's segment.  On Linux the segment is an anonymous
+``memfd`` (named ``sdp-<job>-<rank>`` in ``/proc/<pid>/fd``, mode 0600) that peers open through
+``/proc/<pid>/fd/<fd>`` (which needs the same user, as ``ptrace``'s read check): it has no name in
+any file system, so nothing of it can outlive the processes that map it, however they end
+(``kill -9`` of ``sdprun`` or of every rank during start-up left 192 MiB per rank in
+``/dev/shm`` when segments were named files there).  Elsewhere (no ``memfd_create`` or no
+``/proc``) it is a file ``/dev/shm/sdp-<job>-<rank>-<pid>`` (0600, ``O_EXCL``), unlinked as soon
+as every peer has mapped it; a rank killed before that leaves it to the sweeps below
+(:func:`remove_job_files`, :func:`remove_orphans`).  ZeroMQ stays the
 control path (negotiation, lost peers); the barriers between a collective's phases are flags in
 the segments' last page where the CPU allows it (:mod:`sdp.engine.barrier`).
 
@@ -29,7 +36,27 @@ FLAGS_BYTES = 4096  # the barrier-flag page at the end of every segment
 
 
 def available() -> bool:
-    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) and hasattr(mmap, "MAP_SHARED")
+    return hasattr(mmap, "MAP_SHARED") and (
+        _memfd_usable() or (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)))
+
+
+def _memfd_usable() -> bool:
+    """Whether segments can be memfds that peers open as ``/proc/<pid>/fd/<fd>``."""
+    return hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
+
+
+def _create_memfd(name: str, nbytes: int) -> Tuple[int, np.ndarray]:
+    """A new memfd of ``nbytes`` (0600, space reserved: ENOSPC/ENOMEM now, not SIGBUS later),
+    mapped; returns ``(fd, array)``.  The caller closes ``fd`` once peers have opened it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.fchmod(fd, 0o600)
+        os.posix_fallocate(fd, 0, nbytes)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, np.frombuffer(mm, dtype=np.uint8)
 
 
 def _map(path: str, nbytes: int, create: bool) -> np.ndarray:
@@ -142,21 +169,28 @@ class SharedSegments:
         ``pool_bytes`` (dropped, with a warning, if /dev/shm has no room for it).  Raises
         ``OSError`` (e.g. ENOSPC when /dev/shm is small) if even the halves do not fit."""
         self.slab_bytes = slab_bytes
-        self.path = os.path.join(SHM_DIR, f"sdp-{job}-{rank}-{os.getpid()}")
+        self._fd = None  # the memfd, open until every peer has opened it (unlink())
+        memfd = _memfd_usable()
+        self.path = None if memfd else os.path.join(SHM_DIR, f"sdp-{job}-{rank}-{os.getpid()}")
         for pool in ((pool_bytes, 0) if pool_bytes > 0 else (0,)):
             self.nbytes = 2 * slab_bytes + pool + FLAGS_BYTES
             try:
-                self.mine = _map(self.path, self.nbytes, create=True)
+                if memfd:
+                    self._fd, self.mine = _create_memfd(f"sdp-{job}-{rank}", self.nbytes)
+                    self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
+                else:
+                    self.mine = _map(self.path, self.nbytes, create=True)
                 break
             except OSError as e:
-                try:
-                    os.unlink(self.path)
-                except OSError:
-                    pass
+                if not memfd:
+                    try:
+                        os.unlink(self.path)
+                    except OSError:
+                        pass
                 if pool == 0:
                     raise
-                log.warning("rank %d: no room for a %d-byte result pool in %s (%s); results are "
-                            "copied out of shared memory", rank, pool, SHM_DIR, e)
+                log.warning("rank %d: no room for a %d-byte result pool in shared memory (%s); results are "
+                            "copied out of shared memory", rank, pool, e)
         self.pool = ResultPool(self.mine.base, 2 * slab_bytes, pool) if pool else None
         self.peers = {rank: self.mine}
         self._unlinked = False
@@ -175,8 +209,13 @@ class SharedSegments:
         self._flags.pop(rank, None)
 
     def unlink(self) -> None:
+        """Drop this segment's name (the /dev/shm file, or the memfd's descriptor): call once
+        every peer has mapped it; the mappings stay valid."""
         if not self._unlinked:
             self._unlinked = True
+            if self._fd is not None:
+                os.close(self._fd)
+                return
             try:
                 os.unlink(self.path)
             except FileNotFoundError:

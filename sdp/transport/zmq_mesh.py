@@ -40,6 +40,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import tempfile
 import time
 from typing import Dict, List, Optional
@@ -82,7 +83,8 @@ class Mesh:
     :class:`~sdp.transport.security.SecretError` when ``size > 1`` and no job secret is set.
 
     Security: the ROUTER binds to :func:`sdp.common.network.bind_address` (``SDP_IFACE``, or the
-    interface towards the rendezvous; never ``*``) and an ipc socket in a 0700 directory; every
+    interface towards the rendezvous; never ``*``) and an ipc socket (Linux: abstract, no file, so
+    nothing is left however the rank ends; elsewhere in a 0700 directory); every
     connection is authenticated with the job secret, encrypted too when ``encrypt`` (default:
     ``SDP_ENCRYPT``); see :mod:`sdp.transport.security`.
     """
@@ -110,8 +112,12 @@ class Mesh:
         if self._gate is not None:
             security.secure_server(self.router, self._secret, self.encrypt)
         job = os.environ.get("SDP_JOB_ID") or os.urandom(6).hex()
-        self._ipc_dir = tempfile.mkdtemp(prefix=f"sdp-{job}-{self.rank}-")
-        ipc = f"ipc://{self._ipc_dir}/r.sock"
+        self._ipc_dir = None
+        if sys.platform.startswith("linux"):  # abstract socket: no file, gone with the process
+            ipc = f"ipc://@sdp-{job}-{self.rank}-{os.urandom(8).hex()}"
+        else:
+            self._ipc_dir = tempfile.mkdtemp(prefix=f"sdp-{job}-{self.rank}-")
+            ipc = f"ipc://{self._ipc_dir}/r.sock"
         self.router.bind(ipc)
         ip = bind_address(topology.rendezvous_addr) if topology.size > 1 else "127.0.0.1"
         tcp_port = self.router.bind_to_random_port(f"tcp://{ip}") if topology.size > 1 else 0
@@ -447,8 +453,9 @@ class Mesh:
         if self._gate is not None:
             self._gate.stop()
         self.ctx.term()
-        try:
-            os.unlink(os.path.join(self._ipc_dir, "r.sock"))
-            os.rmdir(self._ipc_dir)
-        except OSError:
-            pass
+        if self._ipc_dir is not None:
+            try:
+                os.unlink(os.path.join(self._ipc_dir, "r.sock"))
+                os.rmdir(self._ipc_dir)
+            except OSError:
+                pass
