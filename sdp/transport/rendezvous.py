@@ -52,6 +52,8 @@ class RendezvousServer:
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         security.secure_server(self._sock, secret)
+        # one REQ per rank and round: at most size + PENDING_CAP connections (sdp.transport.guard)
+        self._guard = self._gate.guard(self._sock, lambda: self.size)
         try:
             if port:
                 self._sock.bind(f"tcp://{host}:{port}")
@@ -76,6 +78,7 @@ class RendezvousServer:
         self._close(linger_ms=2000)
 
     def _close(self, linger_ms: int = 0) -> None:
+        self._guard.stop()
         self._sock.close(linger=linger_ms)
         self._gate.stop()
         self._ctx.term()

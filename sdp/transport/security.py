@@ -217,8 +217,12 @@ class HttpVerifier:
 def secure_server(sock, secret: str, encrypt: bool = True) -> None:
     """Make ``sock`` (before ``bind``) a server of the job: CURVE with the job's server key, or
     PLAIN (single-use tokens) when ``encrypt`` is false.  Its context must run a
-    :class:`Gatekeeper`, which decides who gets in."""
+    :class:`Gatekeeper`, which decides who gets in; ``Gatekeeper.guard(sock, ...)`` caps its
+    connections (:mod:`sdp.transport.guard`).  Connections that have not authenticated within
+    ``sdp.transport.guard.HANDSHAKE_IVL_MS`` are closed."""
+    from sdp.transport.guard import HANDSHAKE_IVL_MS
     sock.zap_domain = ZAP_DOMAIN
+    sock.handshake_ivl = HANDSHAKE_IVL_MS  # an unauthenticated connection holds a descriptor this long at most
     if encrypt:
         sock.curve_server = True
         sock.curve_secretkey = job_keys(secret).server_secret
@@ -242,6 +246,8 @@ def secure_client(sock, secret: str, user: Optional[str] = None, token: Optional
 def _gatekeeper_class():
     from zmq.auth.thread import ThreadAuthenticator
 
+    from sdp.transport.guard import ConnectionGuard, Outcomes, RefusalLog, source_name
+
     class _Gatekeeper(ThreadAuthenticator):
         def __init__(self, ctx, secret: str, name: str):
             super().__init__(ctx, log=logging.getLogger("sdp.security.zap"))
@@ -250,17 +256,36 @@ def _gatekeeper_class():
             self._token_lock = threading.Lock()
             self.name = name
             self.rejected = 0
-            self._warn = LogLimiter(log)
+            self.refusals = RefusalLog(name)
+            self.outcomes = Outcomes()
+            self._address = ""  # of the ZAP request being handled (one at a time, in the ZAP thread)
+            self._reason = ""
             self.start()
             self.configure_curve_callback(ZAP_DOMAIN.decode(), credentials_provider=self)
+
+        def guard(self, sock, expected):
+            """A :class:`~sdp.transport.guard.ConnectionGuard` of server socket ``sock`` of this
+            context (``expected()``: the connections the job makes to it)."""
+            return ConnectionGuard(sock, self.refusals, expected, self.outcomes.take)
+
+        async def handle_zap_message(self, msg):
+            self._address = source_name(msg[3].decode(errors="replace")) if len(msg) > 3 else ""
+            self._reason = ""
+            await super().handle_zap_message(msg)
+
+        def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous"):
+            ok = status_code == b"200"
+            self.outcomes.add(self._address, "ok" if ok else "refused")
+            if not ok:
+                self.rejected += 1
+                self.refusals.refused(self._address, self._reason or status_text.decode(errors="replace"))
+            super()._send_zap_reply(request_id, status_code, status_text, user_id)
 
         # CURVE: pyzmq calls callback(domain, z85 client key)
         def callback(self, domain, key) -> bool:
             if hmac.compare_digest(bytes(key), self._client_key):
                 return True
-            self.rejected += 1
-            self._warn.warning("%s: refused a CURVE connection with a foreign client key (no or wrong job secret)",
-                        self.name)
+            self._reason = "a foreign CURVE client key (no or wrong job secret)"
             return False
 
         def issue_token(self, user: str) -> str:
@@ -277,9 +302,8 @@ def _gatekeeper_class():
                     del self._tokens[username]  # single use: a replayed handshake finds it spent
             if ok:
                 return True, b"OK"
-            self.rejected += 1
-            self._warn.warning("%s: refused a PLAIN connection as %r: %s", self.name, username[:32],
-                        "token already used or never issued" if want is None else "wrong token")
+            self._reason = (f"PLAIN as {username[:32]!r}: "
+                            + ("token already used or never issued" if want is None else "wrong token"))
             return False, b"bad or spent token"
 
     return _Gatekeeper
@@ -289,5 +313,6 @@ def Gatekeeper(ctx, secret: str, name: str = "sdp"):
     """Start the ZAP handler of ZeroMQ context ``ctx`` (one per context; stop it with ``.stop()``
     before ``ctx.term()``): admits CURVE clients holding the client key derived from ``secret``
     and PLAIN clients presenting a token from ``.issue_token(user)`` (once).  ``name`` labels its
-    log lines; ``.rejected`` counts refused handshakes."""
+    log lines; ``.rejected`` counts refused handshakes; ``.refusals`` logs them with the source
+    address (:class:`sdp.transport.guard.RefusalLog`)."""
     return _gatekeeper_class()(ctx, secret, name)

@@ -70,6 +70,13 @@ def _job_secret(secret: Optional[str]) -> str:
     return secret or security.secret_from_env() or security.new_secret()
 
 
+def _job_size() -> int:
+    try:
+        return max(1, int(os.environ.get("SDP_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 class Server:
     """This process's store and the thread that serves it, at ``tcp://host:<free port>``
     (``address``).  ``host``: one local address (``*``/``0.0.0.0`` raise ``ValueError``);
@@ -85,9 +92,12 @@ class Server:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         security.secure_server(self._sock, secret)
+        # peers fetch with one DEALER each: at most SDP_SIZE + PENDING_CAP connections
+        self._guard = self._gate.guard(self._sock, lambda: _job_size())
         try:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError:
+            self._guard.stop()
             self._sock.close(linger=0)
             self._gate.stop()
             self._ctx.term()
@@ -161,6 +171,7 @@ class Server:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        self._guard.stop()
         self._sock.close(linger=0)
         self._gate.stop()
         self._ctx.term()

@@ -63,8 +63,6 @@ HELLO, CTRL, DATA, BYE, SYNC, ABORT = 1, 2, 3, 4, 5, 6
 BYE_WAIT_S = 0.05  # seconds a closing rank waits for the BYEs of peers that are closing too
 COPY_BELOW = 64 * 1024  # bytes: smaller payloads are copied (cheaper than tracking)
 TRACKER_SLICE_S = 0.05  # seconds between checks for lost peers while a sent buffer is still held
-REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 LOSS_GRACE_S = 1.0  # seconds a dropped peer's other connection may still deliver its last messages
 HEARTBEAT_IVL_MS = 1000  # ZeroMQ PING to every peer this often (ms)
 LINK_TIMEOUT_MS = 5000  # TCP: bytes unacknowledged this long (link down, host gone) end the connection
@@ -109,8 +107,11 @@ class Mesh:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.RCVBUF, 4 << 20)
         self.router.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        self._guard = None
         if self._gate is not None:
             security.secure_server(self.router, self._secret, self.encrypt)
+            # at most size + PENDING_CAP connections; refusals logged with their source address
+            self._guard = self._gate.guard(self.router, lambda: self.size)
         job = os.environ.get("SDP_JOB_ID") or os.urandom(6).hex()
         self._ipc_dir = None
         if sys.platform.startswith("linux"):  # abstract socket: no file, gone with the process
@@ -136,11 +137,6 @@ class Mesh:
         self.aborted: Dict[int, dict] = {}  # rank -> {"lost": rank or None, "err": str} it failed with
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
-        self._refused = security.LogLimiter(log)
-        if self._gate is not None:  # log refused handshakes (no or wrong secret, spent token)
-            mon = self.router.get_monitor_socket(REFUSED_EVENTS)
-            self.monitors[mon] = -1
-            self.poller.register(mon, zmq.POLLIN)
         self.shm = None  # SharedSegments when every rank is on this host
         self.host_shm = None  # else SharedSegments of this host's ranks, when it has several
         self._job = job
@@ -261,11 +257,6 @@ class Mesh:
                 continue
             while mon.poll(0):
                 ev = recv_monitor_message(mon)
-                if r < 0:  # the ROUTER's: a connection that failed the handshake
-                    self._refused.warning("rank %d: refused a foreign/malformed connection to %s (%s, error %s): "
-                                          "no or wrong job secret, or a spent token", self.rank,
-                                          ev["endpoint"].decode(errors="replace"), ev["event"].name, ev["value"])
-                    continue
                 if ev["event"] == zmq.EVENT_DISCONNECTED and r not in self.lost:
                     self._suspects.setdefault(r, time.monotonic())
                 elif r in self._suspects:  # the DEALER redials at once: what answers tells why
@@ -449,6 +440,8 @@ class Mesh:
             mon.close(linger=0)
         for r, d in self.dealers.items():
             d.close(linger=0 if r in gone else int(linger_s * 1000))
+        if self._guard is not None:
+            self._guard.stop()
         self.router.close(linger=0)
         if self._gate is not None:
             self._gate.stop()
