@@ -64,15 +64,12 @@ def _setup_logging() -> None:
     logger's level: a script's ``logging.basicConfig(level=logging.DEBUG)`` (KungFu's Keras
     example) must not turn on sdp's debug lines.  A level set on the ``sdp`` logger itself before
     ``init()`` is kept unless ``SDP_LOG_LEVEL`` is given.  Raises ``ValueError`` naming the
-    variable for an unknown level."""
-    import os
-    level = os.environ.get("SDP_LOG_LEVEL", "").strip()
+    variable for an unknown level (:func:`sdp.common.config.log_level_from_env`)."""
+    from sdp.common.config import log_level_from_env
+    level = log_level_from_env()
     logger = logging.getLogger("sdp")
-    if level or logger.level == logging.NOTSET:
-        name = (level or "WARNING").upper()
-        if not isinstance(logging.getLevelName(name), int):
-            raise ValueError(f"SDP_LOG_LEVEL={level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
-        logger.setLevel(name)
+    if level is not None or logger.level == logging.NOTSET:
+        logger.setLevel("WARNING" if level is None else level)
     if not logger.handlers and not logging.getLogger().handlers:
         h = logging.StreamHandler()
         h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
@@ -85,15 +82,16 @@ def init(config: Optional[Config] = None) -> None:
     Mirrors ``smdistributed.dataparallel.tensorflow.init`` / ``horovod.tensorflow.init``.
     Raises :class:`AlreadyInitializedError` if called twice (as SMDDP documents; the Horovod face
     under Horovod's names, :func:`sdp.tensorflow.mpi_ops.init`, turns that into a no-op),
-    :class:`TopologyError` for a bad environment, :class:`RendezvousError` if the other ranks do
+    :class:`TopologyError` for a bad environment, one ``ValueError`` naming every
+    ``SDP_*``/``HOROVOD_*`` setting whose value is not allowed (:func:`sdp.common.config.check_env`), :class:`RendezvousError` if the other ranks do
     not show up within ``SDP_START_TIMEOUT`` seconds."""
     global _runtime, _set_ids
     with _lock:
         if _runtime is not None:
             raise AlreadyInitializedError()
+        cfg = config or Config.from_env()  # first: one ValueError naming every setting not allowed
         _setup_logging()
         lifeline.watch_launcher()  # end with sdprun, however it ends
-        cfg = config or Config.from_env()
         _runtime = Runtime(_topology.from_env(), cfg)
         if cfg.timeline:
             from sdp.engine import timeline

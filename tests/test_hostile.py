@@ -171,3 +171,26 @@ def test_refusals_at_the_rendezvous_are_logged_with_the_source_and_summed(monkey
     before = [ln for ln in lines[:at] if "rendezvous: refused a connection from 127.0.0.1: " in ln]
     assert len(before) == 1 and "closed before authenticating" in before[0], lines  # then one summary
     assert int(lines[at].split(": ", 1)[1].split()[0]) >= 3, lines
+
+
+# ------------------------------------------------------------------------------ bad settings
+
+@pytest.mark.parametrize("name, value, allowed", [
+    ("SDP_FUSION_THRESHOLD", "-5", "a whole number of bytes >= 0"),
+    ("SDP_TIMEOUT", "abc", "a number of seconds >= 0"),
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "yes", "0 or 1"),
+    ("SDP_LOG_LEVEL", "loud", "DEBUG, INFO, WARNING, ERROR or CRITICAL (any case), or a number"),
+])
+def test_a_setting_that_is_not_allowed_is_one_line_from_sdprun_and_one_valueerror_on_a_rank(name, value, allowed):
+    """Item 7: sdprun names the variable, the value and what is allowed in one line and starts no
+    rank (was: a traceback from every rank); ranks started by another launcher (the test
+    harness) raise one ValueError of the same text."""
+    from harness import run_workers
+    line = f"{name}={value!r} is not allowed: {allowed}"
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, "-c",
+                        "import sdp; sdp.init(); print('started')"],
+                       env={**os.environ, name: value}, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert p.stdout == "" and len(p.stderr.splitlines()) == 1 and line in p.stderr, p.stderr
+    for r in run_workers(2, "workers_security:listening_and_modes", [None], env={name: value}, timeout=60):
+        assert (r.error_type, r.error) == ("ValueError", line), (r.error_type, r.error, r.stderr[-2000:])

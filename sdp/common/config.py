@@ -34,29 +34,117 @@
 Horovod spellings (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``, ``HOROVOD_TIMELINE``,
 ``HOROVOD_START_TIMEOUT``, ``HOROVOD_STALL_CHECK_TIME_SECONDS``, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``,
 ``HOROVOD_HIERARCHICAL_ALLREDUCE``) are read as fallbacks; an empty value counts as unset.  A value
-that does not parse, or a negative (or NaN) byte count or time, raises ``ValueError`` naming the
-variable and its value.
+that is not allowed (does not parse; a negative or NaN byte count or time; a flag other than 0/1;
+an unknown ``SDP_LOG_LEVEL``) is one line naming the variable, the value and what is allowed
+(:func:`check_env`): ``sdprun`` prints it and starts no rank; a rank started otherwise raises it
+as one ``ValueError`` from ``init()``.
 """
 import dataclasses
 import math
 import os
-from typing import Mapping, Optional
+from typing import Callable, List, Mapping, Optional
 
 DEFAULT_FUSION_THRESHOLD = 25 * 1024 * 1024
 
 
-def _get(env, names, default, cast):
-    for name in names:
+def _whole_bytes(value: str) -> int:
+    out = int(value)
+    if out < 0:
+        raise ValueError(value)
+    return out
+
+
+def _seconds(value: str) -> float:
+    out = float(value)
+    if not out >= 0:  # negative or NaN
+        raise ValueError(value)
+    return out
+
+
+def _level(value: str):
+    """A logging level: a name (any case) or a whole number."""
+    import logging
+    value = value.strip()
+    if value.isdigit():
+        return int(value)
+    if not isinstance(logging.getLevelName(value.upper()), int):
+        raise ValueError(value)
+    return value.upper()
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One setting read from the environment: the variables that give it (first set wins), how
+    its value is parsed (``ValueError`` when it is not allowed) and what is allowed, in words."""
+    field: Optional[str]  # the Config field, or None when another module reads it
+    names: tuple
+    parse: Callable[[str], object]
+    allowed: str
+
+
+_BYTES = "a whole number of bytes >= 0"
+_SECONDS = "a number of seconds >= 0"
+_MS = "a number of milliseconds >= 0"
+_FLAG = "0 or 1"
+#: Every SDP_*/HOROVOD_* setting of the engine: what ``Config.from_env`` and ``sdprun`` check.
+SETTINGS = (
+    Setting("fusion_threshold", ("SDP_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"), _whole_bytes, _BYTES),
+    Setting("cycle_time_ms", ("SDP_CYCLE_TIME", "HOROVOD_CYCLE_TIME"), _seconds, _MS),
+    Setting("timeout_s", ("SDP_TIMEOUT",), _seconds, _SECONDS),
+    Setting("start_timeout_s", ("SDP_START_TIMEOUT", "HOROVOD_START_TIMEOUT"), _seconds, _SECONDS),
+    Setting("stall_check_s", ("SDP_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS"), _seconds, _SECONDS),
+    Setting("stall_shutdown_s", ("SDP_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), _seconds,
+            _SECONDS),
+    Setting("peer_timeout_s", ("SDP_PEER_TIMEOUT",), _seconds, _SECONDS + " (0: never)"),
+    Setting("segment_bytes", ("SDP_SEGMENT_BYTES",), _whole_bytes, _BYTES),
+    Setting("shm_slab_bytes", ("SDP_SHM_SLAB_BYTES",), _whole_bytes, _BYTES),
+    Setting("shm_pool_bytes", ("SDP_SHM_POOL_BYTES",), _whole_bytes, _BYTES),
+    Setting("hierarchical", ("SDP_HIERARCHICAL", "HOROVOD_HIERARCHICAL_ALLREDUCE"), lambda v: flag(v), _FLAG),
+    Setting("timeline", ("SDP_TIMELINE", "HOROVOD_TIMELINE"), str, "a file path"),
+    Setting("encrypt", ("SDP_ENCRYPT",), lambda v: flag(v), _FLAG),
+    Setting("gpu_ipc", ("SDP_GPU_IPC",), lambda v: flag(v), _FLAG),
+    Setting(None, ("SDP_LOG_LEVEL",), _level, "DEBUG, INFO, WARNING, ERROR or CRITICAL (any case), or a number"),
+)
+
+
+def setting_error(name: str, value: str, allowed: str) -> str:
+    """The one-line message for an environment value that is not allowed."""
+    return f"{name}={value!r} is not allowed: {allowed}"
+
+
+def _read(env, setting: Setting):
+    """``(name, parsed value)`` of the first variable of ``setting`` set in ``env`` (empty
+    counts as unset), or None; raises ``ValueError`` with :func:`setting_error`'s text."""
+    for name in setting.names:
         value = env.get(name)
         if value not in (None, ""):
             try:
-                out = cast(value)
-            except ValueError:
-                raise ValueError(f"environment variable {name}={value!r} is not a valid {cast.__name__}") from None
-            if cast is not str and not out >= 0:  # every number here is a byte count or a time
-                raise ValueError(f"environment variable {name}={value!r} must be >= 0")
-            return out
-    return default
+                return name, setting.parse(value)
+            except (ValueError, OverflowError):
+                raise ValueError(setting_error(name, value, setting.allowed)) from None
+    return None
+
+
+def check_env(env: Optional[Mapping[str, str]] = None) -> List[str]:
+    """One message per setting of :data:`SETTINGS` whose value in ``env`` (default
+    ``os.environ``) is not allowed, e.g. ``SDP_FUSION_THRESHOLD='-5' is not allowed: a whole
+    number of bytes >= 0``; empty when all are fine.  ``sdprun`` prints these before it starts
+    a rank; :meth:`Config.from_env` raises them as one ``ValueError``."""
+    env = os.environ if env is None else env
+    problems = []
+    for setting in SETTINGS:
+        try:
+            _read(env, setting)
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
+def log_level_from_env(env: Optional[Mapping[str, str]] = None):
+    """``SDP_LOG_LEVEL`` as a level name (upper-cased) or number, or None when unset;
+    ``ValueError`` (:func:`setting_error`) if unknown."""
+    got = _read(os.environ if env is None else env, SETTINGS[-1])
+    return None if got is None else got[1]
 
 
 @dataclasses.dataclass
@@ -78,25 +166,19 @@ class Config:
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":
+        """The settings in ``env`` (default ``os.environ``), defaults for the unset ones.
+        Raises one ``ValueError`` naming every variable whose value is not allowed, its value
+        and what is allowed (:func:`check_env`)."""
         env = os.environ if env is None else env
-        return cls(
-            fusion_threshold=_get(env, ["SDP_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"],
-                                  DEFAULT_FUSION_THRESHOLD, int),
-            cycle_time_ms=_get(env, ["SDP_CYCLE_TIME", "HOROVOD_CYCLE_TIME"], 0.0, float),
-            timeout_s=_get(env, ["SDP_TIMEOUT"], 300.0, float),
-            start_timeout_s=_get(env, ["SDP_START_TIMEOUT", "HOROVOD_START_TIMEOUT"], 60.0, float),
-            stall_check_s=_get(env, ["SDP_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS"], 60.0, float),
-            stall_shutdown_s=_get(env, ["SDP_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"],
-                                  0.0, float),
-            peer_timeout_s=_get(env, ["SDP_PEER_TIMEOUT"], 30.0, float),
-            segment_bytes=_get(env, ["SDP_SEGMENT_BYTES"], 1 << 20, int),
-            shm_slab_bytes=_get(env, ["SDP_SHM_SLAB_BYTES"], 32 << 20, int),
-            shm_pool_bytes=_get(env, ["SDP_SHM_POOL_BYTES"], 128 << 20, int),
-            hierarchical=_get(env, ["SDP_HIERARCHICAL", "HOROVOD_HIERARCHICAL_ALLREDUCE"], None, flag),
-            timeline=_get(env, ["SDP_TIMELINE", "HOROVOD_TIMELINE"], None, str),
-            encrypt=_get(env, ["SDP_ENCRYPT"], False, flag),
-            gpu_ipc=_get(env, ["SDP_GPU_IPC"], None, flag),
-        )
+        problems = check_env(env)
+        if problems:
+            raise ValueError("; ".join(problems))
+        values = {}
+        for setting in SETTINGS:
+            got = _read(env, setting) if setting.field else None
+            if got is not None:
+                values[setting.field] = got[1]
+        return cls(**values)
 
 
 def flag(value: str) -> bool:

@@ -408,9 +408,17 @@ def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=No
         remote = remote_hosts([h for h in hosts if any(r.hostname == h.host for r in ranks)]
                               if not watch and args.launcher != "slurm" else hosts, allow_fake)
         host_addr = listen_address(remote, args.nic)
-        parse_exports(args.export, base_env)
+        exports = parse_exports(args.export, base_env)
     except (ValueError, OSError) as e:
         log.error("%s", e)
+        return EXIT_USAGE
+    # every SDP_*/HOROVOD_* setting the ranks would get, checked before one starts: one line each
+    from sdp.common.config import check_env
+    problems = check_env({**(os.environ if base_env is None else base_env), **exports,
+                          "SDP_START_TIMEOUT": f"{args.start_timeout:g}"})
+    for problem in problems:
+        log.error("%s", problem)
+    if problems:
         return EXIT_USAGE
 
     secret = security.new_secret()
