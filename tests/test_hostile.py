@@ -194,3 +194,66 @@ def test_a_setting_that_is_not_allowed_is_one_line_from_sdprun_and_one_valueerro
     assert p.stdout == "" and len(p.stderr.splitlines()) == 1 and line in p.stderr, p.stderr
     for r in run_workers(2, "workers_security:listening_and_modes", [None], env={name: value}, timeout=60):
         assert (r.error_type, r.error) == ("ValueError", line), (r.error_type, r.error, r.stderr[-2000:])
+
+
+# ------------------------------------------------------------------------ elastic HTTP endpoint
+
+def test_trickled_and_reset_requests_take_bounded_threads_and_log_one_line(monkeypatch, capfd):
+    """Item 2: 300 requests trickled a few bytes at a time, then 60 that send a whole unsigned
+    request and reset the connection at once: the endpoint holds at most MAX_CONNECTIONS threads,
+    drops the trickled ones after the read deadline (2 s here, 5 s by default), logs one line for
+    127.0.0.1 (not one per request, and no traceback), and then answers a signed request.
+    (Was: one thread per connection without a read timeout, 538 threads for 540 requests, and
+    123 BrokenPipeError tracebacks when they closed.)"""
+    import json
+    import socket
+    import struct
+    import threading
+    import urllib.request
+    from sdp.launcher import elastic
+    from sdp.launcher.hosts import HostSlots
+    from sdp.transport import security
+    monkeypatch.setattr(elastic, "READ_TIMEOUT_S", 2.0, raising=False)
+    cap = getattr(elastic, "MAX_CONNECTIONS", 128)
+    secret = security.new_secret()
+    ctl = elastic.ElasticController([HostSlots("localhost", 4)], None, lambda *a: [], initial_size=2,
+                                    start_timeout=5, secret=secret).start()
+    host, port = "127.0.0.1", ctl.port
+    socks = []
+
+    def reset(s):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+
+    base = threading.active_count()
+    try:
+        with _Lines("sdp.launcher") as lines:
+            for i in range(300):
+                s = socket.create_connection((host, port))
+                s.sendall(b"POST /config HTTP/1.1\r\nHost: x\r\n")
+                socks.append(s)
+            _wait_for(lambda: any(f"{cap} connections already open" in ln
+                                  for ln in lines) or threading.active_count() > base + cap + 5)
+            most = threading.active_count() - base
+            for s in socks[:100]:
+                s.sendall(b"X-Slow: 1\r\n")  # trickling on
+            for _ in range(60):
+                s = socket.create_connection((host, port))
+                s.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n")
+                reset(s)
+            for s in socks:
+                reset(s)
+            socks.clear()
+            _wait_for(lambda: threading.active_count() <= base + 2)  # trickled ones timed out
+            req = urllib.request.Request(ctl.url + "/status", headers={
+                "Authorization": security.http_authorization(secret, "GET", "/status")})
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert json.loads(resp.read())["size"] == 2
+    finally:
+        for s in socks:
+            s.close()
+        ctl.stop()
+    assert most <= cap + 2, most
+    refusals = [ln for ln in lines if "refused a connection from 127.0.0.1" in ln]
+    assert len(refusals) == 1, lines[:5]
+    assert "Traceback" not in capfd.readouterr().err

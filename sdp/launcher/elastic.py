@@ -44,14 +44,24 @@ Security: the endpoint listens on one address (``host``, default 127.0.0.1; neve
 and body; :func:`sdp.transport.security.http_authorization`, which workers compute from their
 ``SDP_SECRET``): a request without a well-formed header gets 401 before its body is read; one with
 a wrong signature, an old timestamp (more than 120 s off) or a nonce already used (a replay) gets
-401 too, with a (rate-limited) log line.  Bodies are at most ``MAX_BODY_BYTES`` (400 above).  The
-secret never travels; the bodies (cluster sizes, rendezvous address, rank environments without
-the secret) are not encrypted.
+401 too.  Bodies are at most ``MAX_BODY_BYTES`` (400 above).  The secret never travels; the bodies
+(cluster sizes, rendezvous address, rank environments without the secret) are not encrypted.
+
+Resources: at most ``MAX_CONNECTIONS`` (128) connections are served at once, one thread each (more
+are closed at once); a request must arrive whole, head and body, within ``READ_TIMEOUT_S`` (5 s)
+of its connection, however slowly it trickles; the listen backlog is 64.  Refusals and dropped
+connections (unsigned, over the cap, timed out, reset while answered) are logged with the source
+address, the first at once and the rest as one line per address per 60 s
+(:class:`sdp.transport.guard.RefusalLog`), never as a traceback.  Measured: 300 connections
+trickling partial requests, then reset, held 128 threads (was one per connection: 294 for 300,
+and a ``BrokenPipeError`` traceback per reset one), and one log line (``tests/test_hostile.py``).
 """
 import http.server
+import io
 import json
 import logging
 import signal
+import sys
 import threading
 import time
 import urllib.parse
@@ -68,6 +78,71 @@ log = logging.getLogger("sdp.launcher")
 DEFAULT_ELASTIC_SLOTS = 64
 #: Largest request body the endpoint reads (bytes).
 MAX_BODY_BYTES = 1 << 20
+#: Connections the endpoint serves at once (one thread each); more are closed at once, logged.
+MAX_CONNECTIONS = 128
+#: Seconds a client has to send its whole request, head and body (then it is dropped, logged).
+READ_TIMEOUT_S = 5.0
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's bytes for at most ``READ_TIMEOUT_S`` in all: each read waits only for what is
+    left of that time, so a request trickled a byte at a time cannot hold its thread longer."""
+
+    def __init__(self, sock, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"request not complete within {READ_TIMEOUT_S:g} s")
+        self._sock.settimeout(left)
+        try:
+            return self._sock.recv_into(b)
+        finally:
+            self._sock.settimeout(READ_TIMEOUT_S)  # for writing the answer
+
+
+class _BoundedHTTPServer(http.server.ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` with at most ``MAX_CONNECTIONS`` connections (threads) at once,
+    a read deadline per request (``READ_TIMEOUT_S``), and every refused or failed connection
+    logged with its source address, once per address per interval
+    (:class:`sdp.transport.guard.RefusalLog`), never as a traceback."""
+
+    daemon_threads = True
+    request_queue_size = 64  # listen backlog (socketserver's 5 made connections beyond it wait for SYN retries)
+
+    def __init__(self, address, handler):
+        from sdp.transport.guard import RefusalLog
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.refusals = RefusalLog("elastic endpoint", log)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.refusals.refused(client_address[0], f"{MAX_CONNECTIONS} connections already open")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # a thread for it
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address):
+        exc = sys.exc_info()[1]
+        self.refusals.refused(client_address[0], f"dropped: {type(exc).__name__}: {exc}"[:200])
+
+    def service_actions(self):
+        self.refusals.flush()
 
 
 class ConflictError(Exception):
@@ -109,11 +184,9 @@ class ElasticController:
         class Handler(_Handler):
             ctl = controller
 
-        self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
+        self._httpd = _BoundedHTTPServer((host, port), Handler)
         self.port = self._httpd.server_address[1]
         self.url = f"http://{host}:{self.port}"
-        self._refused = security.LogLimiter(log)
         self.verifier = security.HttpVerifier(self.secret)
         self.external_config = None
         if config_server and not self._is_own(config_server):
@@ -225,8 +298,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     ctl: ElasticController = None
     server_version = "sdprun-config"
 
+    def setup(self):
+        super().setup()
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + READ_TIMEOUT_S))
+
     def log_message(self, fmt, *args):  # noqa: D401 - quiet: route to the debug log
         log.debug("config server: " + fmt, *args)
+
+    def log_error(self, fmt, *args):  # a timed-out or malformed request: rate-limited, with the source
+        self.server.refusals.refused(self.client_address[0], (fmt % args)[:200])
 
     def _send(self, code: int, obj) -> None:
         data = json.dumps(obj).encode()
@@ -245,8 +325,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return False
 
     def _refuse(self, reason: str) -> None:
-        self.ctl._refused.warning("config server: refused %s %s from %s: %s",
-                                  self.command, self.path[:100], self.client_address[0], reason)
+        self.server.refusals.refused(self.client_address[0], f"{self.command} {self.path[:100]}: {reason}")
         self.close_connection = True
         data = json.dumps({"error": f"unauthorized: {reason}; requests must be signed with the job secret "
                                     "(sdp.transport.security.http_authorization)"}).encode()

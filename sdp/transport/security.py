@@ -104,29 +104,6 @@ def require_secret(size: int, env: Optional[Mapping[str, str]] = None) -> Option
     return secret
 
 
-class LogLimiter:
-    """Log warnings about refused traffic at most once per ``interval_s`` seconds (an intruder
-    must not be able to flood the log); the next line counts the ones left out."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float = 1.0):
-        self._log = logger
-        self._interval = interval_s
-        self._next = 0.0
-        self._left_out = 0
-        self._lock = threading.Lock()
-
-    def warning(self, msg: str, *args) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now < self._next:
-                self._left_out += 1
-                return
-            left_out, self._left_out, self._next = self._left_out, 0, now + self._interval
-        if left_out:
-            msg += f" ({left_out} similar left out)"
-        self._log.warning(msg, *args)
-
-
 def _derive(secret: str, label: str) -> bytes:
     return hmac.new(secret.encode(), b"sdp/" + label.encode(), hashlib.sha256).digest()
 
