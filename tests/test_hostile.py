@@ -257,3 +257,50 @@ def test_trickled_and_reset_requests_take_bounded_threads_and_log_one_line(monke
     refusals = [ln for ln in lines if "refused a connection from 127.0.0.1" in ln]
     assert len(refusals) == 1, lines[:5]
     assert "Traceback" not in capfd.readouterr().err
+
+
+# ----------------------------------------------------------------------- host discovery script
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers_elastic.py")
+
+
+@pytest.mark.parametrize("kind", ["no #!", "not executable", "fails"])
+def test_a_discovery_script_that_cannot_run_stops_sdprun_at_once_with_its_error(tmp_path, kind):
+    """Item 6: no '#!' line, no execute permission, or exit 1 every time: sdprun stops within
+    seconds naming the script and its error (was: retried every second for the whole
+    --elastic-timeout, 600 s by default)."""
+    import stat
+    script = tmp_path / "discover"
+    script.write_text("echo localhost:2\n" if kind == "no #!" else
+                      "#!/bin/sh\necho localhost:2\n" if kind == "not executable" else
+                      "#!/bin/sh\necho 'no inventory service at 10.0.0.9' >&2\nexit 1\n")
+    if kind != "not executable":
+        script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", "--host-discovery-script", str(script),
+                        sys.executable, WORKER], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and time.monotonic() - t0 < 20, p.stderr
+    want = {"no #!": "Exec format error", "not executable": "Permission denied",
+            "fails": "exited with status 1: no inventory service at 10.0.0.9"}[kind]
+    lines = [ln for ln in p.stderr.splitlines() if f"host discovery script {script} cannot run: " in ln]
+    assert len(lines) == 1 and want in lines[0], p.stderr
+
+
+def test_a_discovery_script_that_fails_later_keeps_the_hosts_and_warns_once(tmp_path):
+    """Item 6: the script works once, then fails every time: the job keeps its 2 workers and
+    finishes; one warning after 3 failures in a row (not one line a second)."""
+    import stat
+    ok = tmp_path / "ok"
+    ok.write_text("")
+    script = tmp_path / "discover"
+    script.write_text(f"#!/bin/sh\nrm {ok} || exit 3\necho localhost:2\n")  # succeeds the first time only
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    env = {**os.environ, "STEPS": "60", "STEP_S": "0.1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(WORKER)), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", "--host-discovery-script", str(script),
+                        sys.executable, WORKER], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("RESULT") == 2, p.stdout
+    warned = [ln for ln in p.stderr.splitlines() if "failed 3 times in a row" in ln]
+    assert len(warned) == 1 and "exited with status 3" in warned[0] and "keeping the current hosts (localhost:2)" in warned[0], p.stderr
+    assert p.stderr.count("host discovery script") == 1, p.stderr

@@ -74,6 +74,8 @@ from sdp.transport import security
 
 log = logging.getLogger("sdp.launcher")
 
+#: Failed runs in a row of a host discovery script that once worked before ``sdprun`` warns (once).
+DISCOVERY_FAILURES_WARN = 3
 #: Slots of this machine in watch mode when no ``-H``/``--hostfile`` gives them.
 DEFAULT_ELASTIC_SLOTS = 64
 #: Largest request body the endpoint reads (bytes).
@@ -407,7 +409,9 @@ class HorovodElasticDriver(ElasticController):
     """``sdprun --host-discovery-script``: Horovod Elastic's driver on the elastic core.
 
     Runs the discovery script every ``discovery_interval`` seconds (its ``host[:slots]`` lines,
-    bare hosts get ``slots_per_host``), starts the first epoch with ``min(np, max_np, slots)``
+    bare hosts get ``slots_per_host``; a script that fails before it ever worked stops ``sdprun``
+    at once with its error, one that fails later keeps the current hosts, with one warning after
+    ``DISCOVERY_FAILURES_WARN`` failures in a row), starts the first epoch with ``min(np, max_np, slots)``
     workers once ``min_np`` slots are there, and re-forms the job (a new epoch: new ranks
     0..n-1, own rendezvous) when every live member asked for it (``POST /join``, sent by
     :func:`sdp.elastic.reset` after a failed collective or a host change).  A re-formation takes
@@ -429,6 +433,8 @@ class HorovodElasticDriver(ElasticController):
         super().__init__([hostlib.HostSlots("localhost", max_np)], group, make_envs, 0, start_timeout,
                          host=host, secret=secret)
         self.discovery_script = discovery_script
+        self._discovery_ok = False  # the script has succeeded once
+        self._discovery_failures = 0  # consecutive failures since
         self.np, self.min_np, self.max_np = np, min_np, max_np
         self.slots_per_host = slots_per_host
         self.reset_limit = reset_limit
@@ -459,8 +465,10 @@ class HorovodElasticDriver(ElasticController):
             out = subprocess.run([self.discovery_script], capture_output=True, text=True, timeout=30,
                                  check=True).stdout
         except (OSError, subprocess.SubprocessError) as e:
-            log.warning("host discovery script %s failed: %s", self.discovery_script, e)
-            return self.discovered
+            return self._discovery_failed(e)
+        if self._discovery_failures >= DISCOVERY_FAILURES_WARN:
+            log.info("host discovery script %s works again", self.discovery_script)
+        self._discovery_ok, self._discovery_failures = True, 0
         found, names = {}, hostlib.local_names()
         for line in out.splitlines():
             line = line.split("#", 1)[0].strip()
@@ -479,6 +487,31 @@ class HorovodElasticDriver(ElasticController):
                 continue
             found["localhost"] = min(self.max_np, found.get("localhost", 0) + max(slots, 0))  # bounded lists
         return found
+
+    def _discovery_failed(self, e: Exception) -> Dict[str, int]:
+        """A failed run of the script: the job stops (``stop_reason``) with the script's error if
+        it never succeeded (it cannot run: no ``#!``, not executable, failing); later, the current
+        hosts are kept, with one warning after ``DISCOVERY_FAILURES_WARN`` failures in a row."""
+        import subprocess
+        if isinstance(e, subprocess.CalledProcessError):
+            err = (e.stderr or "").strip().splitlines()
+            why = f"exited with status {e.returncode}" + (f": {err[-1][:300]}" if err else "")
+        elif isinstance(e, subprocess.TimeoutExpired):
+            why = f"did not finish within {e.timeout:g} s"
+        else:
+            why = str(e)
+        if not self._discovery_ok:
+            with self._lock:
+                self.stop_reason = self.stop_reason or f"host discovery script {self.discovery_script} cannot run: {why}"
+            return self.discovered
+        self._discovery_failures += 1
+        if self._discovery_failures == DISCOVERY_FAILURES_WARN:
+            log.warning("host discovery script %s failed %d times in a row (last: %s); keeping the current "
+                        "hosts (%s) until it works again", self.discovery_script, self._discovery_failures, why,
+                        ", ".join(f"{h}:{n}" for h, n in self.discovered.items()) or "none")
+        else:
+            log.debug("host discovery script %s failed: %s", self.discovery_script, why)
+        return self.discovered
 
     def _usable(self) -> Dict[str, int]:
         now = time.monotonic()
