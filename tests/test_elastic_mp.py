@@ -65,16 +65,37 @@ def test_killed_worker_job_goes_on_from_last_commit(tmp_path):
 
 def test_added_slot_grows_job_and_newcomer_gets_rank0_state(tmp_path):
     """2 workers; the discovery script adds a slot: at the next commit the job re-forms as 3 and
-    the new worker starts from rank 0's state (same value on every rank, steps counted once)."""
+    the new worker starts from rank 0's state (same value on every rank, steps counted once).
+    Events, not a race with the job's length (issue 25 item 8: at load 10-15 both workers
+    finished their 60 steps before the slot was added after a fixed 3 s): rank 0 waits at step 3
+    until sdprun has seen the new slot."""
     script, hosts = _discovery(tmp_path, 2)
+    go = tmp_path / "go"
     proc = subprocess.Popen([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", "--min-np", "2", "--max-np", "3",
                              "--host-discovery-script", script, sys.executable, WORKER],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env=_env(STEPS=60, STEP_S=0.1))
+                            env=_env(STEPS=30, STEP_S=0.05, WAIT_STEP=3, WAIT_FILE=go))
+    out, err = [], []
+    readers = [threading.Thread(target=lambda f, acc: acc.extend(iter(f.readline, "")), args=a, daemon=True)
+               for a in ((proc.stdout, out), (proc.stderr, err))]
+    for t in readers:
+        t.start()
+
+    def wait_for(lines, text):
+        deadline = time.monotonic() + 120
+        while not any(text in ln for ln in list(lines)):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(out + err)[-4000:]
+            time.sleep(0.05)
+
     try:
-        time.sleep(3)
+        wait_for(out, "WAITING")
         hosts.write_text("localhost:3\n")
-        stdout, stderr = proc.communicate(timeout=120)
+        wait_for(err, "hosts changed (localhost:3)")
+        go.write_text("")
+        proc.wait(timeout=120)
+        for t in readers:
+            t.join(timeout=10)
+        stdout, stderr = "".join(out), "".join(err)
     finally:
         proc.kill()
     assert proc.returncode == 0, (stdout + stderr)[-4000:]

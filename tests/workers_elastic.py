@@ -2,7 +2,8 @@
 
 Each step allreduces (SUM) a vector of ones and adds the step number to ``state.done``; a commit
 every ``COMMIT`` steps.  ``DIE_WORKER``/``DIE_STEP``: that worker kills itself (SIGKILL) at that
-step, after its allreduce was submitted; ``HANG_WORKER`` never asks to re-form after a failure.  At the end rank 0 prints the committed steps, which must
+step, after its allreduce was submitted; ``HANG_WORKER`` never asks to re-form after a failure;
+``WAIT_STEP``/``WAIT_FILE``: rank 0 prints ``WAITING`` at that step and goes on once the file exists.  At the end rank 0 prints the committed steps, which must
 be 0..STEPS-1 once each, and every rank prints its size and the checksum of ``state.value``.
 """
 import functools
@@ -21,6 +22,8 @@ COMMIT = int(os.environ.get("COMMIT", "5"))
 DIE_WORKER = os.environ.get("DIE_WORKER")
 DIE_STEP = int(os.environ.get("DIE_STEP", "-1"))
 STEP_S = float(os.environ.get("STEP_S", "0.05"))
+WAIT_STEP = int(os.environ.get("WAIT_STEP", "-1"))  # rank 0 prints WAITING there and waits for WAIT_FILE
+WAIT_FILE = os.environ.get("WAIT_FILE")
 
 api.init()
 state = elastic.ObjectState(step=0, done=[], value=0.0, sizes=[])
@@ -38,6 +41,10 @@ def train(state):
     while state.step < STEPS:
         if os.environ.get(elastic.WORKER_ENV) == DIE_WORKER and state.step == DIE_STEP:
             os.kill(os.getpid(), signal.SIGKILL)
+        if state.step == WAIT_STEP and api.rank() == 0 and WAIT_FILE and not os.path.exists(WAIT_FILE):
+            print("WAITING", flush=True)  # (the others wait in the next allreduce)
+            while not os.path.exists(WAIT_FILE):
+                time.sleep(0.05)
         out = api.allreduce(np.ones(4, np.float32), name=f"step.{state.step}", op=ReduceOp.SUM)
         assert out[0] == api.size(), (out, api.size())
         state.value += float(out[0])
