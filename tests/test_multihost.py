@@ -55,11 +55,15 @@ def _by_rank(text, tag="stdout"):
 
 
 def _no_job_left(hosts, job, marker, wait_s=10.0):
-    """No process whose command line holds ``marker`` on any host, no /dev/shm file of ``job``."""
+    """No process whose command line holds ``marker`` on any host, no /dev/shm file or ipc
+    directory of ``job`` (the file system is shared between the emulated hosts)."""
+    import tempfile
     for h in hosts.names:
         left = hosts.wait_no_processes(h, match=marker, timeout_s=wait_s)
         assert not left, f"processes left on {h}: {left}"
     assert not glob.glob(f"/dev/shm/sdp-{job}-*"), glob.glob(f"/dev/shm/sdp-{job}-*")
+    ipc = glob.glob(os.path.join(tempfile.gettempdir(), f"sdp-{job}-*"))
+    assert not ipc, ipc  # issue 25 item 5: were left after every abnormal end
 
 
 # ---------------------------------------------------------------- launch, environment, --check
