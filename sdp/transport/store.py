@@ -165,8 +165,8 @@ class Server:
                 self._sock.send_multipart([ident, json.dumps({"id": rid, "ok": False, "error": str(e)}).encode()])
                 continue
             head = {"id": rid, "ok": True, "dtype": arr.dtype.str, "shape": list(arr.shape), "version": ver}
+            self.served += 1  # before the answer: a client that has it may read the count at once
             self._sock.send_multipart([ident, json.dumps(head).encode(), arr.reshape(-1).view(np.uint8)])
-            self.served += 1
 
     def close(self) -> None:
         self._stop.set()
