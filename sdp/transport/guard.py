@@ -49,6 +49,7 @@ PENDING_CAP = 32  # connections per listening socket beyond the ones the job mak
 SUMMARY_S = 60.0  # seconds over which the refusals from one address are summed into one line
 MAX_SOURCES = 1024  # addresses tracked at once; more are summed as "other addresses"
 _OTHER = "other addresses"
+UNKNOWN = "an unknown address (closed before its address was read)"
 
 log = logging.getLogger("sdp.security")
 
@@ -117,7 +118,7 @@ def _peer_address(fd: int) -> str:
         peer = s.getpeername()
         return peer[0] if isinstance(peer, tuple) else ""
     except (OSError, AttributeError, struct.error):
-        return ""
+        return UNKNOWN  # ZeroMQ closed it before this thread got to it
     finally:
         if s is not None:
             s.detach()  # the descriptor stays ZeroMQ's
