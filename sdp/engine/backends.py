@@ -7,9 +7,9 @@ gather of many pieces in one launch), the reduction kernel (:meth:`Backend.reduc
 destinations, every op, pre/post-scale), stream synchronisation, and inter-process handles
 (:meth:`Backend.ipc_export` / :meth:`Backend.ipc_open`).  Pointers are plain ints.
 
-* :class:`NumpyBackend`: host memory; its exportable allocations are ``/dev/shm`` files (0600),
-  opened by peers of the same host with ``mmap``, so the device path's algorithms run (and are
-  tested) on machines without a GPU.  Selected with ``SDP_DEVICE_BACKEND=numpy``.
+* :class:`NumpyBackend`: host memory; its exportable allocations are shared memory (0600 memfds
+  on Linux, else ``/dev/shm`` files) that peers of the same host ``mmap``, so the device path's
+  algorithms run (and are tested) on machines without a GPU.  Selected with ``SDP_DEVICE_BACKEND=numpy``.
 * :class:`sdp.engine.cuda_backend.CudaBackend`: PyCUDA on the device's primary context, imported
   only when a device array reaches the engine.
 
@@ -28,13 +28,14 @@ The reduction's arithmetic, the same in every backend (the CUDA kernels are chec
 import ctypes
 import itertools
 import logging
-import mmap
 import os
+import re
 from typing import List, Optional, Sequence
 
 import numpy as np
 
 from sdp.common.reduce_ops import ReduceOp
+from sdp.transport import shm
 
 log = logging.getLogger("sdp.engine.device")
 
@@ -199,19 +200,37 @@ def _typed(ptr: int, dtype, count: int) -> np.ndarray:
 
 
 class _Mapped:
-    """An mmap of a ``/dev/shm`` file, kept open as long as referenced."""
+    """Shared memory a peer of this host can map: a memfd (0600) named to peers as
+    ``/proc/<pid>/fd/<fd>`` where Linux has them (nothing is left behind however the job ends),
+    else a ``/dev/shm`` file (as :mod:`sdp.transport.shm` makes its segments)."""
 
-    def __init__(self, path: str, nbytes: int, create: bool):
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, max(nbytes, 1))
-            self.mm = mmap.mmap(fd, max(nbytes, 1))
-        finally:
-            os.close(fd)
+    def __init__(self, nbytes: int, path: Optional[str] = None):
+        self.fd = None
+        nbytes = max(nbytes, 1)
+        if path is not None:
+            self.array = shm._map(path, nbytes, create=False)
+        elif shm._memfd_usable():
+            self.fd, self.array = shm._create_memfd("sdp-dev", nbytes)
+            path = f"/proc/{os.getpid()}/fd/{self.fd}"
+        else:
+            path = f"/dev/shm/sdp-dev-{os.getpid()}-{next(_ids)}"
+            self.array = shm._map(path, nbytes, create=True)
         self.path = path
-        self.array = np.frombuffer(self.mm, np.uint8)
+
+    def unlink(self) -> None:
+        """Drop the name (peers have mapped it; the mappings stay)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        elif self.path.startswith("/dev/shm/"):
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+_ids = itertools.count()
+_WINDOW_NAME = re.compile(r"^(/proc/[0-9]+/fd/[0-9]+|/dev/shm/sdp-dev-[0-9]+-[0-9]+)$")
 
 
 class NumpyBackend(Backend):
@@ -219,11 +238,10 @@ class NumpyBackend(Backend):
 
     name = "numpy"
     device_type = 1  # kDLCPU
-    _ids = itertools.count()
 
     def alloc(self, nbytes: int, exportable: bool = False) -> Allocation:
         if exportable:
-            m = _Mapped(f"/dev/shm/sdp-dev-{os.getpid()}-{next(self._ids)}", nbytes, True)
+            m = _Mapped(nbytes)
             return Allocation(m.array.ctypes.data, nbytes, m)
         from sdp.engine.fusion import aligned_empty
         a = aligned_empty(np.uint8, max(nbytes, 1))
@@ -257,17 +275,14 @@ class NumpyBackend(Backend):
 
     def ipc_open(self, handle: bytes, nbytes: int) -> Allocation:
         path = handle.decode()
-        if not path.startswith("/dev/shm/sdp-dev-") or "/" in path[len("/dev/shm/"):]:
+        if not _WINDOW_NAME.match(path):
             raise ValueError(f"not a device window name: {path!r}")
-        m = _Mapped(path, nbytes, False)
+        m = _Mapped(nbytes, path)
         return Allocation(m.array.ctypes.data, nbytes, m)
 
     def ipc_unlink(self, alloc: Allocation) -> None:
         if isinstance(alloc.owner, _Mapped):
-            try:
-                os.unlink(alloc.owner.path)
-            except FileNotFoundError:
-                pass
+            alloc.owner.unlink()
 
 
 def backend_name() -> str:
