@@ -104,7 +104,14 @@ SETTINGS = (
     Setting("encrypt", ("SDP_ENCRYPT",), lambda v: flag(v), _FLAG),
     Setting("gpu_ipc", ("SDP_GPU_IPC",), lambda v: flag(v), _FLAG),
     Setting(None, ("SDP_LOG_LEVEL",), _level, "DEBUG, INFO, WARNING, ERROR or CRITICAL (any case), or a number"),
+    Setting(None, ("SDP_DEVICE_BACKEND",), lambda v: _choice(v, ("cuda", "numpy")), "cuda or numpy"),
 )
+
+
+def _choice(value: str, allowed: tuple) -> str:
+    if value.strip().lower() not in allowed:
+        raise ValueError(value)
+    return value.strip().lower()
 
 
 def setting_error(name: str, value: str, allowed: str) -> str:
