@@ -41,6 +41,14 @@ Mechanism
     installs the finder for that family (only if ``SDP_COMPAT`` names it).  No ``sitecustomize``
     or ``.pth`` file is involved, and nothing happens until the script imports one of these names.
 
+    MindSpore (``--compat kungfu``): the KungFu fork's modules ``mindspore.ops.operations.
+    kungfu_comm_ops``, ``mindspore.nn.optim.kungfu`` and ``mindspore.train.callback._kungfu`` are
+    ``sdp_kungfu_bridge.mindspore.{ops,optim,callback}`` (``_Family.guarded``: mapped inside the
+    real, unmodified MindSpore, each only while MindSpore has no module of that name: a KungFu-built
+    MindSpore is used as it is, with a ``CompatShadowWarning``).  The shim ``mindspore/`` package
+    loads the real MindSpore in its place and then adds the fork's ``mindspore._c_expression.
+    kungfu_*`` functions (:func:`sdp_kungfu_bridge.mindspore.add_c_expression_functions`).
+
 Never shadowing a real installation silently
     Before mapping a family, the real package is looked up with sdp's finder and ``SHIM_DIR`` left
     out (``sys.modules``, then every other ``sys.meta_path`` finder, without importing it).  If a
@@ -87,6 +95,9 @@ class _Family(NamedTuple):
     aliases: Tuple[Tuple[str, str], ...]  # (alias prefix, sdp module): the name and its submodules
     dists: Tuple[str, ...]      # distribution names of the real thing (for messages)
     exact: Tuple[Tuple[str, str], ...] = ()  # (alias, sdp module): that name only, before aliases
+    # (alias, sdp module): that name only, inside a real package (MindSpore); each is mapped only
+    # while no real module of that name exists (checked when it is imported)
+    guarded: Tuple[Tuple[str, str], ...] = ()
 
 
 _FAMILY_DEFS: Dict[str, _Family] = {
@@ -111,7 +122,11 @@ _FAMILY_DEFS: Dict[str, _Family] = {
         packages=("kungfu",),
         aliases=(("kungfu.python", "sdp_kungfu_bridge.python"),
                  ("kungfu.tensorflow", "sdp_kungfu_bridge.tensorflow")),
-        dists=("kungfu",)),
+        dists=("kungfu",),
+        # the KungFu fork of MindSpore (sdp_kungfu_bridge.mindspore); the real MindSpore stays
+        guarded=(("mindspore.ops.operations.kungfu_comm_ops", "sdp_kungfu_bridge.mindspore.ops"),
+                 ("mindspore.nn.optim.kungfu", "sdp_kungfu_bridge.mindspore.optim"),
+                 ("mindspore.train.callback._kungfu", "sdp_kungfu_bridge.mindspore.callback"))),
 }
 
 _PACKAGE_DOCS = {
@@ -122,7 +137,8 @@ _PACKAGE_DOCS = {
     "smdistributed.dataparallel": "smdistributed.dataparallel on sdp (sdp.compat): "
                                   "smdistributed.dataparallel.tensorflow is sdp.tensorflow.",
     "kungfu": "kungfu on sdp (sdp.compat): kungfu.python and kungfu.tensorflow are "
-              "sdp_kungfu_bridge.python and sdp_kungfu_bridge.tensorflow.",
+              "sdp_kungfu_bridge.python and sdp_kungfu_bridge.tensorflow; the KungFu fork's "
+              "MindSpore modules are sdp_kungfu_bridge.mindspore.",
 }
 
 
@@ -296,12 +312,22 @@ class _CompatFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.packages: Dict[str, str] = {}      # synthetic package -> family
         self.aliases: Dict[str, Tuple[str, str]] = {}  # alias prefix -> (target, family)
         self.exact: Dict[str, Tuple[str, str]] = {}    # alias (that name only) -> (target, family)
+        self.guarded: Dict[str, Tuple[str, str]] = {}  # alias in a real package -> (target, family)
 
     def map(self, fullname: str) -> Optional[Tuple[str, str]]:
         """``(sdp module, family)`` that ``fullname`` aliases, or ``None``: an exact alias first,
         else the longest alias prefix (``horovod.tensorflow.X`` -> ``sdp.tensorflow.X``)."""
         if fullname in self.exact:
             return self.exact[fullname]
+        if fullname in self.guarded:
+            target, family = self.guarded[fullname]
+            if not self.families.get(family) and find_real(fullname) is not None:
+                warnings.warn(
+                    f"sdp.compat: a real {fullname!r} was found (a KungFu-built MindSpore); sdp is NOT "
+                    f"replacing it. To use sdp instead, set {FORCE_ENV}=1 (or {FORCE_ENV}={family}).",
+                    CompatShadowWarning, stacklevel=3)
+                return None
+            return target, family
         best = None
         for prefix, (target, family) in self.aliases.items():
             if fullname == prefix or fullname.startswith(prefix + "."):
@@ -383,7 +409,7 @@ def _the_finder(create: bool) -> Optional[_CompatFinder]:
 
 def _family_names(family: str) -> List[str]:
     d = _FAMILY_DEFS[family]
-    return list(d.packages) + [a for a, _ in d.aliases] + [a for a, _ in d.exact]
+    return list(d.packages) + [a for a, _ in d.aliases] + [a for a, _ in d.exact] + [a for a, _ in d.guarded]
 
 
 def _under(name: str, prefixes: Iterable[str]) -> bool:
@@ -445,6 +471,8 @@ def install(which: Union[str, Iterable[str]] = FAMILIES,
                 finder.aliases[alias] = (target, family)
             for alias, target in definition.exact:
                 finder.exact[alias] = (target, family)
+            for alias, target in definition.guarded:
+                finder.guarded[alias] = (target, family)
             finder.families[family] = fam_forced
             if fam_forced:
                 prefixes = _family_names(family)
@@ -473,6 +501,8 @@ def uninstall(which: Union[str, Iterable[str]] = FAMILIES) -> None:
                 del finder.aliases[alias]
             for alias in [a for a, (_, f) in finder.exact.items() if f == family]:
                 del finder.exact[alias]
+            for alias in [a for a, (_, f) in finder.guarded.items() if f == family]:
+                del finder.guarded[alias]
             prefixes = _family_names(family)
             for name in [n for n in sys.modules if _under(n, prefixes)]:
                 if _is_ours(sys.modules[name]):
@@ -491,13 +521,14 @@ def _activate_shim(name: str) -> None:
     submodules.  Otherwise the real package (if any) is loaded in the shim's place, or the import
     fails as if the shim were not there."""
     module = sys.modules[name]
+    family = _SHIM_FAMILY.get(name, name)
     try:
         enabled = parse_families(os.environ.get(COMPAT_ENV, ""))
     except ValueError as e:
         warnings.warn(f"sdp.compat: ignoring {COMPAT_ENV}: {e}", CompatShadowWarning, stacklevel=3)
         enabled = ()
-    if name in enabled:
-        install((name,))
+    if family in enabled:
+        install((family,))
     finder = _finder
     if finder is not None and finder.packages.get(name) == name and name in installed():
         _populate_package(module, name, name)
@@ -506,7 +537,7 @@ def _activate_shim(name: str) -> None:
     real = find_real(name)
     if real is None or real.loader is None:
         why = (f"{COMPAT_ENV}={os.environ.get(COMPAT_ENV, '')!r} does not enable it"
-               if name not in enabled else "sdp did not take it over")
+               if family not in enabled else "sdp did not take it over")
         raise ModuleNotFoundError(f"No module named {name!r} (sdp's import shim for it is on "
                                   f"PYTHONPATH, but {why})", name=name)
     real_module = importlib.util.module_from_spec(real)
@@ -516,6 +547,12 @@ def _activate_shim(name: str) -> None:
     except BaseException:
         sys.modules.pop(name, None)
         raise
+    if name == "mindspore" and family in installed():
+        importlib.import_module("sdp_kungfu_bridge.mindspore").add_c_expression_functions()
+
+
+#: Shim packages of a real framework (loaded in the shim's place) that a family adds names to.
+_SHIM_FAMILY = {"mindspore": "kungfu"}
 
 
 # ---------------------------------------------------------------- Keras 3: opt.variables()

@@ -1,0 +1,283 @@
+"""MindSpore operators on sdp: mirrors the KungFu fork's ``mindspore.ops.operations.kungfu_comm_ops``.
+
+Under ``sdprun --compat kungfu`` (or after :func:`sdp_kungfu_bridge.mindspore.install`) this module
+*is* ``mindspore.ops.operations.kungfu_comm_ops``.  Every operator is an
+``ops.Custom(fn, out_shape, out_dtype, func_type="pyfunc")``: ``fn`` is Python that hands numpy
+arrays to :mod:`sdp.api`, and MindSpore runs it inside ``construct`` in GRAPH and PYNATIVE mode on
+CPU, also inside ``C.Map`` in an optimizer inside ``Model.train``.  The fork's primitives ran
+KungFu's C++ peer; these run sdp's engine (numpy + ZeroMQ + shared memory).
+
+Operators (shapes and dtypes as the fork's ``infer`` methods)
+
+=========================  ====================================================================
+``KungFuAllReduce(op)``    ``x`` -> same shape/dtype, reduced over the cluster; ``op``: ``"sum"``
+                           (default, as the fork: gradients are *summed*), ``"max"``, ``"min"``,
+                           ``"prod"`` (MindSpore's ``ReduceOp`` names) or an ``sdp`` ReduceOp.
+``KungFuAllGather()``      ``x`` -> ``[cluster size] + x.shape``, rank order (the size is read
+                           when the op is compiled, as in the fork).
+``KungFuBroadcast()``      ``x`` -> rank 0's ``x`` on every rank.
+``KungFuResize()``         ``n`` (``uint32`` scalar, the new cluster size) -> ``(changed,
+                           detached)`` booleans: a collective, see
+                           :func:`sdp_kungfu_bridge._cluster.resize`.  A bad size (0, more than
+                           ``sdprun -w``'s slots) raises on every rank (MindSpore wraps the
+                           :class:`~sdp_kungfu_bridge._cluster.ResizeError` in a ``RuntimeError``
+                           that carries its message).
+``KungFuClusterSize()``    no input -> the cluster size (``int32``, shape ``(1,)``: MindSpore gives
+                           an input-less pyfunc a 1-element output).
+``KungFuLogTensor()``      ``x`` -> ``x``, printed with the rank.
+=========================  ====================================================================
+
+Dtypes: float16/32/64, int32/64 (and the others :mod:`sdp.api` supports).  A 0-d tensor reaches a
+pyfunc as a Python scalar, so its collective runs in float64 / int64 and MindSpore casts the
+result back to the declared dtype.
+
+Functions: ``init(device)``, ``finalize(device)``, ``KungFuContext(device="CPU")`` (a context
+manager calling both), ``using_kungfu()`` (true when a launcher gave this process a cluster:
+``sdprun``'s ``SDP_*`` or KungFu's ``KUNGFU_SELF_SPEC``), and the fork's ``_c_expression``
+functions ``kungfu_init``, ``kungfu_finalize``, ``kungfu_current_rank``,
+``kungfu_current_cluster_size``, ``kungfu_nccl_init``/``kungfu_nccl_finalize`` (no-ops: sdp's
+collectives are on host memory; ``device="GPU"`` is accepted).
+
+Matching across ranks: collectives are named from the bridge's per-epoch counter
+(:func:`sdp_kungfu_bridge._cluster.next_name`).  MindSpore 2.10 runs pyfunc kernels one at a time,
+in program order, on one thread (GRAPH and PYNATIVE), so every rank issues the same names in the
+same order; the engine checks shape and dtype per name (``TensorMismatchError`` otherwise).
+"""
+import linecache
+import logging
+import os
+import threading
+
+import numpy as np
+import mindspore as ms
+from mindspore import ops
+
+from sdp import api
+from sdp.common.reduce_ops import ReduceOp
+from sdp_kungfu_bridge import _cluster
+
+log = logging.getLogger("sdp.kungfu.mindspore")
+
+__all__ = ['KungFuAllGather', 'KungFuAllReduce', 'KungFuBroadcast', 'KungFuClusterSize', 'KungFuContext',
+           'KungFuGroupAllReduce', 'KungFuLogTensor', 'KungFuResize', 'finalize', 'init', 'using_kungfu']
+
+_OPS = {'sum': ReduceOp.SUM, 'max': ReduceOp.MAX, 'min': ReduceOp.MIN, 'prod': ReduceOp.PRODUCT,
+        'avg': ReduceOp.AVERAGE, 'mean': ReduceOp.AVERAGE}
+
+
+def _reduce_op(op) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    key = str(op).lower()
+    if key not in _OPS:
+        raise ValueError(f"KungFuAllReduce: unknown op {op!r}; expected one of {sorted(_OPS)}")
+    return _OPS[key]
+
+
+def _as_array(x) -> np.ndarray:
+    """A pyfunc input as a contiguous numpy array (0-d tensors arrive as Python scalars)."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x)
+    if isinstance(x, (bool, np.bool_)):
+        return np.asarray(x, np.bool_)
+    if isinstance(x, int):
+        return np.asarray(x, np.int64)
+    if isinstance(x, float):
+        return np.asarray(x, np.float64)
+    return np.ascontiguousarray(np.asarray(x))
+
+
+def _same(x):
+    return x
+
+
+class _KungFuOp(ops.Custom):
+    """Base of the operators: an ``ops.Custom`` pyfunc (usable in ``construct``, ``C.Map`` and
+    eagerly)."""
+
+    def _setup(self, fn, out_shape, out_dtype):
+        ops.Custom.__init__(self, fn, out_shape=out_shape, out_dtype=out_dtype, func_type="pyfunc")
+
+
+class KungFuAllReduce(_KungFuOp):
+    """``y = allreduce(x, op)`` over the cluster (default ``op="sum"``, as the fork)."""
+
+    def __init__(self, op='sum'):
+        reduce_op = _reduce_op(op)
+
+        def kungfu_all_reduce(x):
+            _cluster.ensure()
+            return api.allreduce(_as_array(x), name=_cluster.next_name("ms.all_reduce"), op=reduce_op)
+
+        self._setup(kungfu_all_reduce, _same, _same)
+
+
+class KungFuAllGather(_KungFuOp):
+    """``y[r] = x`` of rank ``r``: shape ``[cluster size] + x.shape``."""
+
+    def __init__(self):
+        def kungfu_all_gather(x):
+            _cluster.ensure()
+            a = _as_array(x)
+            return api.allgather(a.reshape((1,) + a.shape), name=_cluster.next_name("ms.all_gather"))
+
+        def shape(x):
+            return [_cluster.size()] + list(x)
+
+        self._setup(kungfu_all_gather, shape, _same)
+
+
+class KungFuBroadcast(_KungFuOp):
+    """``y = x`` of rank 0."""
+
+    def __init__(self):
+        def kungfu_broadcast(x):
+            _cluster.ensure()
+            return api.broadcast(_as_array(x), 0, name=_cluster.next_name("ms.broadcast"))
+
+        self._setup(kungfu_broadcast, _same, _same)
+
+
+class KungFuResize(_KungFuOp):
+    """``changed, detached = resize(n)``: resize the cluster to ``n`` workers (``uint32`` scalar)."""
+
+    def __init__(self):
+        def kungfu_resize(n):
+            changed, detached = _cluster.resize(int(n))
+            return np.asarray(changed, np.bool_), np.asarray(detached, np.bool_)
+
+        self._setup(kungfu_resize, lambda n: ((), ()), lambda n: (ms.bool_, ms.bool_))
+
+
+class KungFuClusterSize(_KungFuOp):
+    """``size = cluster_size()`` (no input; ``int32``)."""
+
+    def __init__(self):
+        def kungfu_cluster_size():
+            return np.asarray([_cluster.size()], np.int32)
+
+        self._setup(kungfu_cluster_size, (1,), ms.int32)
+
+
+class KungFuLogTensor(_KungFuOp):
+    """``y = x``; prints ``x`` with this worker's rank."""
+
+    def __init__(self):
+        def kungfu_log_tensor(x):
+            a = _as_array(x)
+            print(f"[kungfu rank {_cluster.rank()}] {a.dtype}{list(a.shape)} {a}", flush=True)
+            return a
+
+        self._setup(kungfu_log_tensor, _same, _same)
+
+
+_group_lock = threading.Lock()
+
+
+def _fixed_arity(n: int, impl):
+    """A function of exactly ``n`` positional parameters calling ``impl(tuple)``: a pyfunc with
+    ``*args`` counts as one tuple input, which MindSpore 2.10 refuses.  Its source is put in
+    ``linecache`` because ``ops.Custom`` reads the function's source."""
+    params = ", ".join(f"x{i}" for i in range(n))
+    src = f"def kungfu_group_all_reduce_{n}({params}):\n    return _impl(({params}{',' if n == 1 else ''}))\n"
+    filename = f"<sdp-kungfu-group-all-reduce-{n}-{id(impl):x}>"
+    with _group_lock:
+        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    namespace = {"_impl": impl}
+    exec(compile(src, filename, "exec"), namespace)  # noqa: S102 - our own fixed template
+    return namespace[f"kungfu_group_all_reduce_{n}"]
+
+
+class KungFuGroupAllReduce(_KungFuOp):
+    """``ys = allreduce(*xs)`` of ``n`` tensors as one request: the engine fuses the tensors of
+    one dtype into one collective (``SDP_FUSION_THRESHOLD`` buckets).  Not in the fork (its
+    optimizers allreduce each gradient); used by the grouped optimizers.  Call as
+    ``op(*tensors)``; returns a tuple."""
+
+    def __init__(self, n: int, op='sum'):
+        n = int(n)
+        if n < 1:
+            raise ValueError(f"KungFuGroupAllReduce needs at least one tensor, got n={n}")
+        reduce_op = _reduce_op(op)
+
+        def impl(xs):
+            _cluster.ensure()
+            base = _cluster.next_name("ms.group_all_reduce")
+            return tuple(api.grouped_allreduce([_as_array(x) for x in xs], name=base, op=reduce_op))
+
+        self._setup(_fixed_arity(n, impl), lambda *s: tuple(s), lambda *d: tuple(d))
+
+
+# ------------------------------------------------------------------ the fork's functions
+
+
+def kungfu_init():
+    """Join the cluster (idempotent; ``_c_expression.kungfu_init`` of the fork)."""
+    _cluster.init()
+
+
+def kungfu_finalize():
+    """Leave the cluster (idempotent)."""
+    _cluster.finalize()
+
+
+def kungfu_current_rank() -> int:
+    return _cluster.rank()
+
+
+def kungfu_current_cluster_size() -> int:
+    return _cluster.size()
+
+
+def kungfu_nccl_init():
+    """No-op: sdp's collectives work on host memory (the fork set up NCCL here)."""
+
+
+def kungfu_nccl_finalize():
+    """No-op (see :func:`kungfu_nccl_init`)."""
+
+
+_DEVICES = ('CPU', 'GPU')
+
+
+def _check_device(device):
+    if device not in _DEVICES:
+        raise RuntimeError('invalid device %s' % (device,))
+
+
+def init(device='CPU'):
+    """Join the cluster; ``device`` is ``"CPU"`` or ``"GPU"`` (the latter: no NCCL, see above)."""
+    _check_device(device)
+    kungfu_init()
+    if device == 'GPU':
+        kungfu_nccl_init()
+
+
+def finalize(device='CPU'):
+    """Leave the cluster."""
+    _check_device(device)
+    if device == 'GPU':
+        kungfu_nccl_finalize()
+    kungfu_finalize()
+
+
+class KungFuContext:
+    """``with KungFuContext(device="CPU"): ...`` joins the cluster on entry, leaves on exit.
+    Raises ``RuntimeError`` for a device other than CPU/GPU."""
+
+    def __init__(self, device='CPU'):
+        _check_device(device)
+        self._device = device
+
+    def __enter__(self):
+        init(self._device)
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        finalize(self._device)
+
+
+def using_kungfu() -> bool:
+    """Whether a launcher gave this process a cluster (``sdprun`` or ``kungfu-run``)."""
+    return bool(os.environ.get('KUNGFU_SELF_SPEC') or os.environ.get('SDP_RENDEZVOUS_ADDR')
+                or os.environ.get('SDP_SIZE'))
