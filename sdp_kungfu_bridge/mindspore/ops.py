@@ -113,18 +113,32 @@ class KungFuAllReduce(_KungFuOp):
 
 
 class KungFuAllGather(_KungFuOp):
-    """``y[r] = x`` of rank ``r``: shape ``[cluster size] + x.shape``."""
+    """``y[r] = x`` of rank ``r``: shape ``[cluster size] + x.shape``.
+
+    A 0-d ``x`` reaches the pyfunc as a Python scalar without its dtype, and MindSpore casts only
+    0-d results; so the dtype of the latest 0-d input inferred for this op is used for its
+    result (one op instance per 0-d dtype inside one compiled graph)."""
 
     def __init__(self):
+        scalar_dtype = {"np": None, "shape": None}
+
         def kungfu_all_gather(x):
             _cluster.ensure()
             a = _as_array(x)
+            if a.ndim == 0 and scalar_dtype["np"] is not None:
+                a = a.astype(scalar_dtype["np"])
             return api.allgather(a.reshape((1,) + a.shape), name=_cluster.next_name("ms.all_gather"))
 
         def shape(x):
+            scalar_dtype["shape"] = tuple(x)
             return [_cluster.size()] + list(x)
 
-        self._setup(kungfu_all_gather, shape, _same)
+        def dtype(d):
+            if scalar_dtype["shape"] == ():
+                scalar_dtype["np"] = ms.dtype_to_nptype(d.element_type() if hasattr(d, "element_type") else d)
+            return d
+
+        self._setup(kungfu_all_gather, shape, dtype)
 
 
 class KungFuBroadcast(_KungFuOp):

@@ -1,0 +1,140 @@
+"""KungFu's MindSpore face (sdp_kungfu_bridge.mindspore) in real MindSpore processes.
+
+Needs MindSpore (``pip install -e ".[mindspore,test]"`` in a numpy<2 virtual environment: .ci/run
+makes one); skipped with the reason without it.  Workers: tests/workers_kungfu_mindspore.py."""
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+try:
+    import mindspore  # noqa: F401
+    _MS = None
+except Exception as e:  # ImportError, or numpy 2 ("Numpy init failed")
+    _MS = f"{type(e).__name__}: {e}"
+
+pytestmark = pytest.mark.skipif(_MS is not None, reason=f"mindspore not usable here ({_MS}); "
+                                "install the 'mindspore' extra in a numpy<2 venv (see .ci/run)")
+
+from harness import check_ok, run_workers  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(REPO, "examples", "mindspore_lenet_elastic.py")
+ENV = {"GLOG_v": "3", "PYTHONWARNINGS": "ignore"}  # MindSpore's warnings off
+
+
+def _sdprun(*args, timeout=300, cwd=REPO):
+    env = dict(os.environ, **ENV)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "sdp.launcher.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_ops_against_numpy(n):
+    modes = ["graph", "pynative"] if n == 2 else ["graph"]
+    for mode in modes:
+        out = check_ok(run_workers(n, "workers_kungfu_mindspore:ops_vs_numpy", [mode], env=ENV, init=False,
+                                   timeout=240))
+        for r, o in enumerate(out):
+            assert o["bad"] == [], (mode, r, o["bad"])
+            assert (o["rank"], o["size"], o["op_size"], o["using"]) == (r, n, n, True)
+
+
+def test_pynative_optimizer_allreduces_once():
+    """MindSpore 2.10 PYNATIVE: a subclass construct calling super().construct() of the @jit
+    Momentum runs twice (gradients summed twice); the face's optimizers update once."""
+    # weight 1 - lr * (sum over ranks of 1 + rank) = 1 - 0.1 * 3
+    for cls in ("KungFuMomentum", "KungFuGroupedMomentum", "KungFuSGD"):
+        for mode in ("pynative", "graph"):
+            out = check_ok(run_workers(2, "workers_kungfu_mindspore:optimizer_step", [cls, mode], env=ENV,
+                                       init=False, timeout=240))
+            for w in out:
+                assert w == pytest.approx([0.7] * 3), (cls, mode, w)
+    # the bug the face works around (if MindSpore fixes it, this documents the change)
+    guide = check_ok(run_workers(2, "workers_kungfu_mindspore:optimizer_step", ["guide", "pynative"], env=ENV,
+                                 init=False, timeout=240))
+    assert guide[0] == pytest.approx([1 - 0.1 * 3 * 2] * 3)  # allreduced twice: 2 * 3 summed
+
+
+def test_pynative_sync_keeps_parameters_trainable():
+    """MindSpore 2.10 PYNATIVE: param.set_data() after the optimizer compiled freezes the
+    parameter; the face's sync_net_parameters writes in place: synced, then trained on."""
+    for mode in ("pynative", "graph"):
+        out = check_ok(run_workers(2, "workers_kungfu_mindspore:sync_then_train", ["face", mode], env=ENV,
+                                   init=False, timeout=240))
+        assert out[0]["synced"] == out[1]["synced"]
+        for o in out:
+            assert o["trained"] != pytest.approx(o["synced"]), mode
+    guide = check_ok(run_workers(2, "workers_kungfu_mindspore:sync_then_train", ["guide", "pynative"], env=ENV,
+                                 init=False, timeout=240))
+    assert guide[0]["synced"] == guide[1]["synced"]
+    assert guide[0]["trained"] == guide[0]["synced"]  # the bug: frozen
+
+
+_NAMES = textwrap.dedent("""
+    import mindspore
+    import mindspore._c_expression as c
+    try:
+        import mindspore.ops.operations.kungfu_comm_ops as kfops
+        from mindspore.nn.optim.kungfu import KungFuMomentum
+        from mindspore.train.callback._kungfu import KungFuElasticCallback
+        print("names:", kfops.__name__, KungFuMomentum.__module__, KungFuElasticCallback.__module__,
+              c.kungfu_current_rank(), c.kungfu_current_cluster_size(), flush=True)
+    except ModuleNotFoundError as e:
+        print("missing:", e.name, hasattr(c, "kungfu_init"), flush=True)
+""")
+
+
+def test_fork_names_only_under_compat(tmp_path):
+    script = tmp_path / "names.py"
+    script.write_text(_NAMES)
+    res = _sdprun("--compat", "kungfu", "-np", "2", sys.executable, str(script))
+    assert res.returncode == 0, res.stderr[-3000:]
+    for r in range(2):
+        assert (f"[{r}]<stdout>:names: sdp_kungfu_bridge.mindspore.ops sdp_kungfu_bridge.mindspore.optim "
+                f"sdp_kungfu_bridge.mindspore.callback {r} 2") in res.stdout, res.stdout
+    res = _sdprun("-np", "1", sys.executable, str(script))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "missing: mindspore.ops.operations.kungfu_comm_ops False" in res.stdout, res.stdout
+    res = _sdprun("--compat", "horovod", "-np", "1", sys.executable, str(script))  # the shim, not enabled
+    assert "missing: mindspore.ops.operations.kungfu_comm_ops False" in res.stdout, res.stdout + res.stderr
+
+
+def test_kungfu_built_mindspore_is_left_alone(tmp_path):
+    """A MindSpore that has its own kungfu_comm_ops (the fork) is used, with a warning."""
+    fork = tmp_path / "fork"
+    fork.mkdir()
+    (fork / "kungfu_comm_ops.py").write_text("FORK = True\n")
+    script = tmp_path / "fork_names.py"
+    script.write_text(textwrap.dedent(f"""
+        import warnings
+        warnings.simplefilter("always")
+        import mindspore.ops.operations as operations
+        operations.__path__.append({str(fork)!r})  # as if the fork's file were installed there
+        import mindspore.ops.operations.kungfu_comm_ops as kfops
+        print("fork:", getattr(kfops, "FORK", False), flush=True)
+    """))
+    res = _sdprun("--compat", "kungfu", "-np", "1", sys.executable, str(script))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "fork: True" in res.stdout
+    assert "CompatShadowWarning" in res.stderr and "KungFu-built MindSpore" in res.stderr
+
+
+def _checksums(stdout):
+    return re.findall(r"^\[(\d+)\]<stdout>:parameters checksum: ([0-9a-f]+)$", stdout, re.M)
+
+
+@pytest.mark.parametrize("mode", ["graph", "pynative"])
+def test_example_ranks_agree(mode):
+    res = _sdprun("--compat", "kungfu", "-np", "2", sys.executable, EXAMPLE, "--schedule", "", "--max-step", "30",
+                  "--mode", mode, "--test-samples", "500")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    sums = _checksums(res.stdout)
+    assert sorted(r for r, _ in sums) == ["0", "1"] and len({c for _, c in sums}) == 1, res.stdout
+    assert "[0]<stdout>:test accuracy: " in res.stdout
+    for r in range(2):
+        assert f"[{r}]<stdout>:steps run: 30 (global steps 1..30)" in res.stdout
