@@ -140,7 +140,8 @@ def main():
     print("steps run: %d (global steps %d..%d)" % (elastic.steps_run, first, elastic.global_step), flush=True)
     if kungfu_current_rank() == 0:
         ms.set_context(mode=ms.GRAPH_MODE)  # evaluation compiled: PYNATIVE's batch-1000 convs are slow
-        test = make_dataset(x_test[:args.test_samples], y_test[:args.test_samples], 500)
+        n = min(args.test_samples, len(y_test))
+        test = make_dataset(x_test[:n], y_test[:n], min(500, n))
         print("test accuracy: %.4f" % model.eval(test, dataset_sink_mode=False)["accuracy"], flush=True)
     print("parameters checksum: %s" % checksum(network), flush=True)
 

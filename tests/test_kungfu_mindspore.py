@@ -138,3 +138,58 @@ def test_example_ranks_agree(mode):
     assert "[0]<stdout>:test accuracy: " in res.stdout
     for r in range(2):
         assert f"[{r}]<stdout>:steps run: 30 (global steps 1..30)" in res.stdout
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_guide_launch_line_elastic_schedule(tmp_path):
+    """The guide's kungfu-run flags; the callback's schedule grows, shrinks and grows the job."""
+    port = _free_port()
+    res = _sdprun("--compat", "kungfu", "-q", "-logdir", str(tmp_path / "logs"), "-np", "1", "-w",
+                  "-builtin-config-port", str(port), "-config-server", f"http://127.0.0.1:{port}/config",
+                  sys.executable, EXAMPLE, "--schedule", "3:2,6:1,9:2", "--max-step", "12", "--test-samples", "200")
+    out = res.stdout
+    assert res.returncode == 0, out[-3000:] + res.stderr[-3000:]
+    assert "PeerLostError" not in out + res.stderr
+    # who ran which global steps: rank 0 all, a joiner 4..6 (detached at 6), another 10..12
+    assert "[0]<stdout>:steps run: 12 (global steps 1..12)" in out
+    assert "[1]<stdout>:sync step 1 -> 4" in out and "[1]<stdout>:sync step 1 -> 10" in out
+    assert "[1]<stdout>:detached at step 6 after 3 steps" in out
+    assert "[1]<stdout>:steps run: 3 (global steps 10..12)" in out
+    # 1..3 by one worker, 4..6 by two, 7..9 by one, 10..12 by two: every step once per worker
+    sums = _checksums(out)
+    assert sorted(r for r, _ in sums) == ["0", "1"] and len({c for _, c in sums}) == 1, out
+
+
+_BAD_RESIZE = textwrap.dedent("""
+    import mindspore as ms
+    import mindspore.ops.operations.kungfu_comm_ops as kfops
+    from mindspore._c_expression import kungfu_current_rank, kungfu_current_cluster_size
+    resize = kfops.KungFuResize()
+    for n in (0, 5):
+        try:
+            changed, detached = resize(ms.Tensor(n, ms.uint32))
+            print("resize %d: no error" % n, bool(changed), bool(detached), flush=True)
+        except RuntimeError as e:
+            print("resize %d: %s" % (n, str(e).splitlines()[0]), flush=True)
+    print("size still", kungfu_current_cluster_size(), flush=True)
+""")
+
+
+def test_resize_bad_size_fails_on_every_rank(tmp_path):
+    script = tmp_path / "bad_resize.py"
+    script.write_text(_BAD_RESIZE)
+    res = _sdprun("--compat", "kungfu", "-w", "-np", "2", "-H", "localhost:2", sys.executable, str(script),
+                  timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for r in range(2):
+        line0 = re.search(rf"^\[{r}\]<stdout>:resize 0: (.*)$", res.stdout, re.M)
+        line5 = re.search(rf"^\[{r}\]<stdout>:resize 5: (.*)$", res.stdout, re.M)
+        assert line0 and "at least 1" in line0.group(1), res.stdout
+        assert line5 and "5" in line5.group(1) and "slot" in line5.group(1), res.stdout
+        assert f"[{r}]<stdout>:size still 2" in res.stdout

@@ -21,7 +21,8 @@ Operators (shapes and dtypes as the fork's ``infer`` methods)
                            :func:`sdp_kungfu_bridge._cluster.resize`.  A bad size (0, more than
                            ``sdprun -w``'s slots) raises on every rank (MindSpore wraps the
                            :class:`~sdp_kungfu_bridge._cluster.ResizeError` in a ``RuntimeError``
-                           that carries its message).
+                           that carries its message, raised where the result is read: PYNATIVE
+                           ops run asynchronously).
 ``KungFuClusterSize()``    no input -> the cluster size (``int32``, shape ``(1,)``: MindSpore gives
                            an input-less pyfunc a 1-element output).
 ``KungFuLogTensor()``      ``x`` -> ``x``, printed with the rank.
@@ -39,9 +40,13 @@ functions ``kungfu_init``, ``kungfu_finalize``, ``kungfu_current_rank``,
 collectives are on host memory; ``device="GPU"`` is accepted).
 
 Matching across ranks: collectives are named from the bridge's per-epoch counter
-(:func:`sdp_kungfu_bridge._cluster.next_name`).  MindSpore 2.10 runs pyfunc kernels one at a time,
-in program order, on one thread (GRAPH and PYNATIVE), so every rank issues the same names in the
-same order; the engine checks shape and dtype per name (``TensorMismatchError`` otherwise).
+(:func:`sdp_kungfu_bridge._cluster.next_name`), so every rank must run them in the same order.
+MindSpore 2.10 runs pyfunc kernels one at a time on one thread, but in a compiled graph it runs
+independent kernels in data-flow order, which varies from step to step (the gradients of
+``C.Map(all_reduce, grads)`` came out in a different order on two workers after a resize: a
+``TensorMismatchError``).  So every operator carries ``side_effect_io``: MindSpore then orders
+them as the program does (``C.Map`` over the gradients: parameter order).  The engine checks
+shape and dtype per name (``TensorMismatchError`` on every rank otherwise).
 """
 import linecache
 import logging
@@ -97,6 +102,8 @@ class _KungFuOp(ops.Custom):
 
     def _setup(self, fn, out_shape, out_dtype):
         ops.Custom.__init__(self, fn, out_shape=out_shape, out_dtype=out_dtype, func_type="pyfunc")
+        # Program order in compiled graphs (see "Matching across ranks" in the module docstring).
+        self.add_prim_attr("side_effect_io", True)
 
 
 class KungFuAllReduce(_KungFuOp):
