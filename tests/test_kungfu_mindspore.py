@@ -130,14 +130,15 @@ def _checksums(stdout):
 
 @pytest.mark.parametrize("mode", ["graph", "pynative"])
 def test_example_ranks_agree(mode):
-    res = _sdprun("--compat", "kungfu", "-np", "2", sys.executable, EXAMPLE, "--schedule", "", "--max-step", "30",
-                  "--mode", mode, "--test-samples", "500")
+    steps = 30 if mode == "graph" else 10  # PYNATIVE runs op by op: ~4x slower here
+    res = _sdprun("--compat", "kungfu", "-np", "2", sys.executable, EXAMPLE, "--schedule", "", "--max-step",
+                  str(steps), "--mode", mode, "--test-samples", "500")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     sums = _checksums(res.stdout)
     assert sorted(r for r, _ in sums) == ["0", "1"] and len({c for _, c in sums}) == 1, res.stdout
     assert "[0]<stdout>:test accuracy: " in res.stdout
     for r in range(2):
-        assert f"[{r}]<stdout>:steps run: 30 (global steps 1..30)" in res.stdout
+        assert f"[{r}]<stdout>:steps run: {steps} (global steps 1..{steps})" in res.stdout
 
 
 def _free_port():
