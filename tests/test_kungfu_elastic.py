@@ -157,3 +157,12 @@ def test_parser_accepts_kungfu_elastic_flags():
     assert a.watch and a.builtin_config_port == 9100 and a.config_server == "http://127.0.0.1:9100/config"
     a = cli.build_parser().parse_args(["--watch", "--builtin-config-port", "1", "--config-server", "u", "x"])
     assert a.watch and a.builtin_config_port == 1 and a.config_server == "u"
+
+
+def test_quiet_flag_keeps_sdprun_to_warnings():
+    """kungfu-run's -q: sdprun's INFO lines (elastic mode's config server...) are not printed."""
+    loud = _sdprun("-w", "-builtin-config-port", "0", "-np", "1", "python", "-c", "print('hi')")
+    quiet = _sdprun("-q", "-w", "-builtin-config-port", "0", "-np", "1", "python", "-c", "print('hi')")
+    assert loud.returncode == 0 and quiet.returncode == 0, loud.stderr + quiet.stderr
+    assert "sdprun INFO: elastic mode" in loud.stderr
+    assert "sdprun INFO" not in quiet.stderr and "[0]<stdout>:hi" in quiet.stdout

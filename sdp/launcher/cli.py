@@ -47,8 +47,8 @@ the removed ones exit.  See :mod:`sdp.launcher.elastic`.
 ``-w``                     ``-w`` / ``--watch``: elastic mode
 ``-builtin-config-port P`` ``--builtin-config-port P``: the built-in config server's port (implies -w)
 ``-config-server URL``     ``--config-server URL``: where workers read the desired size (implies -w)
-``-strategy``, ``-q``,     accepted and ignored
-``-logdir``
+``-q``                     ``-q``: sdprun's own messages only for warnings and errors
+``-strategy``, ``-logdir`` accepted and ignored
 =========================  =====================================================================
 
 horovodrun's ``-p/--ssh-port``, ``-i/--ssh-identity-file``, ``--hostfile``,
@@ -161,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--verbose", action="store_true", help="log launcher details (rank table, pids)")
     env.add_argument("--no-prefix", action="store_true",
                      help="do not prefix output lines with [rank]<stdout>: / [rank]<stderr>:")
+    env.add_argument("-q", dest="quiet", action="store_true",
+                     help="kungfu-run's quiet mode: sdprun's own messages only for warnings and errors")
 
     # horovodrun's elastic mode (Horovod Elastic); see sdp.launcher.elastic.HorovodElasticDriver
     el = p.add_argument_group("elastic: Horovod Elastic (horovodrun's names)")
@@ -196,20 +198,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="horovodrun's controller choice; sdp uses its own transport")
     ign.add_argument("-strategy", dest="ignored_strategy", metavar="NAME",
                      help="kungfu-run's allreduce strategy")
-    ign.add_argument("-q", dest="ignored_quiet", action="store_true", help="kungfu-run's quiet mode")
     ign.add_argument("-logdir", dest="ignored_logdir", metavar="DIR",
                      help="kungfu-run's log directory; output goes to the terminal")
     return p
 
 
-def _setup_logging(verbose: bool) -> None:
+def _setup_logging(verbose: bool, quiet: bool = False) -> None:
     logger = logging.getLogger("sdp")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("sdprun %(levelname)s: %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
-    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+    logger.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
 
 
 def resolve_hosts(args) -> List[hostlib.HostSlots]:
@@ -356,7 +357,7 @@ def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=No
         parser.error("no command given (usage: sdprun [-np N] [--] COMMAND ...)")
     if args.start_timeout <= 0:
         parser.error("--start-timeout must be positive")
-    _setup_logging(args.verbose)
+    _setup_logging(args.verbose, args.quiet)
     if args.ignored_controller or args.ignored_strategy:
         log.debug("ignoring --gloo/--mpi/-strategy: sdp always uses its own ZeroMQ transport")
 
