@@ -28,6 +28,7 @@ MindSpore 2.10 PYNATIVE workaround
     in GRAPH mode (the whole step compiled) ``super().construct`` is used as usual.  A
     hand-written subclass of ``nn.Momentum`` in the guide's style has the bug in PYNATIVE mode;
     use these classes there (tests/test_kungfu_mindspore.py shows both).
+    The mode is read when the optimizer is built: build it after ``set_context(mode=...)``.
 """
 import inspect
 
@@ -44,76 +45,57 @@ def _pynative() -> bool:
 
 
 class _Distributed:
-    """Mixin: gradients reduced before the parent optimizer's update (see the module docstring)."""
+    """Mixin: gradients reduced before the parent optimizer's update (see the module docstring).
+    ``_grouped``: one :class:`KungFuGroupAllReduce` of all gradients instead of one
+    :class:`KungFuAllReduce` per gradient."""
 
-    def _kungfu_setup(self, grouped: bool):
-        parent = next(c for c in type(self).__mro__ if c is not _Distributed and "construct" in c.__dict__
-                      and not issubclass(c, _Distributed))
+    _grouped = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        parent = next(c for c in type(self).__mro__ if "construct" in c.__dict__ and not issubclass(c, _Distributed))
         self._kungfu_parent_construct = inspect.unwrap(parent.construct)
         self.map_ = C.Map()
-        self.all_reduce = KungFuGroupAllReduce(len(self._parameters), 'sum') if grouped else KungFuAllReduce('sum')
-        self._kungfu_grouped = grouped
+        self.all_reduce = KungFuGroupAllReduce(len(self._parameters)) if self._grouped else KungFuAllReduce('sum')
+        self._kungfu_grouped = self._grouped
         self._kungfu_eager = _pynative()  # read here: construct may not call get_context
 
-    def _kungfu_update(self, gradients):
-        """PYNATIVE: the parent's undecorated update (MindSpore 2.10 bug, see above)."""
-        return self._kungfu_parent_construct(self, gradients)
+    def _kungfu_reduce(self, gradients):
+        if self._kungfu_grouped:
+            return self.all_reduce(*gradients)
+        return self.map_(self.all_reduce, gradients)
 
 
 class KungFuMomentum(_Distributed, ms.nn.Momentum):
     """``nn.Momentum`` with gradients summed over the cluster (one allreduce per gradient)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._kungfu_setup(grouped=False)
-
     def construct(self, gradients):
-        gradients = self.map_(self.all_reduce, gradients)
-        if self._kungfu_eager:
-            return self._kungfu_update(gradients)
-        return super().construct(gradients)
+        gradients = self._kungfu_reduce(gradients)
+        if self._kungfu_eager:  # PYNATIVE: the parent's undecorated update (MindSpore 2.10 bug, above)
+            return self._kungfu_parent_construct(self, gradients)
+        return super(KungFuMomentum, self).construct(gradients)
 
 
 class KungFuSGD(_Distributed, ms.nn.SGD):
     """``nn.SGD`` with gradients summed over the cluster (one allreduce per gradient)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._kungfu_setup(grouped=False)
-
     def construct(self, gradients):
-        gradients = self.map_(self.all_reduce, gradients)
+        gradients = self._kungfu_reduce(gradients)
         if self._kungfu_eager:
-            return self._kungfu_update(gradients)
-        return super().construct(gradients)
+            return self._kungfu_parent_construct(self, gradients)
+        return super(KungFuSGD, self).construct(gradients)
 
 
-class KungFuGroupedMomentum(_Distributed, ms.nn.Momentum):
+class KungFuGroupedMomentum(KungFuMomentum):
     """``nn.Momentum`` with all gradients summed in one fused request."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._kungfu_setup(grouped=True)
-
-    def construct(self, gradients):
-        gradients = self.all_reduce(*gradients)
-        if self._kungfu_eager:
-            return self._kungfu_update(gradients)
-        return super().construct(gradients)
+    _grouped = True
 
 
-class KungFuGroupedSGD(_Distributed, ms.nn.SGD):
+class KungFuGroupedSGD(KungFuSGD):
     """``nn.SGD`` with all gradients summed in one fused request."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._kungfu_setup(grouped=True)
-
-    def construct(self, gradients):
-        gradients = self.all_reduce(*gradients)
-        if self._kungfu_eager:
-            return self._kungfu_update(gradients)
-        return super().construct(gradients)
+    _grouped = True
 
 
 def build_optimizer(args, network):
