@@ -137,6 +137,18 @@ def test_config_server_endpoints(controller):
     assert _http(ctl.url + "/config", "PUT", {"size": 4})[0] == 400  # more than the 3 slots
     assert _http(ctl.url + "/config", "PUT", {"nothing": 1})[0] == 400
     assert _http(ctl.url + "/nowhere")[0] == 404
+    # KungFu's verbs: its Runners/Workers lists; PUT bumps the version even for the same size;
+    # POST without a body resets to -np; DELETE clears (404 until written)
+    code, cfg = _http(ctl.url + "/config")
+    assert cfg["Runners"] == [{"Host": "localhost", "Slots": 3}] and [w["Rank"] for w in cfg["Workers"]] == [0, 1, 2]
+    assert _http(ctl.url + "/config", "PUT", {"size": 3})[1]["version"] == 2
+    code, cfg = _http(ctl.url + "/config", "POST")
+    assert code == 200 and cfg["size"] == 2 and cfg["version"] == 3 and len(cfg["Workers"]) == 2
+    assert _http(ctl.url + "/config", "DELETE") == (200, {"version": 4})
+    assert _http(ctl.url + "/config")[0] == 404
+    assert _http(ctl.url + "/config", "DELETE", secret=None)[0] == 401  # still signed
+    code, cfg = _http(ctl.url + "/config", "PUT", {"Workers": [{}, {}, {}]})
+    assert code == 200 and cfg["size"] == 3 and _http(ctl.url + "/config")[0] == 200
     # commit a grow: epoch 0 -> 1, one new worker (rank 2) with the new epoch's environment
     code, rec = _http(ctl.url + "/resize", "POST", {"size": 3, "epoch": 0})
     assert code == 200 and rec["epoch"] == 1 and rec["size"] == 3 and rec["rendezvous"].startswith("tcp://")
@@ -148,7 +160,7 @@ def test_config_server_endpoints(controller):
     assert _http(ctl.url + "/resize", "POST", {"size": 5, "epoch": 1})[0] == 400
     code, rec = _http(ctl.url + "/resize", "POST", {"size": 1, "epoch": 1})  # shrink: nobody new
     assert code == 200 and rec["epoch"] == 2 and len(group.added) == 1
-    assert _http(ctl.url + "/status")[1] == {"epoch": 2, "size": 1, "capacity": 3, "desired": 1, "version": 2}
+    assert _http(ctl.url + "/status")[1] == {"epoch": 2, "size": 1, "capacity": 3, "desired": 1, "version": 6}
 
 
 def test_parser_accepts_kungfu_elastic_flags():

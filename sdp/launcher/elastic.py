@@ -11,10 +11,17 @@ on 127.0.0.1 and tells every worker where it is:
 Endpoints (JSON bodies and answers):
 
 =====================  ===============================================================================
-``GET /config``        the desired cluster: ``{"version": v, "size": n, "workers": [{"rank", "host"}]}``
-``PUT|POST /config``   set the desired size: ``{"size": n}`` or a KungFu-style ``{"Workers": [...]}``
+``GET /config``        the desired cluster: ``{"version": v, "size": n, "workers": [{"rank", "host"}],
+                       "Runners": [{"Host", "Slots"}], "Workers": [{"Host", "Rank"}]}`` (KungFu's
+                       document: its ``Runners`` and ``Workers`` lists); 404 after ``DELETE``
+                       until written again.
+``PUT /config``        replace the desired cluster: ``{"size": n}`` or KungFu's ``{"Workers": [...]}``
                        (its length is the size); bumps ``version``.  Workers pick it up at their next
                        ``resize()`` (KungFu's ``resize_cluster_from_url``).
+``POST /config``       with a body: as ``PUT``; without one (KungFu's reset): back to the initial
+                       cluster (``-np``), bumps ``version``.
+``DELETE /config``     clear it (KungFu's clear): ``GET`` answers 404 until the next ``PUT``/``POST``;
+                       ``resize()`` without a size then fails with the 404.
 ``POST /resize``       commit a new epoch (sent by the workers' rank 0 during ``resize``):
                        ``{"size": n, "epoch": e}`` -> ``{"epoch": e+1, "size": n, "rendezvous":
                        "tcp://...", "ranks": [{SDP_* of rank r}, ...]}``; 409 if ``e`` is not the current
@@ -178,6 +185,8 @@ class ElasticController:
         self.size = initial_size
         self.version = 0
         self.desired = initial_size
+        self.initial_size = initial_size
+        self.cleared = False  # DELETE /config: no document until written again
         self._servers = {}  # epoch -> RendezvousServer started by this controller
         self._last_commit = None
         self._lock = threading.Lock()
@@ -220,22 +229,42 @@ class ElasticController:
                 "SDP_ELASTIC_EPOCH": str(epoch)}
 
     # -- desired configuration -------------------------------------------------------------
-    def get_config(self) -> dict:
+    def get_config(self) -> Optional[dict]:
+        """The desired cluster (sdp's fields and KungFu's ``Runners``/``Workers``); ``None`` after
+        :meth:`clear_config` until the next write."""
         with self._lock:
+            if self.cleared:
+                return None
             infos = hostlib.assign_ranks(self.hosts, self.desired) if self.desired <= self.capacity else []
             return {"version": self.version, "size": self.desired,
-                    "workers": [{"rank": i.rank, "host": i.hostname} for i in infos]}
+                    "workers": [{"rank": i.rank, "host": i.hostname} for i in infos],
+                    "Runners": [{"Host": h.host, "Slots": h.slots} for h in self.hosts],
+                    "Workers": [{"Host": i.hostname, "Rank": i.rank} for i in infos]}
 
     def put_config(self, body) -> dict:
+        """Replace the desired cluster (a write always bumps ``version``).  ``ValueError`` for a
+        body without a size or a size outside [1, slots]."""
         size = cluster_size_of(body)
         if not 1 <= size <= self.capacity:
             raise ValueError(f"size {size} is outside [1, {self.capacity}] (the slots of the hosts)")
         with self._lock:
-            if size != self.desired:
-                self.version += 1
-                self.desired = size
+            self.version += 1
+            self.desired = size
+            self.cleared = False
         log.info("config server: desired cluster size %d (version %d)", size, self.version)
         return self.get_config()
+
+    def reset_config(self) -> dict:
+        """KungFu's reset: the initial cluster (``-np``) again."""
+        return self.put_config({"size": self.initial_size})
+
+    def clear_config(self) -> dict:
+        """KungFu's clear: no document until the next write."""
+        with self._lock:
+            self.cleared = True
+            self.version += 1
+        log.info("config server: cleared (version %d)", self.version)
+        return {"version": self.version}
 
     def status(self) -> dict:
         with self._lock:
@@ -363,7 +392,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         path = self._path()
         if path == "/config":
-            self._send(200, self.ctl.get_config())
+            cfg = self.ctl.get_config()
+            self._send(200, cfg) if cfg is not None else self._send(404, {"error": "no cluster config (cleared)"})
         elif path in ("/status", "/"):
             self._send(200, self.ctl.status())
         else:
@@ -382,7 +412,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         path = self._path()
         try:
-            if path == "/config":
+            if path == "/config" and self.command == "DELETE" and hasattr(self.ctl, "clear_config"):
+                self._send(200, self.ctl.clear_config())
+            elif path == "/config" and self.command == "POST" and not raw.strip() and hasattr(self.ctl, "reset_config"):
+                self._send(200, self.ctl.reset_config())
+            elif path == "/config":
                 self._send(200, self.ctl.put_config(self._json(raw)))
             elif path == "/resize" and not isinstance(self.ctl, HorovodElasticDriver):
                 self._send(200, self.ctl.commit(self._json(raw)))
@@ -400,6 +434,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     do_PUT = _write
     do_POST = _write
+    do_DELETE = _write
 
 
 # ------------------------------------------------------------------------ Horovod Elastic driver
