@@ -178,3 +178,18 @@ def test_quiet_flag_keeps_sdprun_to_warnings():
     assert loud.returncode == 0 and quiet.returncode == 0, loud.stderr + quiet.stderr
     assert "sdprun INFO: elastic mode" in loud.stderr
     assert "sdprun INFO" not in quiet.stderr and "[0]<stdout>:hi" in quiet.stdout
+
+
+def test_logdir_writes_each_workers_output(tmp_path):
+    """kungfu-run's -logdir: each worker's lines, unprefixed, in DIR/worker<K>.rank<R>.std{out,err}.log
+    (and still on the terminal, prefixed)."""
+    logdir = tmp_path / "logs"
+    res = _sdprun("-logdir", str(logdir), "-np", "2", "python", "-c",
+                  "import os, sys; r = os.environ['SDP_RANK']; print('out', r); print('err', r, file=sys.stderr)")
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in logdir.iterdir()) == [
+        "worker0.rank0.stderr.log", "worker0.rank0.stdout.log", "worker1.rank1.stderr.log", "worker1.rank1.stdout.log"]
+    for r in range(2):
+        assert (logdir / f"worker{r}.rank{r}.stdout.log").read_text() == f"out {r}\n"
+        assert f"err {r}\n" in (logdir / f"worker{r}.rank{r}.stderr.log").read_text()
+        assert f"[{r}]<stdout>:out {r}" in res.stdout

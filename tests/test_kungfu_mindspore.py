@@ -162,6 +162,9 @@ def test_guide_launch_line_elastic_schedule(tmp_path):
     assert "[1]<stdout>:sync step 1 -> 4" in out and "[1]<stdout>:sync step 1 -> 10" in out
     assert "[1]<stdout>:detached at step 6 after 3 steps" in out
     assert "[1]<stdout>:steps run: 3 (global steps 10..12)" in out
+    logs = tmp_path / "logs"  # -logdir: one pair of files per worker started (rank 1 twice)
+    assert "sync step 1 -> 4" in (logs / "worker1.rank1.stdout.log").read_text()
+    assert "sync step 1 -> 10" in (logs / "worker2.rank1.stdout.log").read_text()
     # 1..3 by one worker, 4..6 by two, 7..9 by one, 10..12 by two: every step once per worker
     sums = _checksums(out)
     assert sorted(r for r, _ in sums) == ["0", "1"] and len({c for _, c in sums}) == 1, out

@@ -48,7 +48,8 @@ the removed ones exit.  See :mod:`sdp.launcher.elastic`.
 ``-builtin-config-port P`` ``--builtin-config-port P``: the built-in config server's port (implies -w)
 ``-config-server URL``     ``--config-server URL``: where workers read the desired size (implies -w)
 ``-q``                     ``-q``: sdprun's own messages only for warnings and errors
-``-strategy``, ``-logdir`` accepted and ignored
+``-logdir DIR``            ``-logdir``: each worker's output also in ``DIR/worker<K>.rank<R>.std{out,err}.log``
+``-strategy``              accepted and ignored
 =========================  =====================================================================
 
 horovodrun's ``-p/--ssh-port``, ``-i/--ssh-identity-file``, ``--hostfile``,
@@ -163,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="do not prefix output lines with [rank]<stdout>: / [rank]<stderr>:")
     env.add_argument("-q", dest="quiet", action="store_true",
                      help="kungfu-run's quiet mode: sdprun's own messages only for warnings and errors")
+    env.add_argument("-logdir", dest="logdir", metavar="DIR",
+                     help="kungfu-run's log directory: each worker's output also goes to "
+                          "DIR/worker<K>.rank<R>.stdout.log / .stderr.log")
 
     # horovodrun's elastic mode (Horovod Elastic); see sdp.launcher.elastic.HorovodElasticDriver
     el = p.add_argument_group("elastic: Horovod Elastic (horovodrun's names)")
@@ -198,8 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="horovodrun's controller choice; sdp uses its own transport")
     ign.add_argument("-strategy", dest="ignored_strategy", metavar="NAME",
                      help="kungfu-run's allreduce strategy")
-    ign.add_argument("-logdir", dest="ignored_logdir", metavar="DIR",
-                     help="kungfu-run's log directory; output goes to the terminal")
     return p
 
 
@@ -486,7 +488,7 @@ def _launch(args, command, hosts, ranks, remote, host_addr, watch, secret, stdou
             server.stop()
             return EXIT_USAGE
         envs = [dict(e, **elastic.worker_env(0)) for e in envs]
-    group = WorkerGroup(command, envs, stdout=stdout, stderr=stderr, prefix=prefix,
+    group = WorkerGroup(command, envs, stdout=stdout, stderr=stderr, prefix=prefix, logdir=getattr(args, "logdir", None),
                         grace_s=DEFAULT_GRACE_S, launcher_of=launcher_of)
     if elastic is not None:
         elastic.group = group

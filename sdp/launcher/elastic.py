@@ -769,6 +769,7 @@ def run_horovod_elastic(args, command, host_addr: str, secret: str, stdout=None,
                 for e in worker_envs(infos, rendezvous_addr, job_id, args, base_env=base_env, secret=secret)]
 
     group = WorkerGroup(command, [], stdout=stdout, stderr=stderr, prefix=not args.no_prefix,
+                        logdir=getattr(args, "logdir", None),
                         grace_s=DEFAULT_GRACE_S)
     cooldown = tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None
     driver = HorovodElasticDriver(args.host_discovery_script, np, min_np, max_np, group, make_envs,

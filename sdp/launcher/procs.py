@@ -16,7 +16,9 @@ warning, which rank 0 logs after ``SDP_STALL_CHECK_TIME`` seconds), each missing
 registered on it (:mod:`sdp.common.rank_signals`) and prints every thread's Python stack, which
 appears under the rank's prefix after a line naming the rank and its host.
 """
+import itertools
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -108,6 +110,19 @@ def _pump(pipe: IO[bytes], prefix: str, sink: _Sink, on_line: Optional[Callable[
                 return
 
 
+def _pump_logged(pipe: IO[bytes], prefix: str, sink: _Sink, on_line: Optional[Callable[[str], None]],
+                 log_path: Optional[str]) -> None:
+    """:func:`_pump`, each line shown also written (unprefixed) to the file ``log_path`` if given."""
+    if not log_path:
+        return _pump(pipe, prefix, sink, on_line)
+    with open(log_path, "w", encoding="utf-8", buffering=1) as logf:
+        def line(text: str) -> None:
+            logf.write(text + "\n")
+            if on_line is not None:
+                on_line(text)
+        _pump(pipe, prefix, sink, line)
+
+
 class Worker:
     """One started rank: its :class:`~sdp.launcher.base.RankProcess` and output pump threads."""
 
@@ -138,13 +153,20 @@ class WorkerGroup:
     launcher's) receive the workers' lines prefixed with ``[rank]<stdout>:`` /
     ``[rank]<stderr>:`` (no prefix when ``prefix`` is false).  A local rank 0 inherits the
     launcher's stdin; the other ranks read from ``/dev/null``.
+    ``logdir`` (kungfu-run's ``-logdir``): each worker's lines also go, unprefixed, to
+    ``logdir/worker<K>.rank<R>.stdout.log`` / ``.stderr.log`` (``K`` counts the workers started,
+    so a rank started again by an elastic resize gets its own files).
     """
 
     def __init__(self, command: Sequence[str], envs: Sequence[Mapping[str, str]],
                  stdout: Optional[IO[str]] = None, stderr: Optional[IO[str]] = None,
                  prefix: bool = True, grace_s: float = DEFAULT_GRACE_S,
-                 launcher_of: Optional[Callable[[str], Launcher]] = None):
+                 launcher_of: Optional[Callable[[str], Launcher]] = None, logdir: Optional[str] = None):
         self.command = list(command)
+        self.logdir = logdir
+        if logdir:
+            os.makedirs(logdir, exist_ok=True)
+        self._started = itertools.count()
         self.envs = list(envs)
         self.prefix = prefix
         self.grace_s = grace_s
@@ -176,9 +198,11 @@ class WorkerGroup:
         launcher = self.launcher_of(env.get("SDP_HOSTNAME", ""))
         proc = launcher.start(rank, self.command, env, inherit_stdin=rank == 0)
         pumps = []
+        label = f"worker{next(self._started)}.rank{rank}"  # unique: a rank may be started again (-w)
         for pipe, tag, sink in ((proc.stdout, "stdout", self._out), (proc.stderr, "stderr", self._err)):
             prefix = f"[{rank}]<{tag}>:" if self.prefix else ""
-            t = threading.Thread(target=_pump, args=(pipe, prefix, sink, self._watch_line),
+            log_path = os.path.join(self.logdir, f"{label}.{tag}.log") if self.logdir else None
+            t = threading.Thread(target=_pump_logged, args=(pipe, prefix, sink, self._watch_line, log_path),
                                  name=f"sdprun-{tag}-{rank}", daemon=True)
             t.start()
             pumps.append(t)
