@@ -22,7 +22,6 @@ Under ``sdprun --compat kungfu`` (or after :func:`sdp_kungfu_bridge.mindspore.in
 ``LogStepHook()``
     Prints the epoch and step at their begin and end (the fork's debugging callback).
 """
-import numpy as np
 import mindspore as ms
 from mindspore import ops
 
