@@ -75,9 +75,9 @@ def test_resize_2_to_3_to_1():
     assert "resize: epoch 1 -> 2, 3 -> 1 workers" in res.stderr
 
 
-def test_resize_from_config_server_with_kungfu_flags():
+def test_resize_from_config_server_with_kungfu_flags(tmp_path):
     # rank 0 proposes the size (PUT to the config server); every worker calls resize() each step
-    res = _sdprun("-w", "-builtin-config-port", "0", "-q", "-logdir", "logs", "-np", "1",
+    res = _sdprun("-w", "-builtin-config-port", "0", "-q", "-logdir", str(tmp_path / "logs"), "-np", "1",
                   "-H", "localhost:3", "python", WORKER, '{"2": 3, "4": 2}', "6", "propose")
     per_worker, detached = _check_run(res, 1, {2: 3, 4: 2}, 6)
     assert len(per_worker) == 3 and [r["detached_at"] for r in detached] == [4]
