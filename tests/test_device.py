@@ -130,3 +130,11 @@ def test_tf_face_sends_gpu_tensors_as_capsules_and_takes_capsules_back():
     back = ops._to_tensor(tf.experimental.dlpack.to_dlpack(t * 2), tf.float32)
     assert back.numpy().tolist() == [2.0, 4.0, 6.0]
     assert device_arrays.device_tensor(tf.experimental.dlpack.to_dlpack(t)) is None  # a CPU capsule: host path
+
+
+@pytest.mark.parametrize("n, env, ranks", [(2, {}, None), (2, {"SDP_SHM_SLAB_BYTES": "0"}, None), (3, {}, [0, 2])])
+def test_host_paths_scale_16_bit_floats_in_float32(n, env, ranks):
+    """Shared memory, ZeroMQ only, and a process set: 16-bit floats scaled in float32 (before: the
+    factor was rounded to float16 first, and reducescatter rounded before scaling)."""
+    for r, oks in enumerate(check_ok(run_workers(n, "workers_device:host_16bit_scaling", [ranks], env=env))):
+        assert all(oks) and (len(oks) == 4 or ranks and r not in ranks), (r, oks)

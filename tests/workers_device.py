@@ -311,3 +311,29 @@ def join_with_device_arrays(kind):
         res = to_numpy(kind, sdp.allreduce(make(kind, x), name=f"j{i}", op=sdp.Sum), np.float32)
         out.append(bool(np.array_equal(res, x)))
     return out + [sdp.join()]
+
+
+def host_16bit_scaling(set_ranks=None):
+    """float16/bfloat16 allreduce and reducescatter of host arrays with factors float16 cannot hold
+    (0.1, 1/3): the host paths scale in float32 and round once, as Horovod does (issue 31 item 3).
+    Returns per case whether the result equals :func:`reduce_arrays` bit for bit."""
+    ps = sdp.api.add_process_sets([set_ranks])[0] if set_ranks else 0
+    ranks = set_ranks or list(range(sdp.size()))
+    if sdp.rank() not in ranks:
+        return []
+    out = []
+    for dtype in ("float16", "bfloat16"):
+        srcs = [data_for(q, [1000], dtype, 7) for q in ranks]
+        mine = srcs[ranks.index(sdp.rank())]
+        got = sdp.allreduce(mine, op=ReduceOp.SUM, prescale_factor=0.1, postscale_factor=1 / 3,
+                            name=f"s16.{dtype}", process_set=ps)
+        ref = reduce_arrays(srcs, ReduceOp.SUM, 0.1, 1 / 3)
+        out.append(bool(np.array_equal(got.view(np.uint8), ref.view(np.uint8))))
+        got = sdp.reducescatter(mine.reshape(100, 10), op=ReduceOp.AVERAGE, prescale_factor=0.1,
+                                name=f"rs16.{dtype}", process_set=ps)
+        full = reduce_arrays([s.reshape(100, 10) for s in srcs], ReduceOp.AVERAGE, 0.1, 1 / len(ranks))
+        rows = [100 // len(ranks) + (q < 100 % len(ranks)) for q in range(len(ranks))]
+        lo = sum(rows[:ranks.index(sdp.rank())])
+        want = full[lo:lo + rows[ranks.index(sdp.rank())]]
+        out.append(bool(np.array_equal(got.view(np.uint8), want.view(np.uint8))))
+    return out
