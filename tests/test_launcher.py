@@ -555,3 +555,55 @@ def test_help_groups_options_and_requires_only_the_command():
     assert "Only COMMAND is required" in text
     res = _sdprun()
     assert res.returncode == 2 and "no command given" in res.stderr
+
+
+def test_ctrl_c_while_a_rank_waits_in_a_collective_is_quiet(tmp_path):
+    """SIGINT to sdprun while rank 0 waits inside a tf.function's collective for rank 1 (which is
+    in Python): rank 1 stops at once, so rank 0's collective fails with PeerLostError inside
+    TensorFlow, which TensorFlow logs from C++.  Still one line per rank, no traceback, exit 130
+    within 5 s."""
+    pytest.importorskip("tensorflow")
+    script = tmp_path / "race.py"
+    script.write_text(textwrap.dedent("""\
+        import time
+        import tensorflow as tf
+        import sdp.tensorflow as hvd
+        hvd.init()
+        x = tf.Variable(tf.ones(4))
+
+        @tf.function
+        def step_fn():
+            return hvd.allreduce(x * 2.0)
+
+        step = 0
+        while True:
+            step += 1
+            step_fn()
+            if step == 3 and hvd.rank() == 0:
+                print("ready", flush=True)
+            if hvd.rank() == 1:
+                time.sleep(0.5)  # rank 1 lags: rank 0 waits inside the collective
+        """))
+    proc = subprocess.Popen([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=_env(TF_CPP_MIN_LOG_LEVEL="0"))
+    try:
+        for line in proc.stdout:
+            if "ready" in line:
+                break
+        time.sleep(1.2)  # a few more steps
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = rest.splitlines()
+    assert proc.returncode == 128 + signal.SIGINT, rest
+    assert elapsed < 5, elapsed
+    assert "Traceback" not in rest and "PeerLostError" not in rest, rest
+    assert len(lines) <= 3, rest  # sdprun's warning and one line per rank
+    for rank in (0, 1):
+        assert any(ln.startswith(f"[{rank}]<stderr>:rank {rank}: interrupted at step ") for ln in lines), rest

@@ -10,8 +10,16 @@ Quiet stops
     of a rank whose peer stopped first -- ends the script, the rank prints one line instead of a
     traceback: ``rank 1: interrupted at step 57 (SIGINT)``.  The step is the value of an ``int``
     variable named ``step`` in the outermost frame of the traceback that has one (the training
-    loop of the examples); it is left out when there is none.  The process then ends by the
-    signal it got (exit status 130 for SIGINT, 143 for SIGTERM).
+    loop of the examples); it is left out when there is none.  From the moment the signal
+    arrives, the rank's standard error (file descriptor 2) goes to ``/dev/null`` -- a watcher
+    thread sees the signal at once through :func:`signal.set_wakeup_fd`, even while the main
+    thread waits inside TensorFlow -- so the errors of collectives that the stop cuts short
+    (TensorFlow logs them from C++) do not fill the terminal; standard output is kept, and the
+    one line goes to the original standard error.  The process then runs its
+    ``atexit`` handlers and ends by the signal it got (exit status 130 for SIGINT, 143 for
+    SIGTERM) without the rest of the interpreter's finalization: TensorFlow's teardown took
+    longer than ``sdprun``'s 3 s grace period on a loaded 2-core machine, so the ranks were
+    killed.  A script that catches the interruption itself ends as it chooses.
 
 Stacks on request
     ``STACK_SIGNAL`` (SIGUSR1) makes the rank write every thread's Python stack to standard error
@@ -31,16 +39,53 @@ from typing import Optional
 STACK_SIGNAL = signal.SIGUSR1
 JOB_ENV = "SDP_JOB_ID"
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _received: Optional[int] = None  # the stop signal this process got, if any
+_raised = False  # KeyboardInterrupt raised for it
+_stderr_fd: Optional[int] = None  # the original standard error, once fd 2 is silenced
 _installed = False
 
 
 def _on_stop(signum, frame):
-    global _received
-    first = _received is None
-    _received = signum
-    if first:
+    global _received, _raised
+    if _received is None:
+        _received = signum
+    if not _raised:
+        _raised = True
         raise KeyboardInterrupt
+
+
+def _silence_stderr() -> None:
+    """Point fd 2 at /dev/null, keeping the original in ``_stderr_fd`` (once)."""
+    global _stderr_fd
+    if _stderr_fd is not None:
+        return
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+    finally:
+        os.close(devnull)
+    _stderr_fd = saved
+
+
+def _watch(read_fd: int) -> None:
+    """The wakeup fd's reader: the first stop signal silences standard error at once."""
+    global _received
+    while True:
+        try:
+            data = os.read(read_fd, 64)
+        except InterruptedError:  # pragma: no cover
+            continue
+        except OSError:  # pragma: no cover - closed
+            return
+        if not data:
+            return
+        stops = [b for b in data if b in _STOP_SIGNALS]
+        if stops:
+            if _received is None:
+                _received = stops[0]
+            _silence_stderr()
 
 
 def step_of(tb: Optional[types.TracebackType]) -> Optional[int]:
@@ -67,21 +112,31 @@ def _excepthook(previous):
         if _received is None:
             return previous(exc_type, exc, tb)
         rank = os.environ.get("SDP_RANK", os.environ.get("SDP_HOSTNAME", "?"))
+        line = interrupted_line(rank, _received, step_of(tb)) + "\n"
         try:
-            print(interrupted_line(rank, _received, step_of(tb)), file=sys.stderr, flush=True)
+            sys.stderr.flush()
+            os.write(_stderr_fd if _stderr_fd is not None else 2, line.encode())
         except Exception:  # pragma: no cover - stderr closed
             pass
+        _die_by(_received)
     return hook
 
 
-def _end_by_signal():
-    """At exit (after the other atexit handlers): end by the stop signal received, as an
-    uncaught signal would (Python itself does so for SIGINT)."""
-    if _received is not None and _received != signal.SIGINT:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        signal.signal(_received, signal.SIG_DFL)
-        os.kill(os.getpid(), _received)
+def _die_by(signum: int) -> None:
+    """Run the ``atexit`` handlers (sdp's shutdown among them), flush, and end by ``signum``."""
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:  # pragma: no cover - a handler failed: end anyway
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # pragma: no cover
+            pass
+    signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # pragma: no cover - only if the signal did not end the process
 
 
 def install() -> bool:
@@ -92,11 +147,19 @@ def install() -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in _STOP_SIGNALS:
         if signal.getsignal(s) in (signal.default_int_handler, signal.SIG_DFL):
             signal.signal(s, _on_stop)
+    read_fd, write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    os.set_blocking(read_fd, True)
+    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    if previous != -1:  # someone else's (an event loop): keep it, and stderr as it is
+        signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
+    else:
+        threading.Thread(target=_watch, args=(read_fd,), name="sdp-stop-watch", daemon=True).start()
     sys.excepthook = _excepthook(sys.excepthook)
-    atexit.register(_end_by_signal)  # registered early: runs after sdp's own shutdown
     _installed = True
     return True
 
