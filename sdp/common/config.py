@@ -150,7 +150,7 @@ def check_env(env: Optional[Mapping[str, str]] = None) -> List[str]:
 def log_level_from_env(env: Optional[Mapping[str, str]] = None):
     """``SDP_LOG_LEVEL`` as a level name (upper-cased) or number, or None when unset;
     ``ValueError`` (:func:`setting_error`) if unknown."""
-    got = _read(os.environ if env is None else env, SETTINGS[-1])
+    got = _read(os.environ if env is None else env, next(s for s in SETTINGS if s.names == ("SDP_LOG_LEVEL",)))
     return None if got is None else got[1]
 
 
