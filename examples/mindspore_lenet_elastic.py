@@ -33,13 +33,6 @@ sys.path.insert(0, str(_HERE))
 
 import mnist_data  # noqa: E402
 
-import mindspore as ms  # noqa: E402
-import mindspore.dataset as ds  # noqa: E402
-from mindspore.common.initializer import Normal  # noqa: E402
-from mindspore.nn.optim.kungfu import KungFuGroupedMomentum, KungFuMomentum  # noqa: E402
-from mindspore.train.callback._kungfu import KungFuElasticCallback  # noqa: E402
-from mindspore._c_expression import kungfu_current_cluster_size, kungfu_current_rank  # noqa: E402
-
 
 def parse_schedule(text):
     """'10:2,20:1' -> {10: 2, 20: 1}; '' -> {}."""
@@ -51,7 +44,8 @@ def parse_schedule(text):
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data-dir", default=str(_HERE.parent.parent / "shared" / "data" / "mnist"))
     p.add_argument("--mode", choices=("graph", "pynative"), default="graph")
     p.add_argument("--schedule", default="10:2,20:1,30:2", help="global step:new size,... ('' for none)")
@@ -63,6 +57,16 @@ def parse_args():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--test-samples", type=int, default=10000, help="evaluate on the first N test images")
     return p.parse_args()
+
+
+ARGS = parse_args() if __name__ == "__main__" else None  # --help answers before MindSpore loads
+
+import mindspore as ms  # noqa: E402
+import mindspore.dataset as ds  # noqa: E402
+from mindspore.common.initializer import Normal  # noqa: E402
+from mindspore.nn.optim.kungfu import KungFuGroupedMomentum, KungFuMomentum  # noqa: E402
+from mindspore.train.callback._kungfu import KungFuElasticCallback  # noqa: E402
+from mindspore._c_expression import kungfu_current_cluster_size, kungfu_current_rank  # noqa: E402
 
 
 class LeNet5(ms.nn.Cell):
@@ -111,7 +115,7 @@ def checksum(network) -> str:
 
 
 def main():
-    args = parse_args()
+    args = ARGS or parse_args()
     ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
     ms.set_device("CPU")
     ms.set_seed(args.seed)
