@@ -1,4 +1,6 @@
 """Bad input and failures are errors on every rank within a bounded time, never hangs."""
+import re
+
 import pytest
 
 from harness import check_ok, run_workers
@@ -81,8 +83,11 @@ def test_random_submission_order(n):
 def test_foreign_messages_are_dropped_and_logged():
     results = run_workers(2, "workers_errors:foreign_message", [None])
     assert check_ok(results) == [2.0, 2.0]
-    # (the unauthenticated connection never gets as far as a message: refused, with its source)
-    assert "refused a connection from 127.0.0.1" in results[0].stderr, results[0].stderr[-2000:]
+    # (the unauthenticated connection never gets as far as a message: refused, with its source, or,
+    # when ZeroMQ closed it before the guard read its address, as from an unknown address; the
+    # source itself is checked in test_hostile.py)
+    assert re.search(r"refused a connection from (127\.0\.0\.1|an unknown address \(closed before its address "
+                     r"was read\))", results[0].stderr), results[0].stderr[-2000:]
 
 
 def test_malformed_control_messages_are_dropped_and_logged():
