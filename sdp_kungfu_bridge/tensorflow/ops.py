@@ -5,7 +5,7 @@ Every operator hands numpy arrays to :mod:`sdp.api` (collectives) or to the brid
 eagerly, inside ``tf.function`` and in ``tf.compat.v1`` graphs/sessions.  In graphs the
 collectives that return tensors (``all_reduce``, ``group_all_reduce``, ``broadcast``,
 ``all_gather``, ``consensus``) hold no inter-op thread while they wait for peers (a submit op
-and an asynchronous wait op, as KungFu's own ``AsyncOpKernel``\ s), so independent collectives
+and an asynchronous wait op, as KungFu's own ``AsyncOpKernel`` ops), so independent collectives
 built in a different order on each worker finish even with one inter-op thread; ``barrier()``,
 which has no output, is one blocking ``tf.py_function``.  Operators read the cluster when they
 run, not when they are built, so a traced function stays correct after ``resize``.
