@@ -34,7 +34,6 @@ from typing import List, Optional
 
 import numpy as np
 
-from sdp.common.reduce_ops import ReduceOp
 from sdp.engine import barrier, collectives, fusion
 from sdp.engine.backends import Allocation, backend_name, make_backend
 from sdp.engine.device_arrays import DeviceTensor
@@ -307,5 +306,3 @@ class _Owner:
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
-
-_ = ReduceOp
