@@ -47,9 +47,20 @@ def test_dlpack_producers_take_the_same_path():
     _check(check_ok(run_workers(2, "workers_device:device_matrix", ["fakedl", cases], env=NUMPY)), cases)
 
 
-def test_fused_bucket_of_many_tensors():
-    for ok, counters in check_ok(run_workers(2, "workers_device:fused_bucket", ["fake", 100, 1000], env=NUMPY)):
+@pytest.mark.parametrize("n, elems", [(2, 1000), (3, 1000), (3, 4000)])
+def test_fused_bucket_of_many_tensors(n, elems):
+    """One shot (2 ranks; 3 ranks, 400 KB) and two shots (3 ranks, 1.6 MB > ONE_SHOT_BYTES)."""
+    for ok, counters in check_ok(run_workers(n, "workers_device:fused_bucket", ["fake", 100, elems], env=NUMPY)):
         assert ok and counters["d2h"] == 0
+
+
+@pytest.mark.parametrize("pool", [str(128 << 20), "0"])
+def test_staged_allreduce_slab_by_slab(pool):
+    """A lone device tensor staged through 16 KB slabs of shared memory, results in the pool
+    (peers write them directly) or on the heap (copied out of the segments)."""
+    env = {**NUMPY, "SDP_GPU_IPC": "0", "SDP_SHM_SLAB_BYTES": "16384", "SDP_SHM_POOL_BYTES": pool}
+    for oks, counters in check_ok(run_workers(3, "workers_device:staged_slabs", ["fake", 30001], env=env)):
+        assert oks == [True, True, True] and counters["ipc"] is False and counters["kernels"] == 0, (oks, counters)
 
 
 def test_host_and_device_arrays_for_one_name_is_a_mismatch_on_every_rank():

@@ -55,8 +55,9 @@ def test_collectives_of_device_arrays(kind, n, ipc):
 @needs_gpu
 def test_fused_bucket_and_errors():
     kind = "cupy" if _have("cupy") else "gpuarray"
-    for ok, counters in check_ok(run_workers(2, "workers_device:fused_bucket", [kind, 100, 65536])):
-        assert ok and counters["d2h"] == 0
+    for n in (2, 4):  # one shot; two shots (25.6 MB > ONE_SHOT_BYTES)
+        for ok, counters in check_ok(run_workers(n, "workers_device:fused_bucket", [kind, 100, 65536])):
+            assert ok and counters["d2h"] == 0
     for msgs in check_ok(run_workers(2, "workers_device:mismatch", [kind], timeout=60)):
         assert "memory (host or device) mismatch" in msgs[0] and "shape mismatch" in msgs[1], msgs
     res = run_workers(2, "workers_device:killed_peer", [kind], timeout=60)

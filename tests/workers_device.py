@@ -226,6 +226,20 @@ def fused_bucket(kind, count, elems):
     return ok, sdp.device_counters()
 
 
+def staged_slabs(kind, count):
+    """Lone allreduces staged through host memory (``SDP_GPU_IPC=0``): float32 SUM, float16
+    AVERAGE (scaled in float32 inside the collective) and int32 MAX of ``count`` elements, bit for
+    bit against the same allreduce of numpy arrays; returns the per-case results and the counters."""
+    r = sdp.rank()
+    oks = []
+    for i, (dtype, op) in enumerate([("float32", "SUM"), ("float16", "AVERAGE"), ("int32", "MAX")]):
+        red = getattr(ReduceOp, op)
+        got = sdp.allreduce(make(kind, data_for(r, [count], dtype, 50 + i)), op=red, name=f"slabs{i}")
+        ref = sdp.allreduce(data_for(r, [count], dtype, 50 + i), op=red, name=f"slabs{i}.host")
+        oks.append(bool(np.array_equal(to_numpy(kind, got, np_dtype(dtype)).view(np.uint8), ref.view(np.uint8))))
+    return oks, sdp.device_counters()
+
+
 def mismatch(kind):
     """Rank 1 sends a host array where rank 0 sends a device array, then a shape mismatch."""
     out = []
@@ -245,8 +259,9 @@ def mismatch(kind):
 
 def kernel_matrix(count=1003):
     """Every dtype x op x source count (1..4) x pre/post-scale through the CUDA backend's reduce
-    kernel, against :func:`reduce_arrays` bit for bit; destinations poisoned first.  Returns the
-    failing cases (empty: all exact) and how many ran."""
+    kernel, against :func:`reduce_arrays` bit for bit; destinations poisoned first.  With 3
+    sources every pointer is one element past a 16-byte boundary (the element-wise loop; else the
+    16-byte packs and the tail).  Returns the failing cases (empty: all exact) and how many ran."""
     import pycuda.driver as cuda
 
     from sdp.engine.cuda_backend import CudaBackend
@@ -269,14 +284,16 @@ def kernel_matrix(count=1003):
                             divide, s = 1, post / (nsrc if op == "AVERAGE" else 1)
                             scale = None if s == 1.0 else s
                         red = getattr(ReduceOp, op)
-                        ref = reduce_arrays(srcs, red, pre, scale, divide, post)
+                        shift = 1 if nsrc == 3 else 0
+                        ref = reduce_arrays([x[shift:] for x in srcs], red, pre, scale, divide, post)
                         dev = [cuda.to_device(np.ascontiguousarray(s).view(np.uint8)) for s in srcs]
                         outs = [cuda.to_device(np.full(count * dt.itemsize, 0xAB, np.uint8)) for _ in range(2)]
-                        b.reduce([int(d) for d in dev], [int(o) for o in outs], count, dt, red, pre, scale, divide,
-                                 post)
+                        at = shift * dt.itemsize
+                        b.reduce([int(d) + at for d in dev], [int(o) + at for o in outs], count - shift, dt, red, pre,
+                                 scale, divide, post)
                         b.synchronize()
                         for o in outs:
-                            got = cuda.from_device(o, (count * dt.itemsize,), np.uint8).view(dt)
+                            got = cuda.from_device(o, (count * dt.itemsize,), np.uint8).view(dt)[shift:]
                             if not np.array_equal(got.view(np.uint8), ref.view(np.uint8)):
                                 diff = int(np.sum(got.view(np.uint8) != ref.view(np.uint8)))
                                 bad.append([dtype, op, nsrc, pre, post, diff])

@@ -146,7 +146,9 @@ class Backend:
     def to_host(self, dst: np.ndarray, src: int) -> None:
         raise NotImplementedError
 
-    def to_device(self, dst: int, src: np.ndarray) -> None:
+    def to_device(self, dst: int, src: np.ndarray, wait: bool = True) -> None:
+        """Host to device; ``wait=False``: in stream order, done by the next :meth:`synchronize`
+        (``src`` must stay alive and unchanged until then)."""
         raise NotImplementedError
 
     def reduce(self, srcs: List[int], dsts: List[int], count: int, dtype, op: ReduceOp, prescale: float,
@@ -158,8 +160,9 @@ class Backend:
     def synchronize(self) -> None:
         """Return once every operation issued so far has finished."""
 
-    def wait_input(self, tensor) -> None:
-        """Make the engine's work follow what the producer of ``tensor`` issued on its stream."""
+    def wait_inputs(self, tensors) -> None:
+        """Make the engine's work follow what the producers of ``tensors`` (DeviceTensors)
+        issued on their streams (each stream waited on once)."""
 
     def ipc_export(self, alloc: Allocation) -> Optional[bytes]:
         return None
@@ -257,7 +260,7 @@ class NumpyBackend(Backend):
             ctypes.memmove(dst.ctypes.data, src, dst.nbytes)
             self.counters["d2h"] += dst.nbytes
 
-    def to_device(self, dst: int, src: np.ndarray) -> None:
+    def to_device(self, dst: int, src: np.ndarray, wait: bool = True) -> None:
         if src.nbytes:
             ctypes.memmove(dst, np.ascontiguousarray(src).ctypes.data, src.nbytes)
             self.counters["h2d"] += src.nbytes

@@ -96,7 +96,8 @@ def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, f
     ring fills the chunk it sends first segment by segment, each sent as soon as it is filled, so
     packing overlaps the first sends.  ``done(lo, hi)``, when given, is called as elements
     ``[lo, hi)`` of ``out`` are final: by the ring as its allgather receives them (so the caller
-    can pass them on while the rest is in flight), else once for all of ``out``."""
+    can pass them on while the rest is in flight), by the shared-memory path slab by slab, else
+    once for all of ``out``."""
     n = mesh.size
     shm = uses_shm(mesh, inp.nbytes, inp.size)
     ring = not shm and n > 1 and inp.nbytes > SMALL_BYTES and inp.size >= n
@@ -108,7 +109,8 @@ def allreduce(mesh, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None, f
         if scale is not None:
             scale_in_place(out, scale)
     elif shm:
-        _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale)
+        _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale, done=done)
+        return
     else:
         _wire_allreduce(mesh, out, ufunc, seq, segment_bytes, acc, scale, fill, done)
         return
@@ -194,7 +196,7 @@ def allreduce_staged(mesh, count, pack, own, out, ufunc, seq, acc=None, scale=No
             np.copyto(out[edges[q]:edges[q + 1]], halves[q][edges[q]:edges[q + 1]])
 
 
-def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None):
+def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None, read=None, done=None):
     """Same-host allreduce through shared memory, one slab (<= half a segment) at a time.
 
     Per slab: (1) copy the chunks peers will reduce into my segment; barrier, which also tells
@@ -205,7 +207,12 @@ def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None):
     into ``out``.  Successive slabs (across calls too) alternate between the two halves of every
     segment, so slab g's first barrier proves every rank finished reading the half that slab
     g-2 used before anyone overwrites it.  A peer writes into my ``out`` only between the two
-    barriers of a collective this rank is running, so a result is final once it is returned."""
+    barriers of a collective this rank is running, so a result is final once it is returned.
+
+    ``read(dst, lo, hi)``, when given, copies input elements ``[lo, hi)`` into the host array
+    ``dst`` (a device array staged straight into the segment: ``inp`` then only gives the dtype
+    and size, and this rank's own chunk is staged into its target and reduced in place);
+    ``done(lo, hi)`` is called as elements ``[lo, hi)`` of ``out`` are final, slab by slab."""
     seg, n, r = mesh.shm, mesh.size, mesh.rank
     slab = max(n, seg.slab_bytes // inp.dtype.itemsize)
     out_offset = seg.pool_offset(out)
@@ -215,23 +222,32 @@ def _shm_allreduce(mesh, inp, out, ufunc, seq, acc, scale=None):
         m = min(slab, inp.size - start)
         edges = _shm_bounds(m, n, inp.dtype)
         lo, hi = edges[r], edges[r + 1]
-        src = inp[start:start + m]
+        src = inp[start:start + m] if read is None else None
         half = seg.claim()
         halves = [seg.half(q, half, inp.dtype, m) for q in range(n)]
         mine = halves[r]
         for q in peers:
-            np.copyto(mine[edges[q]:edges[q + 1]], src[edges[q]:edges[q + 1]])
+            if read is None:
+                np.copyto(mine[edges[q]:edges[q + 1]], src[edges[q]:edges[q + 1]])
+            else:
+                read(mine[edges[q]:edges[q + 1]], start + edges[q], start + edges[q + 1])
         where = barrier.sync(mesh, seq, 2 * k, -1 if out_offset is None else out_offset + start * size)
         direct = min(where) >= 0
         dst = out[start:start + m]
         target = dst[lo:hi] if direct else mine[lo:hi]
+        if read is None:
+            own = src[lo:hi]
+        else:
+            read(target, start + lo, start + hi)
+            own = target
         pushes = [seg.at(q, where[q] + lo * size, inp.dtype, hi - lo) for q in peers] if direct else []
-        _reduce_chunk(ufunc, [(lo, src[lo:hi])], lo, halves, peers, target, pushes, acc, scale)
+        _reduce_chunk(ufunc, [(lo, own)], lo, halves, peers, target, pushes, acc, scale)
         barrier.sync(mesh, seq, 2 * k + 1)
-        if direct:
-            continue
-        for q in range(n):
-            np.copyto(dst[edges[q]:edges[q + 1]], halves[q][edges[q]:edges[q + 1]])
+        if not direct:
+            for q in range(n):
+                np.copyto(dst[edges[q]:edges[q + 1]], halves[q][edges[q]:edges[q + 1]])
+        if done is not None:
+            done(start, start + m)
 
 
 def allreduce_hierarchical(hier, inp, out, ufunc, seq, segment_bytes, acc=None, scale=None):

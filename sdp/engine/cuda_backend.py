@@ -36,6 +36,7 @@ log = logging.getLogger("sdp.engine.device")
 SPIN_S = 0.002  # seconds synchronize() polls before it blocks
 MAX_PTRS = 8  # sources/destinations of one reduce launch (ranks of one host on the IPC path)
 THREADS = 256
+_ZEROS = (0,) * MAX_PTRS  # padding of the kernel's pointer arrays
 
 _DTYPES = {  # numpy dtype name -> (CUDA type, kernel suffix)
     "float16": ("__half", "f16"), "bfloat16": ("__nv_bfloat16", "bf16"), "float32": ("float", "f32"),
@@ -94,54 +95,73 @@ template <typename T> __device__ __forceinline__ T floor_div(T a, long long n) {
   return q;
 }
 
-template <typename T, int INT> struct Reducer;
+// one element's arithmetic: start (first source), step (each further source), finish
+template <typename T, int INT> struct Elem;
 
-template <typename T> struct Reducer<T, 0> {  // floats
-  static __device__ void run(const P8& srcs, int nsrc, const P8& dsts, int ndst, long long count, int op,
-                             double pre, double scale, long long divide, double post) {
-    typedef typename Acc<T>::type A;
-    const A fpre = (A)pre, fscale = (A)scale;
-    const bool has_pre = pre != 1.0, has_scale = scale != 1.0;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
-         i += (long long)blockDim.x * gridDim.x) {
-      A acc = load<T>((const T*)srcs.p[0] + i);
-      if (has_pre) acc = back<T>(round_to<T>(acc * fpre));
-      for (int s = 1; s < nsrc; ++s) {
-        A v = load<T>((const T*)srcs.p[s] + i);
-        if (has_pre) v = back<T>(round_to<T>(v * fpre));
-        acc = combine_f<A>(op, acc, v);
-      }
-      if (has_scale) acc = acc * fscale;
-      T out = round_to<T>(acc);
-      for (int d = 0; d < ndst; ++d) ((T*)dsts.p[d])[i] = out;
-    }
+template <typename T> struct Elem<T, 0> {  // floats (16-bit ones in float32)
+  typedef typename Acc<T>::type A;
+  int op; A fpre, fscale; bool has_pre, has_scale;
+  __device__ Elem(int op_, double pre, double scale, long long, double)
+      : op(op_), fpre((A)pre), fscale((A)scale), has_pre(pre != 1.0), has_scale(scale != 1.0) {}
+  __device__ __forceinline__ A start(T x) const { A v = back<T>(x); return has_pre ? back<T>(round_to<T>(v * fpre)) : v; }
+  __device__ __forceinline__ A step(A acc, T x) const { return combine_f<A>(op, acc, start(x)); }
+  __device__ __forceinline__ T finish(A acc) const { return round_to<T>(has_scale ? acc * fscale : acc); }
+};
+
+template <typename T> struct Elem<T, 1> {  // integers
+  typedef T A;
+  int op; double pre, post; long long divide; bool has_pre, has_post;
+  __device__ Elem(int op_, double pre_, double, long long divide_, double post_)
+      : op(op_), pre(pre_), post(post_), divide(divide_), has_pre(pre_ != 1.0), has_post(post_ != 1.0) {}
+  __device__ __forceinline__ T start(T x) const { return has_pre ? (T)((double)x * pre) : x; }
+  __device__ __forceinline__ T step(T acc, T x) const { return combine_i<T>(op, acc, start(x)); }
+  __device__ __forceinline__ T finish(T acc) const {
+    if (op == 0 && divide != 1) acc = floor_div<T>(acc, divide);
+    return has_post ? (T)((double)acc * post) : acc;
   }
 };
 
-template <typename T> struct Reducer<T, 1> {  // integers
-  static __device__ void run(const P8& srcs, int nsrc, const P8& dsts, int ndst, long long count, int op,
-                             double pre, double scale, long long divide, double post) {
-    const bool has_pre = pre != 1.0, has_post = post != 1.0;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
-         i += (long long)blockDim.x * gridDim.x) {
-      T acc = ((const T*)srcs.p[0])[i];
-      if (has_pre) acc = (T)((double)acc * pre);
-      for (int s = 1; s < nsrc; ++s) {
-        T v = ((const T*)srcs.p[s])[i];
-        if (has_pre) v = (T)((double)v * pre);
-        acc = combine_i<T>(op, acc, v);
-      }
-      if (op == 0 && divide != 1) acc = floor_div<T>(acc, divide);
-      if (has_post) acc = (T)((double)acc * post);
-      for (int d = 0; d < ndst; ++d) ((T*)dsts.p[d])[i] = acc;
+template <typename T> struct __align__(16) Pack { T v[16 / sizeof(T)]; };
+
+// vec: every pointer is 16-byte aligned, so whole 16-byte packs are read and written (the same
+// arithmetic per element); the tail (and everything when vec is 0) goes element by element
+template <typename T> __device__ void reduce_run(const P8& srcs, int nsrc, const P8& dsts, int ndst, long long count,
+                                                int op, double pre, double scale, long long divide, double post,
+                                                int vec) {
+  typedef Elem<T, IsInt<T>::value> E;
+  typedef typename E::A A;
+  const E e(op, pre, scale, divide, post);
+  const int V = 16 / sizeof(T);
+  const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  const long long stride = (long long)blockDim.x * gridDim.x;
+  const long long packs = vec ? count / V : 0;
+  for (long long j = first; j < packs; j += stride) {
+    const Pack<T> x = ((const Pack<T>*)srcs.p[0])[j];
+    A acc[16 / sizeof(T)];
+#pragma unroll
+    for (int k = 0; k < V; ++k) acc[k] = e.start(x.v[k]);
+    for (int s = 1; s < nsrc; ++s) {
+      const Pack<T> y = ((const Pack<T>*)srcs.p[s])[j];
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] = e.step(acc[k], y.v[k]);
     }
+    Pack<T> out;
+#pragma unroll
+    for (int k = 0; k < V; ++k) out.v[k] = e.finish(acc[k]);
+    for (int d = 0; d < ndst; ++d) ((Pack<T>*)dsts.p[d])[j] = out;
   }
-};
+  for (long long i = packs * V + first; i < count; i += stride) {
+    A acc = e.start(((const T*)srcs.p[0])[i]);
+    for (int s = 1; s < nsrc; ++s) acc = e.step(acc, ((const T*)srcs.p[s])[i]);
+    const T out = e.finish(acc);
+    for (int d = 0; d < ndst; ++d) ((T*)dsts.p[d])[i] = out;
+  }
+}
 
 #define REDUCE(T, NAME) \
 extern "C" __global__ void reduce_##NAME(P8 srcs, int nsrc, P8 dsts, int ndst, long long count, int op, \
-                                         double pre, double scale, long long divide, double post) { \
-  Reducer<T, IsInt<T>::value>::run(srcs, nsrc, dsts, ndst, count, op, pre, scale, divide, post); \
+                                         double pre, double scale, long long divide, double post, int vec) { \
+  reduce_run<T>(srcs, nsrc, dsts, ndst, count, op, pre, scale, divide, post, vec); \
 }
 REDUCE(__half, f16) REDUCE(__nv_bfloat16, bf16) REDUCE(float, f32) REDUCE(double, f64)
 REDUCE(signed char, i8) REDUCE(unsigned char, u8) REDUCE(short, i16) REDUCE(unsigned short, u16)
@@ -166,7 +186,7 @@ extern "C" __global__ void gather_copy(const unsigned long long* pieces, int n, 
 }
 """
 
-_REDUCE_ARGS = "Q" * 8 + "i" + "Q" * 8 + "iqiddqd"  # the kernel's parameters; packed with native alignment, as C lays them out
+_REDUCE_ARGS = "Q" * 8 + "i" + "Q" * 8 + "iqiddqdi"  # the kernel's parameters; packed with native alignment, as C lays them out
 
 
 class CudaBackend(Backend):
@@ -188,7 +208,7 @@ class CudaBackend(Backend):
             self.pool = DeviceMemoryPool()
             self.module = SourceModule(KERNELS, no_extern_c=True,
                                        options=["--fmad=false", "-std=c++17", "-diag-suppress=186"])
-            self._reduce = {}
+            self._reduce, self._by_dtype = {}, {}
             for name, (_ctype, suffix) in _DTYPES.items():
                 f = self.module.get_function(f"reduce_{suffix}")
                 f.prepare(_REDUCE_ARGS)
@@ -270,10 +290,11 @@ class CudaBackend(Backend):
             self.synchronize()
             self.counters["d2h"] += dst.nbytes
 
-    def to_device(self, dst: int, src: np.ndarray) -> None:
+    def to_device(self, dst: int, src: np.ndarray, wait: bool = True) -> None:
         if src.nbytes:
             cuda.memcpy_htod_async(dst, np.ascontiguousarray(src), self.stream)
-            self.synchronize()
+            if wait:
+                self.synchronize()
             self.counters["h2d"] += src.nbytes
 
     # -- kernels -----------------------------------------------------------------------------------
@@ -283,18 +304,25 @@ class CudaBackend(Backend):
             return
         if len(srcs) > MAX_PTRS or len(dsts) > MAX_PTRS:
             raise ValueError(f"a device reduction takes at most {MAX_PTRS} sources and destinations")
-        dtype = np.dtype(dtype)
-        name = dtype.name
-        if dtype == np.bool_:
-            name, op = "uint8", bool_op(op)
-        f = self._reduce[name]
-        pad = lambda ps: list(ps) + [0] * (MAX_PTRS - len(ps))  # noqa: E731
-        blocks = max(1, min(-(-count // THREADS), self.sm_count * 8))
+        f, is_bool = self._kernel_for(dtype)
+        if is_bool:
+            op = bool_op(op)
+        vec = all(p & 15 == 0 for p in srcs) and all(p & 15 == 0 for p in dsts)
+        work = -(-count // (16 // np.dtype(dtype).itemsize)) if vec else count
+        blocks = max(1, min(-(-work // THREADS), self.sm_count * 8))
         f.prepared_async_call((blocks, 1), (THREADS, 1, 1), self.stream,
-                              *pad(srcs), len(srcs), *pad(dsts), len(dsts), count, int(op),
-                              float(prescale), 1.0 if scale is None else float(scale), int(divide),
-                              float(postscale))
+                              *srcs, *_ZEROS[len(srcs):], len(srcs), *dsts, *_ZEROS[len(dsts):], len(dsts), count,
+                              int(op), float(prescale), 1.0 if scale is None else float(scale), int(divide),
+                              float(postscale), int(vec))
         self.counters["kernels"] += 1
+
+    def _kernel_for(self, dtype):
+        """(the reduce kernel of ``dtype``, whether it is bool), cached per dtype."""
+        got = self._by_dtype.get(dtype)
+        if got is None:
+            dt = np.dtype(dtype)
+            got = self._by_dtype[dtype] = (self._reduce["uint8" if dt == np.bool_ else dt.name], dt == np.bool_)
+        return got
 
     def synchronize(self) -> None:
         """Wait for the stream by polling an event for up to :data:`SPIN_S` (a blocking
@@ -312,13 +340,21 @@ class CudaBackend(Backend):
         PyCUDA 2026.1's ``register_host_memory`` fails under numpy 2 setting the result's base.)"""
         return _Registration(array)
 
-    def wait_input(self, tensor) -> None:
-        """Wait for the stream the producer named (``__cuda_array_interface__``'s ``stream``);
-        a DLPack capsule names none, so the whole context is synchronised."""
-        if tensor.kind == "capsule":
-            cuda.Context.synchronize()
-        elif tensor.stream is not None:
-            _cu_stream_synchronize(int(tensor.stream))
+    def wait_inputs(self, tensors) -> None:
+        """Wait for the streams the producers named (``__cuda_array_interface__``'s ``stream``),
+        each once.  Nothing for the legacy default stream (1): the engine's stream is a blocking
+        one, which CUDA orders after the legacy default stream's earlier work.  A DLPack capsule
+        names no stream and the per-thread default stream (2) is the producer thread's own, so
+        either synchronises the whole context."""
+        streams = set()
+        for t in tensors:
+            if t.kind == "capsule" or t.stream == 2:
+                cuda.Context.synchronize()
+                return
+            if t.stream is not None and t.stream != 1:
+                streams.add(int(t.stream))
+        for handle in streams:
+            _cu_stream_synchronize(handle)
 
     # -- inter-process ---------------------------------------------------------------------------
     def ipc_export(self, alloc: Allocation) -> Optional[bytes]:

@@ -23,6 +23,8 @@ Mirrors the DLPack C ABI (``dlpack.h`` v0.8: ``DLTensor``, ``DLManagedTensor``) 
 Interface v3; both are public specifications.
 """
 import ctypes
+import logging
+import math
 import sys
 import threading
 from typing import Optional, Tuple
@@ -111,8 +113,14 @@ def dtype_to_dlpack(dtype: np.dtype) -> DLDataType:
     return DLDataType(code, dtype.itemsize * 8, 1)
 
 
+_TYPESTRS = {}
+
+
 def _typestr_dtype(typestr: str) -> np.dtype:
-    return np.dtype(typestr)
+    dtype = _TYPESTRS.get(typestr)
+    if dtype is None:
+        dtype = _TYPESTRS[typestr] = np.dtype(typestr)
+    return dtype
 
 
 def _check_contiguous(shape, strides, itemsize, what) -> None:
@@ -142,7 +150,7 @@ class DeviceTensor:
         self.dtype = np.dtype(dtype)
         self.device_id = int(device_id)
         self.source, self.kind, self.stream = source, kind, stream
-        self.size = int(np.prod(self.shape, dtype=np.int64))
+        self.size = math.prod(self.shape)
         self.nbytes = self.size * self.dtype.itemsize
         self.ndim = len(self.shape)
         self._managed = managed  # DLManagedTensor* of a consumed capsule, until release()
@@ -165,6 +173,25 @@ class DeviceTensor:
     def module_name(self) -> Optional[str]:
         return type(self.source).__module__.split(".")[0] if self.source is not None else None
 
+    def wrap_views(self, result: "DeviceTensor", views) -> Optional[list]:
+        """Views of 1-D ``result`` as this tensor's kind: one per ``(byte offset, shape)`` of
+        ``views``; None where the kind has no views (a capsule, an :class:`Exported`)."""
+        if self.kind == "capsule":
+            return None
+        if self.module_name() == "cupy" and _cupy_wrap_works:
+            try:
+                cupy = sys.modules["cupy"]
+                base = cupy.cuda.MemoryPointer(
+                    cupy.cuda.UnownedMemory(result.ptr, result.nbytes, result.source, result.device_id), 0)
+                return [cupy.ndarray(shape, result.dtype, base + offset) for offset, shape in views]
+            except Exception as e:  # noqa: BLE001 - another CuPy: its from_dlpack still works
+                _cupy_wrap_failed(e)
+        whole = self.wrap_result(result)
+        if not (hasattr(whole, "reshape") and hasattr(whole, "__getitem__")):
+            return None
+        item = result.dtype.itemsize
+        return [whole[offset // item:offset // item + math.prod(shape)].reshape(shape) for offset, shape in views]
+
     def wrap_result(self, result: "DeviceTensor"):
         """``result`` (a :class:`DeviceTensor` whose ``source`` owns the memory, see
         :class:`Exported`) as the kind of array this tensor came as."""
@@ -173,11 +200,33 @@ class DeviceTensor:
             return result.source.to_gpuarray(result) if hasattr(result.source, "to_gpuarray") else exported
         if self.kind == "capsule":
             return exported.__dlpack__()
-        mod = sys.modules.get(self.module_name() or "")
+        name = self.module_name() or ""
+        mod = sys.modules.get(name)
+        if name == "cupy" and _cupy_wrap_works:
+            try:
+                return _cupy_array(mod, result)
+            except Exception as e:  # noqa: BLE001 - another CuPy: its from_dlpack still works
+                _cupy_wrap_failed(e)
         from_dlpack = getattr(mod, "from_dlpack", None)
         if from_dlpack is None:
             return exported
         return from_dlpack(exported)
+
+
+_cupy_wrap_works = True
+
+
+def _cupy_wrap_failed(e: Exception) -> None:
+    global _cupy_wrap_works
+    _cupy_wrap_works = False
+    logging.getLogger("sdp.engine.device").warning("CuPy results through cupy.from_dlpack: %r", e)
+
+
+def _cupy_array(cupy, t: "DeviceTensor"):
+    """``t`` as a CuPy array over the same memory (owned by ``t.source``): a few microseconds,
+    where ``cupy.from_dlpack`` of an exported capsule takes ~50."""
+    memory = cupy.cuda.UnownedMemory(t.ptr, t.nbytes, t.source, t.device_id)
+    return cupy.ndarray(t.shape, t.dtype, cupy.cuda.MemoryPointer(memory, 0))
 
 
 # -- recognising inputs -------------------------------------------------------------------------

@@ -5,20 +5,28 @@ decisions here are made alike on every rank without talking about them, except t
 of window handles (below).
 
 **IPC path** (every rank on this host, at most :data:`MAX_LOCAL` of them, ``SDP_GPU_IPC`` not 0):
-each rank owns a *window*, one device allocation exported with an inter-process handle and
-opened once by every peer (the exporter keeps it alive until shutdown).  Windows are as large as
-the largest collective needs (at least the fusion threshold, 25 MB); they grow together, since
-every rank computes the same size from the agreed request, and the handles are exchanged again
-(an allgather over the mesh) when they do.  A collective:
+each rank owns two *windows*, device allocations exported with inter-process handles and opened
+once by every peer (the exporter keeps them alive until shutdown).  Windows are as large as the
+largest collective needs (at least the fusion threshold, 25 MB); they grow together, since every
+rank computes the same size from the agreed request, and the handles are exchanged again (an
+allgather over the mesh) when they do.  Collectives use the two windows in turn (every rank runs
+the same collectives in the same order, so all agree on whose turn it is).  A collective:
 
-1. packs this rank's input(s) into its window (one gather launch for a fused bucket);
+1. packs this rank's input(s) into its window of this turn (one gather launch for a fused bucket);
 2. barrier (:mod:`sdp.engine.barrier`; each rank's device work is synchronised before it posts);
-3. reads the peers' windows directly: an allreduce bucket is cut into n chunks (64-byte edges) and
-   rank r reduces chunk r of every window and writes the result into chunk r of every window
-   (no host staging, no device-to-host copy); reducescatter reduces this rank's rows into its
-   result; allgather, broadcast and alltoall copy the peers' blocks into the result;
-4. barrier (no peer reads or writes a window after it), then the result is copied out of the
-   window (allreduce) into one new allocation per bucket, each tensor a view of it.
+3. reads the peers' windows directly, writing into a new allocation per bucket (each tensor a
+   view of it), with no host staging and no device-to-host copy:
+
+   - allreduce, *one shot* (2 ranks, or a bucket of at most :data:`ONE_SHOT_BYTES`): every rank
+     reduces the whole bucket from every window into its result;
+   - allreduce, *two shots* (more ranks, larger buckets): the bucket is cut into n chunks (64-byte
+     edges); rank r reduces chunk r of every window into its result and into its own window;
+     a second barrier; then it copies the peers' reduced chunks out of their windows;
+   - reducescatter reduces this rank's rows into its result; allgather, broadcast and alltoall
+     copy the peers' blocks into the result;
+4. the device is synchronised and the result handed out.  No barrier is needed at the end: a peer
+   reads this turn's window until it posts the first barrier of its next collective, and this
+   rank writes the same window again only in the collective after that, past that barrier.
 
 **Host-staged path** (ranks on several hosts, process sets, ``SDP_GPU_IPC=0``, a window that
 cannot be opened on some rank, more than :data:`MAX_LOCAL` local ranks): the input is copied to
@@ -42,7 +50,9 @@ log = logging.getLogger("sdp.engine.device")
 
 MAX_LOCAL = 8  # ranks of one host the IPC path serves (sources of one reduce launch)
 MAX_HANDLE = 128  # bytes of an exported handle (CUDA's is 64; a shm path fits too)
-_RECORD = struct.Struct(f"<qB{MAX_HANDLE}s")  # window bytes, handle length, handle
+WINDOWS = 2  # windows per rank, used in turn
+ONE_SHOT_BYTES = 1 << 20  # with more than 2 ranks, larger allreduce buckets take two shots
+_RECORD = struct.Struct("<q" + f"B{MAX_HANDLE}s" * WINDOWS)  # window bytes, then each handle's length and bytes
 
 
 class DevicePath:
@@ -52,9 +62,10 @@ class DevicePath:
         self.rt = runtime
         self.mesh = runtime.mesh
         self.backend = None
-        self.window: Optional[Allocation] = None
-        self.peers: List[int] = []  # every rank's window pointer (this rank's own at its rank)
+        self.windows: List[Allocation] = []  # this rank's, one per turn
+        self.peers: List[List[int]] = []  # per turn, every rank's window pointer (this rank's at its rank)
         self._opened: List[Allocation] = []
+        self._turn = 0
         hosts = {p["host"] for p in self.mesh.peers}
         setting = runtime.config.gpu_ipc
         why = None
@@ -100,46 +111,54 @@ class DevicePath:
         return True
 
     def _ensure_window(self, nbytes: int) -> bool:
-        """Every rank's window holds at least ``nbytes`` (all ranks call this with the same
+        """Every rank's windows hold at least ``nbytes`` (all ranks call this with the same
         value); False, on every rank, if some rank could not open a peer's window."""
-        if self.window is not None and self.window.nbytes >= nbytes:
+        if self.windows and self.windows[0].nbytes >= nbytes:
             return True
         b = self.backend
         size = max(nbytes, self.rt.config.fusion_threshold, 1 << 20)
-        if self.window is not None:
-            size = max(size, 2 * self.window.nbytes)
-        self._opened, self.window = [], None
-        own = b.alloc(size, exportable=True)
-        handle = b.ipc_export(own) or b""
-        if len(handle) > MAX_HANDLE:
-            raise ValueError(f"{b.name} window handle of {len(handle)} bytes (at most {MAX_HANDLE})")
-        records = self._allgather_bytes(_RECORD.pack(size, len(handle), handle))
-        ptrs, opened, ok = [], [], bool(handle)
+        if self.windows:
+            size = max(size, 2 * self.windows[0].nbytes)
+        self._opened, self.windows, self.peers = [], [], []
+        own = [b.alloc(size, exportable=True) for _ in range(WINDOWS)]
+        handles = [b.ipc_export(a) or b"" for a in own]
+        if max(len(h) for h in handles) > MAX_HANDLE:
+            raise ValueError(f"{b.name} window handle of {max(len(h) for h in handles)} bytes (at most {MAX_HANDLE})")
+        records = self._allgather_bytes(_RECORD.pack(size, *[x for h in handles for x in (len(h), h)]))
+        ptrs, opened, ok = [[] for _ in own], [], all(handles)
         for q, rec in enumerate(records):
-            qsize, hlen, qhandle = _RECORD.unpack(rec)
-            if q == self.rt.rank:
-                ptrs.append(own.ptr)
-                continue
-            if not ok or hlen == 0 or qsize < nbytes:
-                ok = False
-                continue
-            try:
-                a = b.ipc_open(qhandle[:hlen], qsize)
-            except Exception as e:  # noqa: BLE001 - any failure to map a peer: stage through the host
-                log.warning("rank %d: cannot open rank %d's device window (%s)", self.rt.rank, q, e)
-                ok = False
-                continue
-            opened.append(a)
-            ptrs.append(a.ptr)
+            qsize, *fields = _RECORD.unpack(rec)
+            for k in range(WINDOWS):
+                hlen, qhandle = fields[2 * k], fields[2 * k + 1]
+                if q == self.rt.rank:
+                    ptrs[k].append(own[k].ptr)
+                    continue
+                if not ok or hlen == 0 or qsize < nbytes:
+                    ok = False
+                    break
+                try:
+                    a = b.ipc_open(qhandle[:hlen], qsize)
+                except Exception as e:  # noqa: BLE001 - any failure to map a peer: stage through the host
+                    log.warning("rank %d: cannot open rank %d's device window (%s)", self.rt.rank, q, e)
+                    ok = False
+                    break
+                opened.append(a)
+                ptrs[k].append(a.ptr)
         verdicts = self._allgather_bytes(bytes([ok]))
-        b.ipc_unlink(own)
+        for a in own:
+            b.ipc_unlink(a)
         if not all(v[0] for v in verdicts):
             bad = [q for q, v in enumerate(verdicts) if not v[0]]
             self.ipc = False
             self._why_staged = f"rank(s) {bad} could not open a peer's device window"
             return False
-        self.window, self.peers, self._opened = own, ptrs, opened
+        self.windows, self.peers, self._opened = own, ptrs, opened
         return True
+
+    def _next_window(self):
+        """This turn's window: (this rank's window pointer, every rank's, in rank order)."""
+        k, self._turn = self._turn, (self._turn + 1) % WINDOWS
+        return self.windows[k].ptr, self.peers[k]
 
     def _allgather_bytes(self, record: bytes) -> List[bytes]:
         n, r = self.rt.size, self.rt.rank
@@ -155,16 +174,21 @@ class DevicePath:
         barrier.sync(self.mesh, seq, step)
 
     # -- results -------------------------------------------------------------------------------------
-    def _result(self, like: DeviceTensor, dtype, shape, alloc: Allocation, offset: int = 0):
-        """The result at ``alloc.ptr + offset`` (bytes), as ``like``'s kind."""
+    def _tensor(self, dtype, shape, alloc: Allocation, offset: int = 0) -> DeviceTensor:
+        """The array at ``alloc.ptr + offset`` (bytes), keeping ``alloc`` alive."""
         res = DeviceTensor(alloc.ptr + offset, shape, dtype, self.backend.device_id, _Owner(alloc, self.backend),
                            "module")
         res.device_type = self.backend.device_type
-        return like.wrap_result(res)
+        return res
+
+    def _result(self, like: DeviceTensor, dtype, shape, alloc: Allocation, offset: int = 0):
+        """The result at ``alloc.ptr + offset`` (bytes), as ``like``'s kind."""
+        return like.wrap_result(self._tensor(dtype, shape, alloc, offset))
 
     # -- the IPC path ----------------------------------------------------------------------------------
     def allreduce(self, reqs, scale: Optional[float], divide: int) -> list:
-        """Allreduce a bucket (same dtype, op, scales) through the windows; results in request order."""
+        """Allreduce a bucket (same dtype, op, scales) through the windows; results in request
+        order; None when the windows cannot be opened (the caller stages through the host)."""
         b, first = self.backend, reqs[0]
         dtype = first.array.dtype
         size = dtype.itemsize
@@ -172,25 +196,29 @@ class DevicePath:
         total = offs[-1]
         if not self._ensure_window(total * size):
             return None
-        for r in reqs:
-            b.wait_input(r.array)
-        b.gather(self.window.ptr, [(r.array.ptr, offs[i] * size, r.array.nbytes) for i, r in enumerate(reqs)])
+        mine, peers = self._next_window()
+        b.wait_inputs([r.array for r in reqs])
+        b.gather(mine, [(r.array.ptr, offs[i] * size, r.array.nbytes) for i, r in enumerate(reqs)])
         seq = self.rt._next_seq()
         self._sync(seq, 0)
         n, me = self.rt.size, self.rt.rank
-        edges = collectives._shm_bounds(total, n, dtype)
-        lo, hi = edges[me], edges[me + 1]
-        at = [p + lo * size for p in self.peers]
-        b.reduce(at, at, hi - lo, dtype, first.op, first.prescale, scale, divide, first.postscale)
-        self._sync(seq, 1)
+        how = (dtype, first.op, first.prescale, scale, divide, first.postscale)
         out = b.alloc(total * size)
-        b.copy(out.ptr, self.window.ptr, total * size)
+        if n == 2 or total * size <= ONE_SHOT_BYTES:  # one shot
+            b.reduce(peers, [out.ptr], total, *how)
+        else:  # two shots
+            edges = collectives._shm_bounds(total, n, dtype)
+            lo = edges[me] * size
+            b.reduce([p + lo for p in peers], [out.ptr + lo, mine + lo], edges[me + 1] - edges[me], *how)
+            self._sync(seq, 1)
+            b.gather(out.ptr, [(peers[q] + edges[q] * size, edges[q] * size, (edges[q + 1] - edges[q]) * size)
+                               for q in range(n) if q != me])
         b.synchronize()
-        like = first.array
-        if len(reqs) > 1 and like.kind != "capsule":  # one array of the bucket, each result a view
-            whole = self._result(like, dtype, (total,), out)
-            if hasattr(whole, "reshape") and hasattr(whole, "__getitem__"):
-                return [whole[offs[i]:offs[i] + r.array.size].reshape(r.array.shape) for i, r in enumerate(reqs)]
+        if len(reqs) > 1:  # one array of the bucket, each result a view of it where the kind allows
+            views = first.array.wrap_views(self._tensor(dtype, (total,), out),
+                                           [(offs[i] * size, r.array.shape) for i, r in enumerate(reqs)])
+            if views is not None:
+                return views
         return [self._result(r.array, dtype, r.array.shape, out, offs[i] * size) for i, r in enumerate(reqs)]
 
     def single(self, req, item, scale: Optional[float], divide: int):
@@ -209,25 +237,26 @@ class DevicePath:
             need = a.nbytes
         if not self._ensure_window(need):
             return None
-        b.wait_input(a)
+        window, peers = self._next_window()
+        b.wait_inputs([a])
         seq = self.rt._next_seq()
         if req.kind != "broadcast" or me == req.root:
-            b.copy(self.window.ptr, a.ptr, a.nbytes)
+            b.copy(window, a.ptr, a.nbytes)
         self._sync(seq, 0)
         if req.kind == "broadcast":
             out = b.alloc(a.nbytes)
-            b.copy(out.ptr, self.peers[req.root], a.nbytes)
+            b.copy(out.ptr, peers[req.root], a.nbytes)
             result = self._result(a, a.dtype, a.shape, out)
         elif req.kind == "allgather":
             out = b.alloc(sum(dim0) * row)
             starts = np.concatenate([[0], np.cumsum(dim0)]) * row
-            b.gather(out.ptr, [(self.peers[q], int(starts[q]), dim0[q] * row) for q in range(n)])
+            b.gather(out.ptr, [(peers[q], int(starts[q]), dim0[q] * row) for q in range(n)])
             result = self._result(a, a.dtype, (sum(dim0),) + a.shape[1:], out)
         elif req.kind == "alltoall":
             recv = [splits[q][me] for q in range(n)]
             out = b.alloc(max(1, sum(recv) * row))
             starts = np.concatenate([[0], np.cumsum(recv)]) * row
-            pieces = [(self.peers[q] + sum(splits[q][:me]) * row, int(starts[q]), recv[q] * row) for q in range(n)]
+            pieces = [(peers[q] + sum(splits[q][:me]) * row, int(starts[q]), recv[q] * row) for q in range(n)]
             b.gather(out.ptr, pieces)
             result = (self._result(a, a.dtype, (sum(recv),) + a.shape[1:], out), np.asarray(recv, np.int32))
         else:  # reducescatter
@@ -235,20 +264,40 @@ class DevicePath:
             mine = rows[me + 1] - rows[me]
             out = b.alloc(max(1, mine * row))
             count = mine * row // a.dtype.itemsize
-            b.reduce([p + rows[me] * row for p in self.peers], [out.ptr], count, a.dtype, req.op, req.prescale,
+            b.reduce([p + rows[me] * row for p in peers], [out.ptr], count, a.dtype, req.op, req.prescale,
                      scale, divide, req.postscale)
             result = self._result(a, a.dtype, (mine,) + a.shape[1:], out)
-        self._sync(seq, 1)
+        b.synchronize()
         return result
 
     # -- the host-staged path ----------------------------------------------------------------------------
     def stage_in(self, req) -> None:
         """Replace ``req.array`` (a DeviceTensor) by a host copy; ``req.device`` keeps the tensor."""
         t = req.array
-        self.backend.wait_input(t)
+        self.backend.wait_inputs([t])
         host = self.rt._result_array(t.dtype, t.size).reshape(t.shape)  # page-locked shared memory if room
         self.backend.to_host(host.reshape(-1).view(np.uint8), t.ptr)
         req.device, req.array = t, host
+
+    def allreduce_staged(self, req, out: np.ndarray, ufunc, seq: int, acc, scale: Optional[float]):
+        """Allreduce device tensor ``req.array`` through this host's shared memory: its chunks
+        are copied from the device straight into the segments (no host copy of the input), and
+        each slab of the result (host ``out``, 1-D) goes back to a new device allocation as soon
+        as it is final, while the next slab is reduced."""
+        b, t = self.backend, req.array
+        b.wait_inputs([t])
+        size = t.dtype.itemsize
+        dev = b.alloc(t.nbytes)
+
+        def read(dst, lo, hi):
+            b.to_host(dst, t.ptr + lo * size)
+
+        def done(lo, hi):
+            b.to_device(dev.ptr + lo * size, out[lo:hi], wait=False)
+
+        collectives._shm_allreduce(self.mesh, t, out, ufunc, seq, acc, scale, read=read, done=done)
+        b.synchronize()
+        return self._result(t, t.dtype, t.shape, dev)
 
     def to_device(self, arr: np.ndarray) -> DeviceTensor:
         """A new device array holding a copy of host ``arr``."""
@@ -275,7 +324,7 @@ class DevicePath:
         with self.backend:
             if self._pinned is not None:
                 self._pinned.release()
-            self._opened, self.window, self.peers, self._pinned = [], None, [], None
+            self._opened, self.windows, self.peers, self._pinned = [], [], [], None
             self.backend.close()
 
 

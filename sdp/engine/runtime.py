@@ -362,8 +362,8 @@ class Runtime:
             return self._execute_items(items)
         dp = self._device_path(device[0].device if device else None)
         with dp.backend:
-            for req in device:
-                if not dp.uses_ipc(req.ps):
+            for req in device:  # (allreduces: in _allreduce_bucket, which may stage them directly)
+                if req.kind != "allreduce" and not dp.uses_ipc(req.ps):
                     dp.stage_in(req)
             self._execute_items(items)
 
@@ -500,6 +500,20 @@ class Runtime:
         return (self._float_scale(req, req.array.dtype),
                 self.size if req.op == ReduceOp.AVERAGE and req.array.dtype.kind in "iu" else 1)
 
+    def _staged_directly(self, reqs: List[Request]) -> Optional[list]:
+        """A lone device tensor's allreduce through shared memory, staged between the device and
+        the segments slab by slab (no host copy of the input; results copied back as they are
+        final); None where that route does not apply (the caller stages the input first)."""
+        req = reqs[0]
+        t = req.array
+        if (len(reqs) > 1 or req.ps or req.out is not None or self.hierarchy is not None or req.prescale != 1.0
+                or t.dtype.kind != "f" and (req.op == ReduceOp.AVERAGE or req.postscale != 1.0)
+                or self.size == 1 or not collectives.uses_shm(self.mesh, t.nbytes, t.size)):
+            return None
+        out = self._result_array(t.dtype, t.size)
+        return [self._device.allreduce_staged(req, out, UFUNCS[req.op], self._next_seq(),
+                                              accumulation_dtype(t.dtype), self._float_scale(req, t.dtype))]
+
     def _allreduce_bucket(self, reqs: List[Request]) -> None:
         """One collective for ``reqs`` (same dtype/op/scales).  A fused bucket's fusion buffer is
         one new result array (see :meth:`_result_array`): the bucket is packed straight into this
@@ -512,12 +526,13 @@ class Runtime:
                 tl.end(name, "QUEUE")
         if isinstance(first.array, DeviceTensor):
             with timeline.span(tl, names, "ALLREDUCE"):
-                results = self._device.allreduce(reqs, *self._device_args(first))
+                results = (self._device.allreduce(reqs, *self._device_args(first))
+                           if self._device.uses_ipc(first.ps) else self._staged_directly(reqs))
             if results is not None:
                 for r, res in zip(reqs, results):
                     self._complete(r, res, staged=False)
                 return
-            for r in reqs:  # the windows could not be opened: through host memory from now on
+            for r in reqs:  # through host memory (for good, if the windows could not be opened)
                 self._device.stage_in(r)
         dtype = first.array.dtype
         if first.ps:
