@@ -63,3 +63,14 @@ def test_fused_bucket_and_errors():
     res = run_workers(2, "workers_device:killed_peer", [kind], timeout=60)
     err, seconds = res[0].value
     assert err == "PeerLostError" and seconds < 15, (err, seconds, res[0].stderr[-2000:])
+
+
+@needs_gpu
+@pytest.mark.parametrize("ipc", ["1", "0"])
+def test_fp16_compression_on_the_device(ipc):
+    """float32 -> float16 on the device, allreduced as float16 (IPC or staged), back to float32."""
+    if not _have("cupy"):
+        pytest.skip("cupy is not installed")
+    for ok, dtype, counters in check_ok(run_workers(2, "workers_device:fp16_compressed", ["cupy"],
+                                                    env={"SDP_GPU_IPC": ipc})):
+        assert ok and dtype == "float16" and counters["ipc"] is (ipc == "1"), (ok, dtype, counters)

@@ -226,6 +226,20 @@ def fused_bucket(kind, count, elems):
     return ok, sdp.device_counters()
 
 
+def fp16_compressed(kind):
+    """Horovod's ``Compression.fp16`` on device arrays: float32 cast to float16 on the device,
+    averaged in float16 (scaled in float32), cast back; bit-exact against the same arithmetic in
+    numpy.  Returns ``(ok, result dtype name, counters)``."""
+    import cupy
+    n, r = sdp.size(), sdp.rank()
+    x = cupy.asarray(data_for(r, [4099], "float32", 77))
+    got = sdp.allreduce(x.astype(cupy.float16), op=sdp.Average, name="fp16")
+    back = got.astype(cupy.float32)
+    ref = reduce_arrays([data_for(q, [4099], "float32", 77).astype(np.float16) for q in range(n)],
+                        ReduceOp.AVERAGE, 1.0, 1.0 / n).astype(np.float32)
+    return bool(np.array_equal(cupy.asnumpy(back), ref)), str(got.dtype), sdp.device_counters()
+
+
 def staged_slabs(kind, count):
     """Lone allreduces staged through host memory (``SDP_GPU_IPC=0``): float32 SUM, float16
     AVERAGE (scaled in float32 inside the collective) and int32 MAX of ``count`` elements, bit for
