@@ -253,7 +253,8 @@ def as_input(tensor):
 def device_counters() -> dict:
     """What the device path did in this process: bytes copied device-to-host (``d2h``),
     host-to-device (``h2d``), device-to-device (``d2d``), kernels launched, whether the CUDA IPC
-    path is in use (``ipc``) and the backend's name.  For tests and benchmarks."""
+    path is in use (``ipc``), whether it runs per host with parts allreduced across hosts
+    (``hierarchical``) and the backend's name.  For tests and benchmarks."""
     return runtime("device_counters()").device_counters()
 
 

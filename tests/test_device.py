@@ -63,6 +63,21 @@ def test_staged_allreduce_slab_by_slab(pool):
         assert oks == [True, True, True] and counters["ipc"] is False and counters["kernels"] == 0, (oks, counters)
 
 
+@pytest.mark.parametrize("counts", [[2, 2], [2, 1, 2]])
+def test_device_allreduce_across_hosts_is_hierarchical(counts):
+    """Ranks on several (fake) hosts: each host's ranks share windows, each part is reduced on
+    the device by its owner and allreduced with its owners on the other hosts; bit-exact against
+    the same collectives on numpy arrays (the host hierarchy), every other collective staged."""
+    from test_hierarchical_mp import fake_hosts
+    n, per_rank = fake_hosts(counts)
+    cases = w.matrix()
+    values = check_ok(run_workers(n, "workers_device:device_matrix", ["fake", cases, "host"], env=NUMPY,
+                                  per_rank_env=per_rank, timeout=240))
+    _check(values, cases)
+    for _, counters in values:
+        assert counters["hierarchical"] and counters["kernels"] > 0 and counters["d2h"] > 0, counters
+
+
 def test_host_and_device_arrays_for_one_name_is_a_mismatch_on_every_rank():
     for msgs in check_ok(run_workers(2, "workers_device:mismatch", ["fake"], env=NUMPY, timeout=60)):
         assert "memory (host or device) mismatch, rank 0 has device, rank 1 has host" in msgs[0], msgs

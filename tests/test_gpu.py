@@ -74,3 +74,18 @@ def test_fp16_compression_on_the_device(ipc):
     for ok, dtype, counters in check_ok(run_workers(2, "workers_device:fp16_compressed", ["cupy"],
                                                     env={"SDP_GPU_IPC": ipc})):
         assert ok and dtype == "float16" and counters["ipc"] is (ipc == "1"), (ok, dtype, counters)
+
+
+@needs_gpu
+def test_device_allreduce_across_fake_hosts():
+    """2 fake hosts x 2 ranks on the one GPU: per-host windows, parts across hosts (hierarchical)."""
+    if not _have("cupy"):
+        pytest.skip("cupy is not installed")
+    from test_hierarchical_mp import fake_hosts
+    n, per_rank = fake_hosts([2, 2])
+    cases = [c for c in w.matrix() if c[1] in ("float16", "float32", "int32")]
+    values = check_ok(run_workers(n, "workers_device:device_matrix", ["cupy", cases, "host"], per_rank_env=per_rank,
+                                  timeout=300))
+    _check(values, cases)
+    for _, counters in values:
+        assert counters["hierarchical"] and counters["kernels"] > 0, counters

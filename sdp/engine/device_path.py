@@ -42,8 +42,9 @@ from typing import List, Optional
 
 import numpy as np
 
+from sdp.common.reduce_ops import UFUNCS, ReduceOp
 from sdp.engine import barrier, collectives, fusion
-from sdp.engine.backends import Allocation, backend_name, make_backend
+from sdp.engine.backends import Allocation, accumulation_type, backend_name, make_backend
 from sdp.engine.device_arrays import DeviceTensor
 
 log = logging.getLogger("sdp.engine.device")
@@ -68,13 +69,15 @@ class DevicePath:
         self._turn = 0
         hosts = {p["host"] for p in self.mesh.peers}
         setting = runtime.config.gpu_ipc
+        self.hier = runtime.hierarchy  # ranks on several hosts: windows among this host's ranks
+        self.comm = self.mesh if self.hier is None else self.hier.host  # the ranks that share windows
         why = None
         if setting is False:
             why = "SDP_GPU_IPC=0"
-        elif len(hosts) > 1:
-            why = f"the ranks span {len(hosts)} hosts"
-        elif self.rt.size > MAX_LOCAL:
-            why = f"{self.rt.size} ranks on this host (the IPC path serves up to {MAX_LOCAL})"
+        elif len(hosts) > 1 and self.hier is None:
+            why = f"the ranks span {len(hosts)} hosts, without a hierarchy (one rank per host, or SDP_HIERARCHICAL=0)"
+        elif self.comm.size > MAX_LOCAL:
+            why = f"{self.comm.size} ranks on this host (the IPC path serves up to {MAX_LOCAL})"
         self.ipc = why is None
         self._why_staged = why
         self._said = False
@@ -130,7 +133,7 @@ class DevicePath:
             qsize, *fields = _RECORD.unpack(rec)
             for k in range(WINDOWS):
                 hlen, qhandle = fields[2 * k], fields[2 * k + 1]
-                if q == self.rt.rank:
+                if q == self.comm.rank:
                     ptrs[k].append(own[k].ptr)
                     continue
                 if not ok or hlen == 0 or qsize < nbytes:
@@ -139,12 +142,13 @@ class DevicePath:
                 try:
                     a = b.ipc_open(qhandle[:hlen], qsize)
                 except Exception as e:  # noqa: BLE001 - any failure to map a peer: stage through the host
-                    log.warning("rank %d: cannot open rank %d's device window (%s)", self.rt.rank, q, e)
+                    log.warning("rank %d: cannot open rank %d's device window (%s)", self.rt.rank,
+                                getattr(self.comm, "ranks", range(self.comm.size))[q], e)
                     ok = False
                     break
                 opened.append(a)
                 ptrs[k].append(a.ptr)
-        verdicts = self._allgather_bytes(bytes([ok]))
+        verdicts = self._allgather_bytes(bytes([ok]), self.mesh)  # the whole job takes one path
         for a in own:
             b.ipc_unlink(a)
         if not all(v[0] for v in verdicts):
@@ -160,18 +164,19 @@ class DevicePath:
         k, self._turn = self._turn, (self._turn + 1) % WINDOWS
         return self.windows[k].ptr, self.peers[k]
 
-    def _allgather_bytes(self, record: bytes) -> List[bytes]:
-        n, r = self.rt.size, self.rt.rank
+    def _allgather_bytes(self, record: bytes, comm=None) -> List[bytes]:
+        comm = comm or self.comm
+        n, r = comm.size, comm.rank
         width = len(record)
         buf = np.zeros(n * width, np.uint8)
         buf[r * width:(r + 1) * width] = np.frombuffer(record, np.uint8)
-        collectives.allgatherv(self.mesh, buf, [q * width for q in range(n + 1)], self.rt._next_seq(),
+        collectives.allgatherv(comm, buf, [q * width for q in range(n + 1)], self.rt._next_seq(),
                                self.rt.config.segment_bytes)
         return [buf[q * width:(q + 1) * width].tobytes() for q in range(n)]
 
     def _sync(self, seq: int, step: int) -> None:
         self.backend.synchronize()
-        barrier.sync(self.mesh, seq, step)
+        barrier.sync(self.comm, seq, step)
 
     # -- results -------------------------------------------------------------------------------------
     def _tensor(self, dtype, shape, alloc: Allocation, offset: int = 0) -> DeviceTensor:
@@ -203,10 +208,13 @@ class DevicePath:
         self._sync(seq, 0)
         n, me = self.rt.size, self.rt.rank
         how = (dtype, first.op, first.prescale, scale, divide, first.postscale)
-        out = b.alloc(total * size)
-        if n == 2 or total * size <= ONE_SHOT_BYTES:  # one shot
+        if self.hier is not None:
+            out = self._across_hosts(first, total, mine, peers, seq, scale)
+        elif n == 2 or total * size <= ONE_SHOT_BYTES:  # one shot
+            out = b.alloc(total * size)
             b.reduce(peers, [out.ptr], total, *how)
         else:  # two shots
+            out = b.alloc(total * size)
             edges = collectives._shm_bounds(total, n, dtype)
             lo = edges[me] * size
             b.reduce([p + lo for p in peers], [out.ptr + lo, mine + lo], edges[me + 1] - edges[me], *how)
@@ -221,9 +229,47 @@ class DevicePath:
                 return views
         return [self._result(r.array, dtype, r.array.shape, out, offs[i] * size) for i, r in enumerate(reqs)]
 
+    def _across_hosts(self, first, total: int, mine: int, peers: List[int], seq: int, scale: Optional[float]):
+        """The hierarchical allreduce of a bucket already packed into this host's windows: the
+        bucket's parts (:class:`sdp.engine.groups.Hierarchy`) are each reduced on the device by
+        their owner on this host, from every local window into its own; copied to host memory
+        (only this rank's parts: 1/local size of the bucket crosses the bus); allreduced with the
+        part's owners on the other hosts (the host algorithms, over ZeroMQ); copied back into the
+        owner's window.  After a host barrier every rank gathers all parts from their owners'
+        windows into a new allocation (returned).  16-bit sums of an average are scaled on the
+        device before they are rounded, as the host hierarchy does; integer averages are divided
+        (and post-scaled) on the host after the cross-host sum."""
+        b, hier, dtype = self.backend, self.hier, first.array.dtype
+        size = dtype.itemsize
+        acc = accumulation_type(dtype)
+        acc = None if acc == dtype else acc
+        early = acc is not None and scale is not None and first.op in (ReduceOp.SUM, ReduceOp.AVERAGE)
+        device_scale, cross_scale = (scale, None) if early else (None, scale)
+        edges = collectives._shm_bounds(total, hier.nparts, dtype)
+        host = b.host_buffer(total * size).view(dtype)
+        for j in hier.parts:
+            lo, hi = edges[j], edges[j + 1]
+            if hi == lo:
+                continue
+            b.reduce([p + lo * size for p in peers], [mine + lo * size], hi - lo, dtype, first.op, first.prescale,
+                     device_scale, 1, 1.0)
+            part = host[lo:hi]
+            b.to_host(part, mine + lo * size)
+            collectives.allreduce(hier.cross[j], part, part, UFUNCS[first.op], seq, self.rt.config.segment_bytes,
+                                  acc, cross_scale)
+            self.rt._int_scale(part, first)
+            b.to_device(mine + lo * size, part, wait=False)
+        self._sync(seq, 1)
+        out = b.alloc(total * size)
+        b.gather(out.ptr, [(peers[hier.owner[j]] + edges[j] * size, edges[j] * size, (edges[j + 1] - edges[j]) * size)
+                           for j in range(hier.nparts) if edges[j + 1] > edges[j]])
+        return out
+
     def single(self, req, item, scale: Optional[float], divide: int):
         """Broadcast, allgather, alltoall or reducescatter of one device tensor through the windows;
         None when the windows cannot be opened (the caller stages through the host)."""
+        if self.hier is not None:  # (across hosts: through host memory)
+            return None
         b, a = self.backend, req.array
         n, me = self.rt.size, self.rt.rank
         row = int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize  # bytes per first-dim row

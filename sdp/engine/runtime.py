@@ -376,11 +376,13 @@ class Runtime:
 
     def device_counters(self) -> dict:
         """Bytes the device path moved (``d2h``, ``h2d``, ``d2d``) and kernels it launched, plus
-        ``ipc`` (whether the IPC path is in use); zeros before any device array ran."""
+        ``ipc`` (whether the IPC path is in use) and ``hierarchical`` (IPC windows per host, parts
+        allreduced across hosts); zeros before any device array ran."""
         dp = self._device
         if dp is None or dp.backend is None:
-            return {"d2h": 0, "h2d": 0, "d2d": 0, "kernels": 0, "ipc": False, "backend": None}
-        return {**dp.backend.counters, "ipc": dp.ipc, "backend": dp.backend.name}
+            return {"d2h": 0, "h2d": 0, "d2d": 0, "kernels": 0, "ipc": False, "backend": None, "hierarchical": False}
+        return {**dp.backend.counters, "ipc": dp.ipc, "backend": dp.backend.name,
+                "hierarchical": dp.ipc and dp.hier is not None}
 
     def _execute_items(self, items: List[dict]) -> None:
         reduce_items = []
