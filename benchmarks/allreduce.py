@@ -12,7 +12,10 @@ Prints (rank 0):
    busbw = algbw * 2(n-1)/n (the nccl-tests definitions, GB/s = 1e9 B/s), next to the same sizes
    for TensorFlow's ``MultiWorkerMirroredStrategy`` RING all-reduce (2 workers on 127.0.0.1,
    started by ranks 0 and 1 after sdp's measurements) and, when installed, Horovod;
-3. the 1 KB latency (median and p90);
+3. the 1 KB latency (median and p90), and the latency section of ``latency.py``: the machine's
+   wake-up floor (a pipe ping-pong round trip, RTT) measured in the same run, 1 KB / 64 KB back
+   to back and isolated (after a barrier and 1 ms idle), a step of 100 cached 4 KB tensors, and
+   issue 30's targets as multiples of the RTT (``--latency-only``: just this section);
 4. a gradient list, 100 tensors of 256 KB: fused (one 25 MB bucket) vs unfused;
 5. PASS/FAIL against the targets below (a miss does not fail the process);
 6. when the ranks span several hosts: flat ring vs hierarchical allreduce busbw from 1 MB up, the
@@ -48,6 +51,9 @@ import numpy as np
 import sdp
 from sdp.common.config import Config
 from sdp.launcher.cli import STREAMING_COPIES
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import latency  # noqa: E402  (benchmarks/latency.py, beside this script)
 
 # ---- targets (issue 3, item 9); checked for 2 ranks, float32 -------------------------------------
 TARGET_BUSBW_64M_GBPS = 1.5        # sdp busbw at 64 MB, 2 ranks, float32
@@ -634,6 +640,12 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", choices=("tf", "none"), default="tf")
     p.add_argument("--baseline-timeout", type=float, default=600.0, help="seconds for the TF baseline")
     p.add_argument("--latency-iters", type=int, default=500, help="iterations of the 1 KB latency test")
+    p.add_argument("--isolated-iters", type=int, default=200,
+                   help="isolated collectives (each after a barrier and 1 ms idle) per size, latency section")
+    p.add_argument("--breakdown", action="store_true",
+                   help="with --latency-only: also where a 1 KB allreduce's time goes, phase by phase")
+    p.add_argument("--latency-only", action="store_true",
+                   help="only the latency section (floor, back to back, isolated, 100-tensor step; latency.py)")
     p.add_argument("--fused-table", dest="fused_table", action="store_true", default=True)
     p.add_argument("--no-fused-table", dest="fused_table", action="store_false")
     p.add_argument("--fused-iters", type=int, default=0, help="gradient lists timed per mode (0: auto)")
@@ -666,6 +678,18 @@ def main(argv=None) -> int:
     if apis:
         return compare_apis(args, apis, sizes, dtype)
     t_start = time.perf_counter()
+    if args.latency_only:
+        res = latency.measure(args.latency_iters, args.isolated_iters)
+        for line in latency.report(res):
+            log0(line)
+        if args.breakdown:
+            for idle in (False, True):
+                for line in latency.breakdown(args.isolated_iters, idle):
+                    log0(line)
+        log0(f"total {time.perf_counter() - t_start:.1f} s; load at end "
+             f"[{' '.join(f'{x:.2f}' for x in os.getloadavg())}]")
+        sdp.shutdown()
+        return 0
 
     # 1. sizes ---------------------------------------------------------------------------------
     rows = []
@@ -686,6 +710,7 @@ def main(argv=None) -> int:
     lat_med = max_over_ranks(statistics.median(lat), "lat.median")
     lat_p90 = max_over_ranks(float(np.percentile(lat, 90)), "lat.p90")
     lat_min = max_over_ranks(min(lat), "lat.min")
+    lat_floor = latency.measure(args.latency_iters, args.isolated_iters)  # against the machine's floor
 
     # 3. gradient list: fused vs unfused --------------------------------------------------------
     fused, floor = None, None
@@ -767,6 +792,8 @@ def main(argv=None) -> int:
     print("", flush=True)
     print(f"1 KB latency ({len(lat)} iters): median {lat_med * 1e6:.1f} us, p90 {lat_p90 * 1e6:.1f} us, "
           f"min {lat_min * 1e6:.1f} us (max over ranks)", flush=True)
+    for line in latency.report(lat_floor):
+        print(line, flush=True)
 
     if fused:
         print("", flush=True)

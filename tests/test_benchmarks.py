@@ -22,13 +22,14 @@ def run_benchmark(*args) -> str:
 
 def test_allreduce_benchmark_prints_both_tables_and_the_memory_floor():
     out = run_benchmark("--sizes", "1K,64K", "--baseline", "none", "--fused-iters", "5", "--latency-iters", "200",
-                        "--target-s", "0.05")
+                        "--isolated-iters", "20", "--target-s", "0.05")
     rows = re.findall(r"\[0\]<stdout>:\s+(1024|65536)\s+\d+\s+\d+\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+) \|", out)
     assert [r[0] for r in rows] == ["1024", "65536"], out[-3000:]
     for _, t, alg, bus in rows:  # busbw = algbw * 2(n-1)/n = algbw for 2 ranks
         assert float(t) > 0 and abs(float(alg) - float(bus)) <= 0.0015, rows
     for label in ("fused: 100 x allreduce_async", "unfused: allreduce_async, fusion threshold 0",
-                  "unfused+unpipelined", "1 KB latency", "1 KB median <= 1000 us"):
+                  "unfused+unpipelined", "1 KB latency", "1 KB median <= 1000 us",
+                  "latency floor: pipe ping-pong round trip", "1 KB isolated <= 2.0 RTT"):
         assert label in out, (label, out[-3000:])
     colls = dict(re.findall(r"<stdout>:(fused: \S+ .*?|unfused: .*?)\s+\d+\s+[0-9.]+\s+(\d+)\s+[0-9.]+\s+[0-9.]+x", out))
     # one batch is one bucket; 100 async calls may be picked up by the engine in two cycles
@@ -52,3 +53,17 @@ def test_api_comparison_prints_every_api_its_floor_and_the_targets():
     for label in ("tf-eager 1 KB <= 500 us", "tf-function 1 KB <= 500 us", "tf-function busbw @1M >= 0.9x numpy",
                   "an empty tf.function call", "column 'floor'"):
         assert label in out, (label, out[-3000:])
+
+
+def test_latency_section_measures_its_floor_and_states_targets_as_round_trips():
+    out = run_benchmark("--latency-only", "--breakdown", "--latency-iters", "50", "--isolated-iters", "20")
+    rtt = re.search(r"latency floor: pipe ping-pong round trip between two processes \(RTT\)\s+([0-9.]+) us", out)
+    assert rtt and float(rtt.group(1)) > 0, out[-3000:]
+    rows = dict(re.findall(r"<stdout>:(1 KB back to back|1 KB isolated \(barrier, 1 ms idle\)|64 KB back to back|"
+                           r"64 KB isolated|step of 100 x 4 KB: grouped_allreduce)\s+([0-9.]+) us\s+[0-9.]+ RTT", out))
+    assert len(rows) == 5 and all(float(v) > 0 for v in rows.values()), out[-3000:]
+    for label in ("1 KB back to back <= 1.5 RTT", "1 KB isolated <= 2.0 RTT", "64 KB back to back <= 2.0 RTT",
+                  "step grouped <= 5 RTT + memory", "step one by one <= 3x (grouped bound)"):
+        assert re.search(re.escape(label) + r": [0-9.]+ us <= [0-9.]+ us  (PASS|FAIL)", out), (label, out[-3000:])
+    # the phase breakdown, back to back and isolated, one line per rank each
+    assert len(re.findall(r"rank [01]: submit->engine awake [0-9.]+, awake->request sent", out)) == 4, out[-3000:]

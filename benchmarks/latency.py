@@ -1,0 +1,253 @@
+"""Small-message latency against the machine's own floor, measured in the same run (issue 30).
+
+Called by ``benchmarks/allreduce.py`` (its 1 KB latency section, and alone with
+``--latency-only``).  What it measures, on every rank of an initialized job:
+
+* **floor**: the round trip of a bare pipe ping-pong between two processes of this host
+  (rank 0 and a child Python process it starts; one byte each way, blocking reads, so each
+  hop is one wake-up of a sleeping process).  Small-message cost is set by how fast the
+  machine wakes a sleeping process, which differs several-fold between machines, so every
+  latency target is a multiple of this round trip (``RTT``).
+* **back to back**: ``sdp.allreduce`` of 1 KB / 64 KB called in a loop (median per rank, then
+  the maximum over ranks: the method of the size table).
+* **isolated**, as a training step meets a collective: each one after a barrier and ~1 ms
+  without collectives (so the engine thread has gone idle), timed from the last rank's call to
+  the last rank's result (``max(end) - max(start)`` over ranks, one monotonic clock on a host),
+  median over iterations.
+* **a step of 100 cached 4 KB tensors**: one ``grouped_allreduce`` and the same 100 submitted
+  one by one (``allreduce_async`` each, then wait all), against the memory time of its bytes
+  (one ``np.copyto`` of 400 KB, timed here).
+
+Targets (2 ranks, one host; issue 30): engine 1 KB <= 1.5 RTT back to back and <= 2 RTT isolated;
+64 KB <= 2 RTT back to back; the 100-tensor step <= 5 RTT + its memory time, one by one <= 3x that.
+"""
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import sdp
+
+TARGET_1K_B2B_RTT = 1.5
+TARGET_1K_ISOLATED_RTT = 2.0
+TARGET_64K_B2B_RTT = 2.0
+TARGET_STEP_RTT = 5.0        # + the memory time of the step's bytes
+TARGET_STEP_ONE_BY_ONE = 3.0  # x the grouped step's bound
+STEP_COUNT, STEP_BYTES = 100, 4096
+IDLE_S = 0.001  # seconds without collectives before each isolated one
+
+_ECHO = ("import os\n"
+         "r, w = 0, 1\n"
+         "while True:\n"
+         "    b = os.read(r, 1)\n"
+         "    if not b:\n"
+         "        break\n"
+         "    os.write(w, b)\n")
+
+
+def pipe_rtt(iters: int = 2000, warmup: int = 200, idle_s: float = 0.0) -> float:
+    """Median seconds of one round trip of one byte between this process and a child Python
+    process over two pipes (both block in ``read``): the wake-up floor of this machine.
+    ``idle_s``: sleep this long before each round trip (both processes idle, as before an
+    isolated collective)."""
+    child = subprocess.Popen([sys.executable, "-S", "-c", _ECHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             bufsize=0)
+    w, r = child.stdin.fileno(), child.stdout.fileno()
+    times = []
+    try:
+        for i in range(warmup + iters):
+            if idle_s:
+                time.sleep(idle_s)
+            t0 = time.perf_counter()
+            os.write(w, b"x")
+            os.read(r, 1)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    finally:
+        child.stdin.close()
+        child.wait(timeout=10)
+        child.stdout.close()
+    return statistics.median(times)
+
+
+def max_over_ranks(x: float, name: str) -> float:
+    return float(sdp.allreduce(np.array([x], np.float64), name=name, op=sdp.Max)[0])
+
+
+def back_to_back(nbytes: int, iters: int, warmup: int = 50) -> float:
+    """Median seconds per ``sdp.allreduce`` of ``nbytes`` float32 called in a loop, max over ranks."""
+    buf, out = np.ones(max(1, nbytes // 4), np.float32), np.empty(max(1, nbytes // 4), np.float32)
+    name = f"lat.b2b.{nbytes}"
+    for _ in range(warmup):
+        sdp.allreduce(buf, name=name, op=sdp.Sum, out=out)
+    sdp.barrier()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        sdp.allreduce(buf, name=name, op=sdp.Sum, out=out)
+        times.append(time.perf_counter() - t0)
+    return max_over_ranks(statistics.median(times), f"{name}.med")
+
+
+def isolated(call, iters: int, name: str, warmup: int = 5) -> float:
+    """Median seconds of ``call()`` run after a barrier and :data:`IDLE_S` idle, from the last
+    rank's start to the last rank's end (perf_counter is CLOCK_MONOTONIC: one clock per host)."""
+    spans = np.zeros((warmup + iters, 2), np.float64)
+    for i in range(warmup + iters):
+        sdp.barrier()
+        time.sleep(IDLE_S)
+        t0 = time.perf_counter()
+        call()
+        spans[i] = (t0, time.perf_counter())
+    every = sdp.allgather(spans[warmup:].reshape(1, -1), name=f"{name}.spans").reshape(sdp.size(), iters, 2)
+    return float(np.median(every[:, :, 1].max(axis=0) - every[:, :, 0].max(axis=0)))
+
+
+def step_times(iters: int, warmup: int = 10):
+    """(grouped, one by one, memory) median seconds, max over ranks, of a step of
+    :data:`STEP_COUNT` cached tensors of :data:`STEP_BYTES`, back to back, alternating."""
+    grads = [np.full(STEP_BYTES // 4, i, np.float32) for i in range(STEP_COUNT)]
+    names = [f"lat.step.{i}" for i in range(STEP_COUNT)]
+    src, dst = np.ones(STEP_COUNT * STEP_BYTES // 4, np.float32), np.empty(STEP_COUNT * STEP_BYTES // 4, np.float32)
+
+    def grouped():
+        for h in sdp.api.grouped_allreduce_async(grads, names=names, op=sdp.Sum):
+            h.wait()
+
+    def one_by_one():
+        for h in [sdp.allreduce_async(g, name=n, op=sdp.Sum) for g, n in zip(grads, names)]:
+            h.wait()
+
+    for _ in range(warmup):
+        grouped()
+        one_by_one()
+    g, o, m = [], [], []
+    sdp.barrier()
+    for _ in range(iters):
+        for fn, out in ((grouped, g), (one_by_one, o)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        m.append(time.perf_counter() - t0)
+    return tuple(max_over_ranks(statistics.median(x), f"lat.step.{k}") for k, x in
+                 (("g", g), ("o", o), ("m", m)))
+
+
+def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 30) -> dict:
+    """Every latency of the module docstring (seconds), the same on every rank."""
+    sdp.barrier()
+    rtt = pipe_rtt() if sdp.rank() == 0 else 0.0  # (the other ranks wait in the barrier below)
+    rtt = max_over_ranks(rtt, "lat.rtt")
+    res = {"rtt": rtt}
+    for nbytes in (1024, 65536):
+        buf, out = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+        name = f"lat.iso.{nbytes}"
+        res[f"b2b_{nbytes}"] = back_to_back(nbytes, iters)
+        res[f"iso_{nbytes}"] = isolated(lambda: sdp.allreduce(buf, name=name, op=sdp.Sum, out=out),
+                                        isolated_iters, name)
+    res["step_grouped"], res["step_one_by_one"], res["step_memory"] = step_times(step_iters)
+    res["rtt_after"] = max_over_ranks(pipe_rtt() if sdp.rank() == 0 else 0.0, "lat.rtt2")
+    res["rtt_idle"] = max_over_ranks(pipe_rtt(isolated_iters, 10, IDLE_S) if sdp.rank() == 0 else 0.0, "lat.rtt3")
+    return res
+
+
+def report(res: dict) -> list:
+    """Lines for rank 0: the table and the targets as multiples of the round trip."""
+    rtt = res["rtt"]
+    us = lambda s: f"{s * 1e6:8.1f} us"  # noqa: E731
+    x = lambda s: f"{s / rtt:5.2f} RTT"  # noqa: E731
+    lines = [f"latency floor: pipe ping-pong round trip between two processes (RTT) {us(rtt)} "
+             f"(again after the latency runs: {us(res['rtt_after'])}; each after {IDLE_S * 1e3:g} ms idle: "
+             f"{us(res['rtt_idle'])})",
+             f"{'':<44} {'time':>11} {'':>9}"]
+    rows = [("1 KB back to back", res["b2b_1024"]), ("1 KB isolated (barrier, 1 ms idle)", res["iso_1024"]),
+            ("64 KB back to back", res["b2b_65536"]), ("64 KB isolated", res["iso_65536"]),
+            (f"step of {STEP_COUNT} x {STEP_BYTES // 1024} KB: grouped_allreduce", res["step_grouped"]),
+            (f"step of {STEP_COUNT} x {STEP_BYTES // 1024} KB: one by one (async)", res["step_one_by_one"]),
+            (f"memory time of the step's bytes (one copy)", res["step_memory"])]
+    lines += [f"{label:<44} {us(t)} {x(t)}" for label, t in rows]
+    step_bound = TARGET_STEP_RTT * rtt + res["step_memory"]
+    checks = [(f"1 KB back to back <= {TARGET_1K_B2B_RTT} RTT", res["b2b_1024"], TARGET_1K_B2B_RTT * rtt),
+              (f"1 KB isolated <= {TARGET_1K_ISOLATED_RTT} RTT", res["iso_1024"], TARGET_1K_ISOLATED_RTT * rtt),
+              (f"64 KB back to back <= {TARGET_64K_B2B_RTT} RTT", res["b2b_65536"], TARGET_64K_B2B_RTT * rtt),
+              (f"step grouped <= {TARGET_STEP_RTT:g} RTT + memory", res["step_grouped"], step_bound),
+              (f"step one by one <= {TARGET_STEP_ONE_BY_ONE:g}x (grouped bound)", res["step_one_by_one"],
+               TARGET_STEP_ONE_BY_ONE * step_bound)]
+    lines.append("latency targets (issue 30; 2 ranks on one host):")
+    lines += [f"  {label}: {t * 1e6:.1f} us <= {bound * 1e6:.1f} us  {'PASS' if t <= bound else 'FAIL'}"
+              for label, t, bound in checks]
+    return lines
+
+
+# ---- where the time of one small collective goes (--breakdown) ----------------------------------
+def breakdown(iters: int = 300, idle: bool = False) -> list:
+    """Time stamps (perf_counter) of each phase of a 1 KB allreduce on every rank, taken by
+    wrapping the engine's methods on this rank's runtime (instance attributes: nothing in the
+    engine changes): submit (caller), engine awake (first ``pump`` return with the request
+    queued), request sent, rank 0 holding every rank's request (its ``_coordinate``), response
+    executed (start / end of ``_execute``), caller back.  Returns lines for rank 0: the median
+    of each interval, per rank.  ``idle``: each collective after a barrier and 1 ms idle."""
+    rt = sdp.api.runtime()
+    now = time.perf_counter
+    stamps = {}
+    cur = {"i": -1}
+
+    def mark(key):
+        if cur["i"] >= 0:
+            stamps.setdefault(cur["i"], {}).setdefault(key, now())
+
+    def wrap(obj, attr, before=None, after=None):
+        fn = getattr(obj, attr)
+
+        def wrapper(*a, **k):
+            if before:
+                before(*a)
+            r = fn(*a, **k)
+            if after:
+                after(*a)
+            return r
+        setattr(obj, attr, wrapper)
+        return fn
+
+    saved = [(rt, "submit_many", wrap(rt, "submit_many", before=lambda *_: mark("submit"))),
+             (rt.mesh, "pump", wrap(rt.mesh, "pump", after=lambda *_: rt._queue and mark("awake"))),
+             (rt, "_send_requests", wrap(rt, "_send_requests", after=lambda *_: mark("sent"))),
+             (rt, "_execute", wrap(rt, "_execute", before=lambda *_: mark("exec"), after=lambda *_: mark("done")))]
+    if rt._coord is not None:
+        saved.append((rt, "_coordinate", wrap(rt, "_coordinate", before=lambda src, msg: mark(f"req{src}"))))
+    buf, out = np.ones(256, np.float32), np.empty(256, np.float32)
+    for i in range(iters + 20):
+        if idle:
+            sdp.barrier()
+            time.sleep(IDLE_S)
+        cur["i"] = i - 20 if i >= 20 else -1
+        sdp.allreduce(buf, name="lat.breakdown", op=sdp.Sum, out=out)
+        mark("back")
+        cur["i"] = -1
+    for obj, attr, fn in saved:
+        setattr(obj, attr, fn)
+    keys = ["submit", "awake", "sent", "exec", "done", "back"] + [f"req{r}" for r in range(sdp.size())]
+    table = np.array([[stamps.get(i, {}).get(k, np.nan) for k in keys] for i in range(iters)])
+    every = sdp.allgather(table.reshape(1, -1), name="lat.breakdown.all").reshape(sdp.size(), iters, len(keys))
+    col = {k: j for j, k in enumerate(keys)}
+    last_submit = np.nanmax(every[:, :, col["submit"]], axis=0)
+    coord_all = np.nanmax(every[0][:, [col[f"req{r}"] for r in range(sdp.size())]], axis=1)
+    lines = [f"where a 1 KB allreduce's time goes ({'each after a barrier and 1 ms idle' if idle else 'back to back'};"
+             f" medians over {iters}, us; perf_counter stamps of one clock)"]
+    med = lambda a: float(np.nanmedian(a)) * 1e6  # noqa: E731
+    total = np.nanmax(every[:, :, col["back"]], axis=0) - last_submit
+    lines.append(f"  last submit -> last caller back: {med(total):.1f}; rank 0 has every request "
+                 f"{med(coord_all - last_submit):.1f} after the last submit")
+    for r in range(sdp.size()):
+        e = every[r]
+        d = lambda a, b: med(e[:, col[b]] - e[:, col[a]])  # noqa: E731
+        lines.append(f"  rank {r}: submit->engine awake {d('submit', 'awake'):.1f}, awake->request sent "
+                     f"{d('awake', 'sent'):.1f}, sent->rank 0 has it {med(every[0][:, col[f'req{r}']] - e[:, col['sent']]):.1f}, "
+                     f"all requests at rank 0->response executing here {med(e[:, col['exec']] - coord_all):.1f}, "
+                     f"execute {d('exec', 'done'):.1f}, result->caller back {d('done', 'back'):.1f}")
+    return lines
