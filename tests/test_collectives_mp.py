@@ -94,6 +94,15 @@ def test_steady_state_lists_through_the_batch_cache(n):
         assert ok and batches >= 1, (ok, batches)
 
 
+@pytest.mark.parametrize("capacity, batches", [("0", 0), ("2", 0), ("5", 1)])
+def test_response_cache_capacity(capacity, batches):
+    """HOROVOD_CACHE_CAPACITY: 0 (no cache: every request in full, no batch cache), fewer
+    entries than the list's 5 tensors (the rest negotiated in full every step), exactly 5."""
+    env = {"HOROVOD_CACHE_CAPACITY": capacity}
+    for ok, known in check_ok(run_workers(2, "workers_collectives:steady_state_lists", [9], env=env)):
+        assert ok and (known >= 1 if batches else known == 0), (ok, known)
+
+
 @pytest.mark.parametrize("pool", ["134217728", "2097152", "0"])
 def test_results_held_by_one_rank_stay_exact(pool):
     """Default pool (never full here), a 2 MB pool that rank 0 exhausts after a few steps (the

@@ -19,10 +19,11 @@ VARS = [
     ("SDP_SHM_SLAB_BYTES", None, "shm_slab_bytes", "4096", 4096),
     ("SDP_SHM_POOL_BYTES", None, "shm_pool_bytes", "8192", 8192),
     ("SDP_TIMELINE", "HOROVOD_TIMELINE", "timeline", "/tmp/tl.json", "/tmp/tl.json"),
+    ("SDP_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY", "cache_capacity", "16", 16),
 ]
 NUMERIC = [v for v in VARS if v[0] != "SDP_TIMELINE"]
 FALLBACKS = [v for v in VARS if v[1]]
-INT_VARS = ["SDP_FUSION_THRESHOLD", "SDP_SEGMENT_BYTES", "SDP_SHM_SLAB_BYTES", "SDP_SHM_POOL_BYTES"]
+INT_VARS = ["SDP_FUSION_THRESHOLD", "SDP_SEGMENT_BYTES", "SDP_SHM_SLAB_BYTES", "SDP_SHM_POOL_BYTES", "SDP_CACHE_CAPACITY"]
 ALL_NAMES = [n for v in VARS for n in v[:2] if n]
 
 

@@ -175,3 +175,36 @@ def test_requests_refuse_what_no_rank_could_run():
     assert Request("b", "allreduce", np.ones(2, bool), op=ReduceOp.MIN).array.dtype == bool
     with pytest.raises(TypeError, match="allreduce: name must be a str, got int 5"):
         Request(5, "allreduce", np.ones(2))
+
+
+def _agree(c, ranks, request):
+    for r in range(ranks):
+        c.add(r, request)
+    return c.ready()
+
+
+def test_cache_capacity_bounds_the_ids_announced():
+    c = Coordinator(2, cache_capacity=2)
+    items = _agree(c, 2, {"new": [meta("a"), meta("b"), meta("c")]})
+    assert [("meta" in i) for i in items] == [True, True, False]  # 'c' is agreed but not cached
+    assert {i["n"]: i["id"] for i in items if "meta" in i} == {"a": 0, "b": 1}
+    # 'c' keeps being negotiated in full (an id the ranks were never told is unknown)
+    again = _agree(c, 2, {"ids": [0, 1], "new": [meta("c")]})
+    assert sorted(i["n"] for i in again) == ["a", "b", "c"] and not any("meta" in i for i in again)
+    assert c.add(0, {"ids": [items[2]["id"]]}) == [] and c.table == {}  # unknown id: dropped, logged
+    # 'a' agreed with a new shape forgets its old id (Horovod replaces a name's entry): its slot
+    # goes to the new signature, and 'c' still travels in full
+    items = _agree(c, 2, {"new": [meta("a", shape=(5,))]})
+    assert items[0].get("meta") == meta("a", shape=(5,)) and len(c._announced) == 2
+    assert "meta" not in _agree(c, 2, {"new": [meta("c")]})[0]
+
+
+def test_cache_capacity_zero_sends_every_request_in_full_and_still_checks():
+    c = Coordinator(2, cache_capacity=0)
+    for _ in range(3):
+        items = _agree(c, 2, {"new": [meta("g")]})
+        assert [i["n"] for i in items] == ["g"] and "meta" not in items[0] and "b" in items[0]
+    c.add(0, {"new": [meta("g")]})
+    c.add(1, {"new": [meta("g", dtype="<f8")]})
+    assert c.ready()[0]["err"] == "allreduce of 'g': dtype mismatch, rank 0 has float32, rank 1 has float64"
+    assert c._batches == {}  # no ids: no batch cache either

@@ -6,7 +6,7 @@ import pytest
 from harness import check_ok, run_workers
 
 
-@pytest.mark.parametrize("kind,expect", [
+MISMATCHES = [
     ("shape", "allreduce of 'grad_3': shape mismatch, rank 0 has [2, 3], rank 1 has [3, 3]"),
     ("dtype", "allreduce of 'grad_3': dtype mismatch, rank 0 has float32, rank 1 has float64"),
     ("op", "allreduce of 'grad_3': reduce op mismatch, rank 0 has SUM, rank 1 has MAX"),
@@ -24,9 +24,21 @@ from harness import check_ok, run_workers
                         "2 non-negative ints summing to the first dimension"),
     ("alltoall_negative", "alltoall of 'grad_3': rank 1 has splits [-1, 5] for first dimension 4; splits must "
                           "be 2 non-negative ints summing to the first dimension"),
-])
+]
+
+
+@pytest.mark.parametrize("kind,expect", MISMATCHES)
 def test_mismatch_raises_on_every_rank(kind, expect):
-    values = check_ok(run_workers(2, "workers_errors:mismatch", [kind], timeout=60))
+    _mismatch_raises(kind, expect)
+
+
+@pytest.mark.parametrize("kind, expect", [MISMATCHES[0], MISMATCHES[2]])
+def test_mismatch_raises_on_every_rank_without_the_response_cache(kind, expect):
+    _mismatch_raises(kind, expect, {"HOROVOD_CACHE_CAPACITY": "0"})
+
+
+def _mismatch_raises(kind, expect, env=None):
+    values = check_ok(run_workers(2, "workers_errors:mismatch", [kind], timeout=60, env=env))
     for rank, (etype, msg, seconds, still_works) in enumerate(values):
         assert etype == "TensorMismatchError", (rank, etype, msg)
         assert msg == expect, (rank, msg)

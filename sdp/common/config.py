@@ -14,6 +14,8 @@
 |                           |              | long (stopped, hung) is lost: PeerLostError (0: never).    |
 |                           |              | Death (~1 s) and a cut link (~7 s) are seen sooner (see    |
 |                           |              | sdp.transport.zmq_mesh)                                    |
+| SDP_CACHE_CAPACITY        | 1024         | response-cache entries (tensor signatures agreed once, then |
+|                           |              | sent as an id); 0: no response cache (every request in full)|
 | SDP_SEGMENT_BYTES         | 1048576 (B)  | size of one pipelined frame on the wire                    |
 | SDP_SHM_SLAB_BYTES        | 33554432 (B) | same-host shared-memory slab (0: no shared memory)         |
 | SDP_SHM_POOL_BYTES        | 134217728 (B)| same-host shared-memory pool that allreduce results are    |
@@ -33,7 +35,7 @@
 
 Horovod spellings (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``, ``HOROVOD_TIMELINE``,
 ``HOROVOD_START_TIMEOUT``, ``HOROVOD_STALL_CHECK_TIME_SECONDS``, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``,
-``HOROVOD_HIERARCHICAL_ALLREDUCE``) are read as fallbacks; an empty value counts as unset.  A value
+``HOROVOD_HIERARCHICAL_ALLREDUCE``, ``HOROVOD_CACHE_CAPACITY``) are read as fallbacks; an empty value counts as unset.  A value
 that is not allowed (does not parse; a negative or NaN byte count or time; a flag other than 0/1;
 an unknown ``SDP_LOG_LEVEL``) is one line naming the variable, the value and what is allowed
 (:func:`check_env`): ``sdprun`` prints it and starts no rank; a rank started otherwise raises it
@@ -96,6 +98,8 @@ SETTINGS = (
     Setting("stall_shutdown_s", ("SDP_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), _seconds,
             _SECONDS),
     Setting("peer_timeout_s", ("SDP_PEER_TIMEOUT",), _seconds, _SECONDS + " (0: never)"),
+    Setting("cache_capacity", ("SDP_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"), _whole_bytes,
+            "a whole number of entries >= 0 (0: no response cache)"),
     Setting("segment_bytes", ("SDP_SEGMENT_BYTES",), _whole_bytes, _BYTES),
     Setting("shm_slab_bytes", ("SDP_SHM_SLAB_BYTES",), _whole_bytes, _BYTES),
     Setting("shm_pool_bytes", ("SDP_SHM_POOL_BYTES",), _whole_bytes, _BYTES),
@@ -163,6 +167,7 @@ class Config:
     stall_check_s: float = 60.0
     stall_shutdown_s: float = 0.0
     peer_timeout_s: float = 30.0  # SDP_PEER_TIMEOUT
+    cache_capacity: int = 1024  # SDP_CACHE_CAPACITY / HOROVOD_CACHE_CAPACITY: response-cache entries
     segment_bytes: int = 1 << 20
     shm_slab_bytes: int = 32 << 20
     shm_pool_bytes: int = 128 << 20

@@ -29,6 +29,13 @@ step further for the steady state of a training step: when every rank sends the 
 of cached ids while nothing else is waiting, the response (items and fusion plan) is the one
 computed the first time that list was seen, returned as a :class:`Batch` whose ``bid`` lets the
 engine send ranks only that number.
+
+**Capacity** (``cache_capacity``: ``SDP_CACHE_CAPACITY`` / ``HOROVOD_CACHE_CAPACITY``, default
+1024): at most that many ids are *announced* (live on the ranks) at once.  A signature agreed
+while the cache is full is negotiated in full (the ranks keep sending its meta) until an entry is
+forgotten (its name agreed with another signature), when the next agreement of it announces it.
+Unlike Horovod's LRU nothing is evicted while a rank may still send it, so no id in flight is ever
+unknown.  0 turns the response cache, and with it the batch cache, off.
 """
 import json
 import logging
@@ -172,8 +179,10 @@ class Coordinator:
     """Collects requests from all ranks and decides what runs, in which order."""
 
     def __init__(self, size: int, stall_check_s: float = 60.0, stall_shutdown_s: float = 0.0,
-                 fusion_threshold: int = 25 * 1024 * 1024):
+                 fusion_threshold: int = 25 * 1024 * 1024, cache_capacity: int = 1024):
         self.size = size
+        self.cache_capacity = cache_capacity  # ids announced to the ranks at most (module docstring)
+        self._announced = set()  # cache ids the ranks know (they may send them instead of metas)
         self.fusion_threshold = fusion_threshold  # bytes per bucket; 0: no fusion
         self.stall_check_s = stall_check_s
         self.stall_shutdown_s = stall_shutdown_s
@@ -207,7 +216,7 @@ class Coordinator:
             return False
         if self._held:
             return ids == next(iter(self._held.values()))
-        known = self.cache_meta
+        known = self._announced
         return (isinstance(ids, list) and all(type(c) is int and c in known for c in ids)
                 and len(set(ids)) == len(ids) and (not self._set_cids or self._set_cids.isdisjoint(ids)))
 
@@ -244,7 +253,7 @@ class Coordinator:
             else:
                 log.warning("coordinator: rank %d sent a malformed tensor request (%s); dropped", rank, why)
         for cid in ids:
-            if type(cid) is not int or cid not in self.cache_meta:
+            if type(cid) is not int or cid not in self._announced:
                 log.warning("coordinator: rank %d sent unknown cache id %r; dropped", rank, cid)
                 continue
             metas.append(self.cache_meta[cid])
@@ -357,7 +366,10 @@ class Coordinator:
                     self._cid_of[id(meta)] = cid
                     self._cid_of_name[name] = cid
                     self._sig_of[cid] = sig
-                    item["meta"] = meta
+                if (cid not in self._announced and len(self._announced) < self.cache_capacity
+                        and meta["k"] not in ("allgather", "alltoall")):  # (those travel in full: per-rank shapes)
+                    self._announced.add(cid)  # the ranks learn it: from now on they send the id
+                    item["meta"] = self.cache_meta[cid]
             item["id"] = cid
             if ps:
                 self._set_cids.add(cid)
@@ -374,6 +386,7 @@ class Coordinator:
         if cid is None:
             return
         meta = self.cache_meta.pop(cid)
+        self._announced.discard(cid)
         del self.cache_ids[self._sig_of.pop(cid)]
         self._cid_of.pop(id(meta), None)
         self._fusion_infos.pop(cid, None)

@@ -169,7 +169,7 @@ class Runtime:
         self.process_sets: Dict[int, List[int]] = {}
         self._set_comms: Dict[int, process_sets.SetComm] = {}  # the sets this rank belongs to
         self._coord = Coordinator(self.size, self.config.stall_check_s, self.config.stall_shutdown_s,
-                                  self.config.fusion_threshold) if self.rank == 0 else None
+                                  self.config.fusion_threshold, self.config.cache_capacity) if self.rank == 0 else None
         self._seq = 0
         self._failed: Optional[BaseException] = None
         self._stop = threading.Event()
