@@ -94,6 +94,14 @@ def test_steady_state_lists_through_the_batch_cache(n):
         assert ok and batches >= 1, (ok, batches)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_kind_through_the_shared_memory_control_path(n):
+    """One host: negotiation requests and responses travel in shared-memory rings with a pipe
+    doorbell (sdp.transport.shm_ctrl), a request too large for a ring over ZeroMQ in order."""
+    for rings, sent, ok in check_ok(run_workers(n, "workers_collectives:control_path", [6])):
+        assert rings and sent > 0 and ok, (rings, sent, ok)
+
+
 @pytest.mark.parametrize("capacity, batches", [("0", 0), ("2", 0), ("5", 1)])
 def test_response_cache_capacity(capacity, batches):
     """HOROVOD_CACHE_CAPACITY: 0 (no cache: every request in full, no batch cache), fewer

@@ -1,4 +1,6 @@
 """Bad input and failures are errors on every rank within a bounded time, never hangs."""
+import glob
+import os
 import re
 
 import pytest
@@ -61,6 +63,26 @@ def test_killed_worker_makes_others_raise_peer_lost(victim, fused, tcp):
         assert etype == "PeerLostError" and lost == victim, (r, etype, msg)
         assert f"rank {victim}" in msg
         assert seconds < 10, seconds
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_a_rank_killed_while_the_others_wait_on_the_doorbell_is_reported_within_1s(victim, tmp_path):
+    """One host, control messages in shared memory: the survivors' engine threads sleep on their
+    doorbells (waiting for the victim's request, or for rank 0's answer) when the victim is
+    killed; each raises PeerLostError naming it within 1 s of the kill."""
+    stamp, job = str(tmp_path / "killed_at"), os.urandom(6).hex()
+    results = run_workers(3, "workers_errors:killed_in_doorbell", [victim, stamp], timeout=60,
+                          env={"SDP_JOB_ID": job})
+    assert results[victim].returncode == -9
+    with open(stamp) as f:
+        killed_at = float(f.read())
+    for r in {0, 1, 2} - {victim}:
+        assert results[r].ok, results[r].stderr[-2000:]
+        etype, lost, raised_at, rings = results[r].value
+        assert rings, r
+        assert etype == "PeerLostError" and lost == victim, (r, etype, lost)
+        assert raised_at - killed_at < 1.0, (r, raised_at - killed_at)
+    assert not glob.glob(f"/dev/shm/sdp-{job}*")  # rings live in the memfd segments: nothing named
 
 
 def test_a_peer_killed_while_a_sent_buffer_is_queued_to_it_is_reported():

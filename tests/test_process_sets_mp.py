@@ -97,3 +97,13 @@ def test_horovod_tensorflow_face():
         assert not bad, f"rank {rank}: {bad}"
         n_checks = sum(rank in m for m in (A_RANKS, B_RANKS)) * 9
         assert len(out) == n_checks, f"rank {rank}: {sorted(out)}"
+
+
+def test_a_rank_outside_a_set_may_leave_while_the_set_runs():
+    """A rank that is in no pending collective's set shuts down (its peers see it leave) while
+    the set's members still run theirs: they complete (a lost rank fails only collectives that
+    need it: global ones, or its sets'; it failed every pending one)."""
+    values = check_ok(run_workers(3, "workers_process_sets:outsider_leaves_first", timeout=60))
+    assert values[1] is None
+    for r in (0, 2):
+        assert values[r] == [[2.0] * 4, {"from": 2}], (r, values[r])

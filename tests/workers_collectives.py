@@ -322,3 +322,31 @@ def timeline_from_env():
         events = json.load(f)
     return sorted({e["args"]["name"] for e in events if e["ph"] == "M"} |
                   {e["name"] for e in events if e["ph"] == "B"})
+
+
+def control_path(steps):
+    """Collectives of every kind with the control messages in shared memory (every rank on one
+    host), including one request too large for a ring (2,000 new tensor names: it goes over
+    ZeroMQ, in order with the ring).  Returns (rings in use, ring bytes this rank sent to rank 0
+    or, on rank 0, to rank 1, all results exact)."""
+    n, r = sdp.size(), sdp.rank()
+    rt = sdp.api.runtime()
+    ctrl = rt.mesh.ctrl
+    rings = ctrl is not None and bool(ctrl.bells) and all(ctrl.senders.values())
+    ok = True
+    for k in range(steps):
+        ok &= bool(np.all(sdp.allreduce(np.full(7, r + k, np.float32), name="ar", op=sdp.Sum)
+                          == n * k + n * (n - 1) / 2))
+        ok &= bool(np.all(sdp.broadcast(np.full(3, r, np.int64), root_rank=n - 1, name="bc") == n - 1))
+        got = sdp.allgather(np.full((r + 1, 2), r, np.int32), name="ag")
+        ok &= got.shape == (n * (n + 1) // 2, 2)
+        out, rows = sdp.alltoall(np.full(n, r, np.float64), splits=[1] * n, name="a2a")
+        ok &= bool(np.all(out == np.arange(n)))
+        ok &= bool(np.all(sdp.reducescatter(np.ones((n, 2), np.float32), name="rs", op=sdp.Sum) == n))
+        sdp.barrier()
+    many = [np.full(3, i, np.float32) for i in range(2000)]
+    hs = sdp.api.grouped_allreduce_async(many, names=[f"many.{i}" for i in range(2000)], op=sdp.Sum)
+    ok &= all(bool(np.all(h.wait() == n * i)) for i, h in enumerate(hs))
+    ok &= sdp.broadcast_object({"rank": r}, root_rank=0) == {"rank": 0}
+    sent = ctrl._wpos.get(1 if r == 0 else 0, 0) if ctrl is not None else 0
+    return [rings, int(sent), bool(ok)]

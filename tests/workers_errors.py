@@ -246,3 +246,25 @@ def killed_while_receiving(nbytes):
     except errors.SdpError as e:
         return [type(e).__name__, str(e), getattr(e, "rank", None), time.monotonic() - t0]
     return ["none", "", None, time.monotonic() - t0]
+
+
+def killed_in_doorbell(victim, stamp_path):
+    """Every rank allreduces a few times (control in shared memory on one host); then the survivors
+    submit one more and wait for it (their engine threads asleep on the doorbell) while ``victim``
+    writes ``time.monotonic()`` to ``stamp_path`` and kills itself with SIGKILL.  Returns
+    (exception type, lost rank, monotonic time it was raised, control rings in use)."""
+    rt = sdp.api.runtime()
+    rings = rt.mesh.ctrl is not None and all(rt.mesh.ctrl.senders.values()) and bool(rt.mesh.ctrl.bells)
+    for k in range(5):
+        sdp.allreduce(np.ones(16, np.float32), name=f"warm.{k}")
+    if sdp.rank() == victim:
+        time.sleep(0.5)  # the others are waiting by now
+        with open(stamp_path + ".tmp", "w") as f:
+            f.write(repr(time.monotonic()))
+        os.rename(stamp_path + ".tmp", stamp_path)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        sdp.allreduce(np.ones(16, np.float32), name="never")
+    except errors.PeerLostError as e:
+        return [type(e).__name__, e.rank, time.monotonic(), rings]
+    return ["none", -1, time.monotonic(), rings]

@@ -214,3 +214,19 @@ def disjoint_sets():
         took = (time.monotonic() - t0, None)
     api.barrier()
     return took
+
+
+def outsider_leaves_first():
+    """3 ranks, set [0, 2]: rank 1 is outside it and shuts down at once; ranks 0 and 2 then run
+    the set's collectives (rank 1's BYE has reached them by then).  Returns the set's results."""
+    import time
+
+    import sdp
+    ps = sdp.api.add_process_sets([[0, 2]])[0]
+    if sdp.rank() == 1:
+        sdp.shutdown()
+        return None
+    time.sleep(0.5)
+    got = sdp.allreduce(np.full(4, sdp.rank(), np.float32), name="after", op=sdp.Sum, process_set=ps)
+    obj = sdp.broadcast_object({"from": sdp.rank()}, root_rank=2, process_set=ps)
+    return [got.tolist(), obj]

@@ -21,7 +21,7 @@ from sdp.common.reduce_ops import UFUNCS, ReduceOp, check_dtype, scale_in_place
 from sdp.engine import collectives, fusion, groups, process_sets, timeline
 from sdp.engine.coordinator import JOIN, KINDS, Coordinator, wire_dtype
 from sdp.engine.device_arrays import DeviceTensor
-from sdp.transport.zmq_mesh import CTRL, Mesh
+from sdp.transport.zmq_mesh import Mesh
 
 log = logging.getLogger("sdp.engine")
 
@@ -144,12 +144,21 @@ class Runtime:
         self.topology = topology
         self.config = config or Config.from_env()
         self.rank, self.size = topology.rank, topology.size
-        self.mesh = Mesh(topology, timeout_s=self.config.timeout_s,
-                         start_timeout_s=self.config.start_timeout_s,
-                         shm_slab_bytes=self.config.shm_slab_bytes,
-                         shm_pool_bytes=self.config.shm_pool_bytes,
-                         peer_timeout_s=self.config.peer_timeout_s,
-                         segment_bytes=self.config.segment_bytes)
+        # the engine thread's wake-up pipe, polled beside the sockets; same-host peers ring it too
+        # (the doorbell of sdp.transport.shm_ctrl)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        try:
+            self.mesh = Mesh(topology, timeout_s=self.config.timeout_s,
+                             start_timeout_s=self.config.start_timeout_s,
+                             shm_slab_bytes=self.config.shm_slab_bytes,
+                             shm_pool_bytes=self.config.shm_pool_bytes,
+                             peer_timeout_s=self.config.peer_timeout_s,
+                             segment_bytes=self.config.segment_bytes, bell=(self._wake_r, self._wake_w))
+        except BaseException:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise
         # local/cross values the launcher did not give, from the host names met at rendezvous
         self.topology = topology = topology.with_hosts([p["host"] for p in self.mesh.peers])
         # allreduces across hosts: shared memory on each host, ZeroMQ between (None: flat)
@@ -157,8 +166,6 @@ class Runtime:
                                                 self.config.hierarchical, self.config.shm_slab_bytes)
         self._queue = collections.deque()
         self._queue_lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
         self.mesh.poller.register(self._wake_r, 1)  # zmq.POLLIN
         self._pending: Dict[str, Request] = {}
         # tensor name -> (Request.key(), response-cache id): one entry per name, replaced when
@@ -251,12 +258,27 @@ class Runtime:
         except BlockingIOError:
             pass
         self._handle_control()  # first: answers that arrived before a peer left still count
-        if self.mesh.lost and (self._pending or self._queue):
+        if self.mesh.lost and (self._pending or self._queue) and self._waits_on_lost():
             raise self.mesh.peer_error()
         if self._queue and time.monotonic() >= self._last_request_at + cycle_s:
             self._send_requests()
         if self._coord is not None:
             self._check_stalls()
+
+    def _waits_on_lost(self) -> bool:
+        """Whether a pending or queued collective needs a lost peer: every global one does (and
+        everything, once rank 0, the coordinator, is gone); a process set's only its members.
+        (A rank outside a set may finish and leave while the set's members still run its
+        collectives.)"""
+        lost = self.mesh.lost
+        if 0 in lost:
+            return True
+        with self._queue_lock:
+            reqs = list(self._queue)
+        for req in reqs + list(self._pending.values()):
+            if not req.ps or not lost.keys().isdisjoint(self.process_sets.get(req.ps, ())):
+                return True
+        return False
 
     def _send_requests(self) -> None:
         new, ids = [], []
@@ -285,11 +307,9 @@ class Runtime:
 
     def _handle_control(self) -> None:
         for src in range(self.size):
-            box = self.mesh.inbox.get((src, CTRL))
-            while box:
-                _, _, frames = box.popleft()
+            for body in self.mesh.recv_ctrl(src):
                 try:
-                    msg = json.loads(frames[0].bytes)
+                    msg = json.loads(body)
                     kind = msg["t"]
                 except (ValueError, KeyError, IndexError, TypeError):
                     log.warning("rank %d: dropping malformed control message from rank %d", self.rank, src)
@@ -325,8 +345,10 @@ class Runtime:
 
     def _broadcast_ctrl(self, msg: dict) -> None:
         body = json.dumps(msg).encode()
+        lost = self.mesh.lost  # (a lost rank some pending collective needs fails it: _waits_on_lost)
         for r in range(1, self.size):
-            self.mesh.send_ctrl(r, body)
+            if r not in lost:
+                self.mesh.send_ctrl(r, body)
 
     def _coordinate(self, src: int, msg: dict) -> None:
         errs = self._coord.add(src, msg)

@@ -9,14 +9,16 @@ any file system, so nothing of it can outlive the processes that map it, however
 ``/dev/shm`` when segments were named files there).  Elsewhere (no ``memfd_create`` or no
 ``/proc``) it is a file ``/dev/shm/sdp-<job>-<rank>-<pid>`` (0600, ``O_EXCL``), unlinked as soon
 as every peer has mapped it; a rank killed before that leaves it to the sweeps below
-(:func:`remove_job_files`, :func:`remove_orphans`).  ZeroMQ stays the
-control path (negotiation, lost peers); the barriers between a collective's phases are flags in
-the segments' last page where the CPU allows it (:mod:`sdp.engine.barrier`).
+(:func:`remove_job_files`, :func:`remove_orphans`).  Control messages
+travel in rings in the segments when every rank is on this host (:mod:`sdp.transport.shm_ctrl`),
+lost peers are seen by ZeroMQ; the barriers between a collective's phases are flags in the
+segments' last page where the CPU allows it (:mod:`sdp.engine.barrier`).
 
 Layout of a segment: two staging halves of ``slab_bytes`` (used alternately, so one barrier per
 slab is enough between reuse), then a :class:`ResultPool` of ``pool_bytes``: result arrays that
-peers write reduced chunks into directly, handed to the caller without a copy-out; then one page
-of barrier flags (:meth:`SharedSegments.flags`).
+peers write reduced chunks into directly, handed to the caller without a copy-out; then, when
+made with ``rings``, one control ring per rank of the job (:mod:`sdp.transport.shm_ctrl`); then
+one page of barrier flags (:meth:`SharedSegments.flags`) and ring positions.
 """
 import bisect
 import glob
@@ -164,16 +166,22 @@ class ResultPool:
 class SharedSegments:
     """This rank's segment (``mine``) and views of same-host peers' segments (``peers[rank]``)."""
 
-    def __init__(self, job: str, rank: int, slab_bytes: int, pool_bytes: int = 0):
-        """Create this rank's segment: two halves of ``slab_bytes`` and a result pool of
-        ``pool_bytes`` (dropped, with a warning, if /dev/shm has no room for it).  Raises
+    FLAGS = FLAGS_BYTES
+
+    def __init__(self, job: str, rank: int, slab_bytes: int, pool_bytes: int = 0, rings: int = 0):
+        """Create this rank's segment: two halves of ``slab_bytes``, a result pool of
+        ``pool_bytes`` (dropped, with a warning, if /dev/shm has no room for it) and ``rings``
+        control rings of :data:`shm_ctrl.RING_BYTES` (one per rank of the job, or 0).  Raises
         ``OSError`` (e.g. ENOSPC when /dev/shm is small) if even the halves do not fit."""
+        from sdp.transport.shm_ctrl import RING_BYTES
         self.slab_bytes = slab_bytes
+        self.rings = rings
+        self._rings_bytes = rings * RING_BYTES
         self._fd = None  # the memfd, open until every peer has opened it (unlink())
         memfd = _memfd_usable()
         self.path = None if memfd else os.path.join(SHM_DIR, f"sdp-{job}-{rank}-{os.getpid()}")
         for pool in ((pool_bytes, 0) if pool_bytes > 0 else (0,)):
-            self.nbytes = 2 * slab_bytes + pool + FLAGS_BYTES
+            self.nbytes = 2 * slab_bytes + pool + self._rings_bytes + FLAGS_BYTES
             try:
                 if memfd:
                     self._fd, self.mine = _create_memfd(f"sdp-{job}-{rank}", self.nbytes)
@@ -230,7 +238,13 @@ class SharedSegments:
         if self.pool is None:
             return None
         off = arr.__array_interface__["data"][0] - self.mine.__array_interface__["data"][0]
-        return off if 2 * self.slab_bytes <= off and off + arr.nbytes <= self.nbytes - FLAGS_BYTES else None
+        end = self.nbytes - FLAGS_BYTES - self._rings_bytes
+        return off if 2 * self.slab_bytes <= off and off + arr.nbytes <= end else None
+
+    def ring_offset(self, dst: int) -> int:
+        """Byte offset, in any rank's segment, of that rank's control ring to rank ``dst``."""
+        from sdp.transport.shm_ctrl import RING_BYTES
+        return self.nbytes - FLAGS_BYTES - self._rings_bytes + dst * RING_BYTES
 
     def flags(self, rank: int) -> np.ndarray:
         """``rank``'s barrier flags: 8 int64 slots in its segment's last page, written only by

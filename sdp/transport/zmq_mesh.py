@@ -9,7 +9,9 @@ Peer loss.  Three cases, told apart by what is seen (socket monitors on the DEAL
 ``EVENT_DISCONNECTED``; a dropped peer is lost after ``LOSS_GRACE_S``, or at once after its BYE):
 
 * **A process dies** (crash, ``kill -9``, OOM killer): its kernel closes its sockets, the
-  connection ends at once, and its peers raise :class:`PeerLostError` within ~1 s.
+  connection ends at once, and its peers raise :class:`PeerLostError` within ~1 s; on the same
+  host, where ``/proc`` shows the process gone, after ``DEAD_GRACE_S`` (0.1 s: whatever it sent
+  has reached this host's socket buffers by then).
 * **A link or host goes away** (``ip link set ... down``, power loss): nothing closes anything,
   but ZeroMQ's heartbeat PINGs (every ``HEARTBEAT_IVL_MS``) stay unacknowledged by the peer's
   kernel, and ``TCP_USER_TIMEOUT`` (ZeroMQ's ``TCP_MAXRT``, ``LINK_TIMEOUT_MS``) closes the
@@ -51,7 +53,7 @@ from zmq.utils.monitor import recv_monitor_message
 from sdp.common.errors import CollectiveTimeoutError, PeerLostError, ProtocolError, SdpError
 from sdp.common.config import Config
 from sdp.common.network import bind_address
-from sdp.transport import rendezvous, security, shm
+from sdp.transport import rendezvous, security, shm, shm_ctrl
 from sdp.transport.shm import process_state
 
 log = logging.getLogger("sdp.transport")
@@ -64,6 +66,7 @@ BYE_WAIT_S = 0.05  # seconds a closing rank waits for the BYEs of peers that are
 COPY_BELOW = 64 * 1024  # bytes: smaller payloads are copied (cheaper than tracking)
 TRACKER_SLICE_S = 0.05  # seconds between checks for lost peers while a sent buffer is still held
 LOSS_GRACE_S = 1.0  # seconds a dropped peer's other connection may still deliver its last messages
+DEAD_GRACE_S = 0.1  # the same for a same-host peer whose process is gone (its kernel has sent it all)
 HEARTBEAT_IVL_MS = 1000  # ZeroMQ PING to every peer this often (ms)
 LINK_TIMEOUT_MS = 5000  # TCP: bytes unacknowledged this long (link down, host gone) end the connection
 SMALL_FRAME = 64 * 1024  # bytes: collectives send buffers up to this in one frame (recursive doubling)
@@ -89,7 +92,8 @@ class Mesh:
 
     def __init__(self, topology, timeout_s: float = 300.0, start_timeout_s: float = 60.0,
                  shm_slab_bytes: int = 32 << 20, shm_pool_bytes: int = 0, encrypt: Optional[bool] = None,
-                 peer_timeout_s: Optional[float] = None, segment_bytes: Optional[int] = None):
+                 peer_timeout_s: Optional[float] = None, segment_bytes: Optional[int] = None,
+                 bell: Optional[tuple] = None):
         self.rank = topology.rank
         self.size = topology.size
         self.timeout_s = timeout_s
@@ -139,12 +143,16 @@ class Mesh:
         self.poller.register(self.router, zmq.POLLIN)
         self.shm = None  # SharedSegments when every rank is on this host
         self.host_shm = None  # else SharedSegments of this host's ranks, when it has several
+        #: shm_ctrl.ControlRings when every rank is on this host: control messages skip ZeroMQ
+        self.ctrl: Optional[shm_ctrl.ControlRings] = None
+        self._bell = bell  # (read fd, write fd) of the pipe the owner's thread polls (its doorbell)
         self._job = job
         if self.size > 1:
             own = None
             if shm_slab_bytes > 0 and shm.available():
+                rings = self.size if bell is not None and shm_ctrl.usable(self.size) else 0
                 try:
-                    own = self.shm = shm.SharedSegments(job, self.rank, shm_slab_bytes, shm_pool_bytes)
+                    own = self.shm = shm.SharedSegments(job, self.rank, shm_slab_bytes, shm_pool_bytes, rings)
                 except OSError as e:
                     log.warning("rank %d: no shared memory (%s); same-host traffic goes over ZeroMQ",
                                 self.rank, e)
@@ -161,6 +169,8 @@ class Mesh:
     def _connect(self, topology, start_timeout_s: float) -> None:
         info = {"rank": self.rank, "size": self.size, "host": topology.hostname, "pid": os.getpid(),
                 "endpoints": self.endpoints, "shm": self.shm.path if self.shm else None}
+        if self.shm is not None and self.shm.rings:
+            info["bell"] = shm_ctrl.bell_path(self._bell[1])
         if not self.encrypt:  # one single-use token per peer (see sdp.transport.security)
             info["tokens"] = {str(r): self._gate.issue_token(str(r)) for r in range(self.size) if r != self.rank}
         self.peers = rendezvous.serve_and_register(
@@ -199,6 +209,9 @@ class Mesh:
                 for p in self.peers:
                     if int(p["rank"]) != self.rank:
                         self.shm.attach(int(p["rank"]), p["shm"])
+                if self.shm.rings:
+                    self.ctrl = shm_ctrl.ControlRings(self.shm, self.rank, self._open_bells())
+                    self.ctrl.start()  # (before the HELLOs: a peer reads it once ours arrived)
             else:  # some rank elsewhere: segments of this host's ranks only (hierarchical collectives)
                 same = [p for p in self.peers if p["host"] == topology.hostname and int(p["rank"]) != self.rank]
                 if same and all(p.get("shm") for p in same):
@@ -211,6 +224,26 @@ class Mesh:
         deadline = time.monotonic() + start_timeout_s
         for r in self.dealers:
             self.recv(r, HELLO, deadline=deadline)
+        if self.ctrl is not None:
+            self.ctrl.ready()
+
+    def _open_bells(self) -> Dict[int, int]:
+        """Every peer's doorbell opened for writing, or {} (with a warning) if any cannot be:
+        this rank then sends its control messages over ZeroMQ (it still reads the rings)."""
+        bells = {}
+        try:
+            for p in self.peers:
+                if int(p["rank"]) != self.rank:
+                    path = p.get("bell")
+                    if not isinstance(path, str) or not path.startswith("/proc/"):
+                        raise OSError(f"rank {p['rank']} registered no doorbell")
+                    bells[int(p["rank"])] = shm_ctrl.open_bell(path)
+        except OSError as e:
+            log.warning("rank %d: control messages over ZeroMQ: cannot open a peer's doorbell (%s)", self.rank, e)
+            for fd in bells.values():
+                os.close(fd)
+            return {}
+        return bells
 
     def _token_from(self, peer: dict) -> str:
         try:
@@ -238,8 +271,28 @@ class Mesh:
         return sock.send(payload, copy=False, track=True)
 
     def send_ctrl(self, dst: int, body: bytes) -> None:
-        self.send(dst, CTRL, payload=body)
+        """Send a control message: through the shared-memory ring to ``dst`` when every rank is
+        on this host (:mod:`sdp.transport.shm_ctrl`), else (or when it does not fit) ZeroMQ."""
+        seq = 0
+        if self.ctrl is not None and self.ctrl.bells:
+            if dst in self.lost:
+                raise PeerLostError(dst, self.lost[dst])
+            seq = self.ctrl.send(dst, body)
+            if seq is None:
+                return
+        self.send(dst, CTRL, seq=seq, payload=body)
         self.hand_off()
+
+    def recv_ctrl(self, src: int) -> List[bytes]:
+        """The control messages from ``src`` that have arrived, in the order sent (never blocks)."""
+        box = self.inbox.get((src, CTRL))
+        if self.ctrl is not None and self.ctrl.senders.get(src):
+            return self.ctrl.recv(src, box)
+        out = []
+        while box:
+            frames = box.popleft()[2]
+            out.append(frames[0].bytes if frames else b"")  # (no payload: dropped as malformed)
+        return out
 
     @staticmethod
     def hand_off() -> None:
@@ -271,7 +324,9 @@ class Mesh:
         *to* us may still be delivering what it sent before it closed."""
         now = time.monotonic()
         for r, since in list(self._suspects.items()):
-            if r in self.departed or now - since >= LOSS_GRACE_S:
+            if r in self.departed or now - since >= LOSS_GRACE_S or (
+                    now - since >= DEAD_GRACE_S and r in self._pids
+                    and process_state(self._pids[r]) in (None, "Z", "X", "x")):
                 del self._suspects[r]
                 reason = "it shut down" if r in self.departed else self._loss_reason(r)
                 self.lost[r] = reason
@@ -436,6 +491,8 @@ class Mesh:
             if self.router.poll(left * 1000):
                 self._drain_router()
         gone = set(self.lost) | self.departed
+        if self.ctrl is not None:
+            self.ctrl.close()
         for mon in self.monitors:
             mon.close(linger=0)
         for r, d in self.dealers.items():
