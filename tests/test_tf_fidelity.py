@@ -166,6 +166,24 @@ def test_keras_broadcast_callback_lazy_model_and_local_layers(legacy):
     assert a["bad_layer"] == "All local layers must be of tf.keras.layers.Layer type."
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_get_local_and_global_gradients(mode):
+    """Horovod's DistributedGradientTape.get_local_and_global_gradients (horovod.tensorflow 0.28):
+    ([(source, grad)] of registered local sources, [(source, grad)] of the others), in the order
+    of the sources; local gradients are this rank's own (divided by size unless
+    scale_local_gradients=False), the others averaged.  Before: AttributeError."""
+    values = check_ok(run_workers(2, "workers_tf_fidelity:local_and_global", [mode], timeout=240))
+    for r, v in enumerate(values):
+        own, mean = r + 1.0, 1.5
+        assert v["registered"] == [["local", "b", [own / 2]],
+                                   ["global", "a", [mean, mean]], ["global", "c", [mean] * 3]], (r, v)
+        assert v["unscaled"][0] == ["local", "b", [own]], (r, v)
+        kinds = [(k, name.split("/")[-1]) for k, name, _ in v["partial"]]
+        assert kinds == [("local", "kernel"), ("local", "bias"), ("global", "a"), ("global", "b")], kinds
+        assert v["partial"][0][2] == [own / 2, own / 2] and v["partial"][1][2] == [own / 2], v["partial"]
+        assert v["partial"][2][2] == [mean, mean] and v["partial"][3][2] == [mean], v["partial"]
+
+
 @pytest.mark.parametrize("sdp_level", [None, "DEBUG"])
 def test_sdp_logger_follows_sdp_log_level_not_the_root_logger(sdp_level):
     """Issue 31 item 9: with the script's root logger at DEBUG, sdp logs nothing below WARNING

@@ -127,6 +127,50 @@ def error_classes(mode):
     return out
 
 
+def local_and_global(mode):
+    """Horovod's ``DistributedGradientTape.get_local_and_global_gradients`` eagerly or in a
+    ``tf.function`` ("eager"/"function"): a source registered with ``register_local_source`` and
+    a ``PartialDistributedGradientTape``'s local layer, each beside global sources; every loss is
+    ``sum(w * (rank + 1))`` so a local gradient is ``rank + 1`` (divided by size when
+    ``scale_local_gradients``) and a global one the mean over ranks.  Returns
+    {case: [[kind, source name, gradient as list], ...]}."""
+    import tensorflow as tf
+
+    import sdp.compat_horovod.tensorflow as hvd
+    r = hvd.rank()
+    out = {}
+    a = tf.Variable([1.0, 1.0], name="a")
+    b = tf.Variable([1.0], name="b")
+    c = tf.Variable([1.0, 1.0, 1.0], name="c")
+    dense = tf.keras.layers.Dense(1, kernel_initializer="ones", name="head")
+    dense.build((None, 2))
+
+    def split(scale, partial):
+        with tf.GradientTape() as tape:
+            loss = (r + 1.0) * (tf.reduce_sum(a) + tf.reduce_sum(b) + tf.reduce_sum(c))
+            if partial:
+                loss += (r + 1.0) * tf.reduce_sum(dense(tf.ones([1, 2])))
+        if partial:
+            tape = hvd.PartialDistributedGradientTape(tape, local_layers=[dense], scale_local_gradients=scale)
+            sources = [a, dense.kernel, b, dense.bias]
+        else:
+            tape = hvd.DistributedGradientTape(tape, scale_local_gradients=scale)
+            tape.register_local_source(b)
+            sources = [a, b, c]
+        local, glob = tape.get_local_and_global_gradients(loss, sources)
+        names[:] = [[kind, v.name.split(":")[0]] for kind, pairs in (("local", local), ("global", glob))
+                    for v, _ in pairs]  # noted while tracing: a tf.function returns values, not variables
+        return [g for _, g in local] + [g for _, g in glob]
+
+    for case, scale, partial in (("registered", True, False), ("unscaled", False, False),
+                                 ("partial", True, True)):
+        names = []
+        fn = (lambda s=scale, p=partial: split(s, p))
+        grads = tf.function(fn)() if mode == "function" else fn()
+        out[case] = [kn + [np.asarray(g).ravel().tolist()] for kn, g in zip(names, grads)]
+    return out
+
+
 def keras_lazy_model(steps=3):
     """Horovod's Keras MNIST pattern: a Sequential without an Input (built by its first batch),
     different initial weights per rank, fit with BroadcastGlobalVariablesCallback; a second

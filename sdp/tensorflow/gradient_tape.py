@@ -71,6 +71,20 @@ class DistributedGradientTape(tf.GradientTape):
         reduced = self._sdp_reducer.reduce(flat_grads, variables)
         return tf.nest.pack_sequence_as(grads, reduced)
 
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None, use_generic_names=False):
+        """:meth:`gradient`, split by kind of source: returns ``(local_vars_grads,
+        global_vars_grads)``, two lists of ``(source, gradient)`` pairs (source first, unlike
+        ``apply_gradients``' pairs), in the order of ``sources``: the sources registered with
+        :meth:`register_local_source` (their gradients local, scaled as :meth:`gradient` does)
+        and all others (reduced over the ranks).  A collective like :meth:`gradient`: every rank
+        calls it with the same sources.  Mirrors Horovod's method (horovod.tensorflow, 0.28)."""
+        grads = self.gradient(target, sources, output_gradients=output_gradients,
+                              use_generic_names=use_generic_names)
+        local_vars_grads, global_vars_grads = [], []
+        for s, g in zip(tf.nest.flatten(sources), tf.nest.flatten(grads, expand_composites=False)):
+            (local_vars_grads if self._sdp_reducer.is_local(s) else global_vars_grads).append((s, g))
+        return local_vars_grads, global_vars_grads
+
 
 def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
                                    sparse_as_dense=False, op=ReduceOp.AVERAGE, gradient_predivide_factor=1.0,

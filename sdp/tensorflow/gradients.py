@@ -103,6 +103,10 @@ class GradientReducer:
     def has_local(self) -> bool:
         return bool(self._local)
 
+    def is_local(self, var) -> bool:
+        """Whether ``var`` was registered with :meth:`register_local`."""
+        return _ref(var) in self._local
+
     def reduce(self, grads, variables=None):
         """Return ``grads`` (list of ``tf.Tensor``/``tf.IndexedSlices``/``None``) reduced over all
         ranks, in the same order, shapes and dtypes.  ``variables`` (same length) is needed only
