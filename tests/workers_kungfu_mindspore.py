@@ -104,7 +104,17 @@ def _one_step_weights(cls_name, mode):
 
 
 def optimizer_step(cls_name, mode):
-    return _one_step_weights(cls_name, mode)
+    """:func:`_one_step_weights`, counting the engine's allreduce requests (each call of
+    ``sdp.api.allreduce`` / ``grouped_allreduce``, which the ops look up at run time)."""
+    from sdp import api
+    counts = {"allreduce": 0, "grouped_allreduce": 0}
+    for fn in counts:
+        def counting(*a, _orig=getattr(api, fn), _fn=fn, **k):
+            counts[_fn] += 1
+            return _orig(*a, **k)
+        setattr(api, fn, counting)
+    weights = _one_step_weights(cls_name, mode)
+    return {"weights": weights, "calls": counts}
 
 
 def sync_then_train(how, mode):

@@ -39,6 +39,19 @@ functions ``kungfu_init``, ``kungfu_finalize``, ``kungfu_current_rank``,
 ``kungfu_current_cluster_size``, ``kungfu_nccl_init``/``kungfu_nccl_finalize`` (no-ops: sdp's
 collectives are on host memory; ``device="GPU"`` is accepted).
 
+PYNATIVE subclasses (MindSpore 2.10): ``@jit`` on a Cell's ``construct`` compiles the *object's*
+``construct`` by name (``_JitExecutor.compile(obj)`` with ``obj.__parse_method__ = "construct"``).
+So a subclass ``construct`` that runs eagerly and then calls ``super().construct(...)`` of a
+``@jit`` parent (the guide's ``KungFuMomentum(nn.Momentum)``) is compiled whole and run a second
+time, on the values it passed to the parent: every collective in it ran twice (gradients summed
+twice).  ``KungFuAllReduce``, ``KungFuGroupAllReduce`` and ``KungFuBroadcast`` see that case when
+called eagerly (the nearest ``construct`` frame is the object's own, reads an attribute named
+``construct``, and a parent's ``construct`` is ``@jit``): they reduce then with a twin op and leave
+one credit, which the compiled re-run's kernel takes to return its input (already the result)
+unchanged.  Each request reaches the engine once.  A subclass that calls the ``@jit`` parent only on
+some steps leaves credits behind that a later compiled run of the same op instance would take:
+call the parent every step.
+
 Matching across ranks: collectives are named from the bridge's per-epoch counter
 (:func:`sdp_kungfu_bridge._cluster.next_name`), so every rank must run them in the same order.
 MindSpore 2.10 runs pyfunc kernels one at a time on one thread, but in a compiled graph it runs
@@ -51,6 +64,7 @@ shape and dtype per name (``TensorMismatchError`` on every rank otherwise).
 import linecache
 import logging
 import os
+import sys
 import threading
 
 import numpy as np
@@ -106,17 +120,97 @@ class _KungFuOp(ops.Custom):
         self.add_prim_attr("side_effect_io", True)
 
 
-class KungFuAllReduce(_KungFuOp):
+def _rerun_by_parent_jit(frame) -> bool:
+    """Whether the nearest ``Cell.construct`` around ``frame`` will be compiled and run again by
+    a ``@jit`` parent (see "PYNATIVE subclasses" in the module docstring): that frame runs the
+    object's own ``construct`` (``type(cell).construct``), its code reads an attribute named
+    ``construct`` (``super().construct(...)``), and a parent class's ``construct`` is ``@jit``."""
+    while frame is not None:
+        if frame.f_code.co_name == "construct":
+            cell = frame.f_locals.get("self")
+            if isinstance(cell, ms.nn.Cell):
+                cls = type(cell)
+                if getattr(cls.construct, "__code__", None) is not frame.f_code \
+                        or "construct" not in frame.f_code.co_names or getattr(cls, "_kungfu_no_rerun", False):
+                    return False
+                return any(getattr(k.__dict__.get("construct"), "__wrapped_by_jit__", False) for k in cls.__mro__[1:])
+        frame = frame.f_back
+    return False
+
+
+class _Rerun:
+    """Credits for the compiled re-run: one per eager call made inside a construct that a
+    ``@jit`` parent runs again; the re-run's kernel takes one and returns its input."""
+
+    def __init__(self):
+        self._credit = 0
+        self._lock = threading.Lock()
+
+    def grant(self) -> None:
+        with self._lock:
+            self._credit += 1
+
+    def take(self) -> bool:
+        with self._lock:
+            if self._credit:
+                self._credit -= 1
+                return True
+            return False
+
+    @property
+    def pending(self) -> int:
+        return self._credit
+
+
+def _never() -> bool:
+    return False
+
+
+class _ReducingOp(_KungFuOp):
+    """A collective whose result, fed to it again by the compiled re-run of a PYNATIVE subclass
+    ``construct``, must come back unchanged (allreduce, group allreduce, broadcast: their output
+    has the input's shapes).  ``make_fn(skip)`` returns the pyfunc; ``skip()`` true means "this
+    run is the re-run: return the input"."""
+
+    def _setup_reducing(self, make_fn, out_shape, out_dtype):
+        self._kungfu_rerun = _Rerun()
+        self._kungfu_make = (make_fn, out_shape, out_dtype)
+        self._kungfu_twin = None
+        self._setup(make_fn(self._kungfu_rerun.take), out_shape, out_dtype)
+
+    def __call__(self, *args):
+        if not _pynative() or not _rerun_by_parent_jit(sys._getframe(1)):
+            return super().__call__(*args)
+        # The eager call of a construct that a @jit parent runs again: reduce now with a twin
+        # op (its kernel never skips), and let this op's kernel skip once in the re-run.
+        self._kungfu_rerun.grant()
+        if self._kungfu_twin is None:
+            make_fn, out_shape, out_dtype = self._kungfu_make
+            twin = _KungFuOp(make_fn(_never), out_shape=out_shape, out_dtype=out_dtype, func_type="pyfunc")
+            twin.add_prim_attr("side_effect_io", True)
+            self._kungfu_twin = twin
+        return self._kungfu_twin(*args)
+
+
+def _pynative() -> bool:
+    return ms.get_context("mode") == ms.PYNATIVE_MODE
+
+
+class KungFuAllReduce(_ReducingOp):
     """``y = allreduce(x, op)`` over the cluster (default ``op="sum"``, as the fork)."""
 
     def __init__(self, op='sum'):
         reduce_op = _reduce_op(op)
 
-        def kungfu_all_reduce(x):
-            _cluster.ensure()
-            return api.allreduce(_as_array(x), name=_cluster.next_name("ms.all_reduce"), op=reduce_op)
+        def make(skip):
+            def kungfu_all_reduce(x):
+                if skip():
+                    return _as_array(x)
+                _cluster.ensure()
+                return api.allreduce(_as_array(x), name=_cluster.next_name("ms.all_reduce"), op=reduce_op)
+            return kungfu_all_reduce
 
-        self._setup(kungfu_all_reduce, _same, _same)
+        self._setup_reducing(make, _same, _same)
 
 
 class KungFuAllGather(_KungFuOp):
@@ -148,15 +242,19 @@ class KungFuAllGather(_KungFuOp):
         self._setup(kungfu_all_gather, shape, dtype)
 
 
-class KungFuBroadcast(_KungFuOp):
+class KungFuBroadcast(_ReducingOp):
     """``y = x`` of rank 0."""
 
     def __init__(self):
-        def kungfu_broadcast(x):
-            _cluster.ensure()
-            return api.broadcast(_as_array(x), 0, name=_cluster.next_name("ms.broadcast"))
+        def make(skip):
+            def kungfu_broadcast(x):
+                if skip():
+                    return _as_array(x)
+                _cluster.ensure()
+                return api.broadcast(_as_array(x), 0, name=_cluster.next_name("ms.broadcast"))
+            return kungfu_broadcast
 
-        self._setup(kungfu_broadcast, _same, _same)
+        self._setup_reducing(make, _same, _same)
 
 
 class KungFuResize(_KungFuOp):
@@ -209,7 +307,7 @@ def _fixed_arity(n: int, impl):
     return namespace[f"kungfu_group_all_reduce_{n}"]
 
 
-class KungFuGroupAllReduce(_KungFuOp):
+class KungFuGroupAllReduce(_ReducingOp):
     """``ys = allreduce(*xs)`` of ``n`` tensors as one request: the engine fuses the tensors of
     one dtype into one collective (``SDP_FUSION_THRESHOLD`` buckets).  Not in the fork (its
     optimizers allreduce each gradient); used by the grouped optimizers.  Call as
@@ -221,12 +319,16 @@ class KungFuGroupAllReduce(_KungFuOp):
             raise ValueError(f"KungFuGroupAllReduce needs at least one tensor, got n={n}")
         reduce_op = _reduce_op(op)
 
-        def impl(xs):
-            _cluster.ensure()
-            base = _cluster.next_name("ms.group_all_reduce")
-            return tuple(api.grouped_allreduce([_as_array(x) for x in xs], name=base, op=reduce_op))
+        def make(skip):
+            def impl(xs):
+                if skip():
+                    return tuple(_as_array(x) for x in xs)
+                _cluster.ensure()
+                base = _cluster.next_name("ms.group_all_reduce")
+                return tuple(api.grouped_allreduce([_as_array(x) for x in xs], name=base, op=reduce_op))
+            return _fixed_arity(n, impl)
 
-        self._setup(_fixed_arity(n, impl), lambda *s: tuple(s), lambda *d: tuple(d))
+        self._setup_reducing(make, lambda *s: tuple(s), lambda *d: tuple(d))
 
 
 # ------------------------------------------------------------------ the fork's functions

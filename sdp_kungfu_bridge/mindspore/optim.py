@@ -26,8 +26,9 @@ MindSpore 2.10 PYNATIVE workaround
     graph: the gradients are allreduced twice (summed twice), silently.  So in PYNATIVE mode these
     classes call the parent's undecorated ``construct`` (the same update, run op by op) instead;
     in GRAPH mode (the whole step compiled) ``super().construct`` is used as usual.  A
-    hand-written subclass of ``nn.Momentum`` in the guide's style has the bug in PYNATIVE mode;
-    use these classes there (tests/test_kungfu_mindspore.py shows both).
+    hand-written subclass of ``nn.Momentum`` in the guide's style is re-run too; there the ops
+    skip the compiled re-run (see "PYNATIVE subclasses" in :mod:`sdp_kungfu_bridge.mindspore.ops`),
+    so it also reduces once (tests/test_kungfu_mindspore.py counts the requests).
     The mode is read when the optimizer is built: build it after ``set_context(mode=...)``.
 """
 import inspect
@@ -50,6 +51,7 @@ class _Distributed:
     :class:`KungFuAllReduce` per gradient."""
 
     _grouped = False
+    _kungfu_no_rerun = True  # PYNATIVE: the parent's undecorated update, never a compiled re-run
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
