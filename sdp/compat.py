@@ -121,7 +121,8 @@ _FAMILY_DEFS: Dict[str, _Family] = {
     "kungfu": _Family(
         packages=("kungfu",),
         aliases=(("kungfu.python", "sdp_kungfu_bridge.python"),
-                 ("kungfu.tensorflow", "sdp_kungfu_bridge.tensorflow")),
+                 ("kungfu.tensorflow", "sdp_kungfu_bridge.tensorflow"),
+                 ("kungfu.datasets", "sdp_kungfu_bridge.datasets")),
         dists=("kungfu",),
         # the KungFu fork of MindSpore (sdp_kungfu_bridge.mindspore); the real MindSpore stays
         guarded=(("mindspore.ops.operations.kungfu_comm_ops", "sdp_kungfu_bridge.mindspore.ops"),

@@ -355,6 +355,95 @@ def test_kungfu_tensorflow_v1_helpers_on_real_mnist():
         assert got["v1ops"] is True
 
 
+KUNGFU_ADAPTOR = r"""
+import json, os
+import numpy as np
+import tensorflow as tf
+from kungfu.datasets.adaptor import BaseDatasetAdaptor
+from kungfu.python import current_cluster_size, current_rank
+from kungfu.tensorflow.optimizers import SynchronousSGDOptimizer
+from kungfu.tensorflow.initializer import BroadcastGlobalVariablesOp
+from kungfu.tensorflow.v1.helpers.mnist import load_datasets
+tf.compat.v1.disable_eager_execution()
+n = 2000
+data = load_datasets(os.environ["MNIST_DIR"], normalize=True, one_hot=True)
+ds = tf.data.Dataset.from_tensor_slices((np.arange(n), data.train.images[:n].reshape(n, 784),
+                                         data.train.labels[:n]))
+adapt = BaseDatasetAdaptor(batch_size=50, shard_count=current_cluster_size(), shard_id=current_rank())
+init, (idx, x, y) = adapt(ds)
+w = tf.compat.v1.Variable(tf.zeros([784, 10]))
+loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w)))
+train = SynchronousSGDOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5)).minimize(loss)
+update, rewind = adapt.create_update_offset(), adapt.create_rewind()
+out = {"steps": [], "losses": []}
+with tf.compat.v1.Session() as sess:
+    sess.run(tf.compat.v1.global_variables_initializer())
+    sess.run(BroadcastGlobalVariablesOp())
+    sess.run(init)
+    for step in range(6):
+        i, l, _ = sess.run([idx, loss, train])
+        sess.run(update)
+        out["steps"].append(i.tolist())
+        out["losses"].append(float(l))
+    sess.run(init)  # as after a resize: the iterator again, from the job's offset
+    out["reinit"] = sess.run(idx).tolist()
+    sess.run(rewind)
+    sess.run(init)
+    out["rewind"] = sess.run(idx).tolist()
+    out["w"] = float(np.abs(sess.run(w)).sum())
+    adapt.debug(sess)
+print("KA " + json.dumps(out), flush=True)
+"""
+
+
+def test_kungfu_dataset_adaptor_shards_real_mnist_over_the_ranks():
+    """Issue 31 item 8, the datasets adaptor: KungFu ships it as kungfu.datasets.adaptor (beside
+    kungfu.tensorflow.v1.helpers); before: ModuleNotFoundError.  Two ranks of a TF1 Session on
+    real MNIST with SynchronousSGDOptimizer: each step's batches of the two ranks are the next 100
+    samples (rank r the r-th 50), the offset variable carries the position over a new iterator
+    (as after a resize), rewind starts again at 0, both ranks train the same weights."""
+    mnist = _mnist_dir()
+    res = _sdprun(["-c", KUNGFU_ADAPTOR], compat="kungfu", MNIST_DIR=mnist)
+    found = _json_per_rank(res, "KA")
+    for r, got in found.items():
+        for step, batch in enumerate(got["steps"]):
+            assert batch == list(range(100 * step + 50 * r, 100 * step + 50 * r + 50)), (r, step, batch[:3])
+        assert got["reinit"] == list(range(600 + 50 * r, 650 + 50 * r))
+        assert got["rewind"] == list(range(50 * r, 50 * r + 50))
+        assert got["losses"][-1] < got["losses"][0]
+    assert found[0]["w"] == found[1]["w"] and found[0]["w"] > 0
+    for r in range(2):
+        assert f"[{r}]<stdout>:offset=0, np=2, rank={r}, batch size=50" in res.stdout  # after the rewind
+
+
+def test_kungfu_example_dataset_adaptor_topology_update():
+    """KungFu's ExampleDatasetAdaptor (its own cifar/imagenet examples' pattern, one process):
+    update_topology adds a worker, 2 to the batch size and moves the shard id; the base class
+    raises 'Not implemented'; bad shapes are refused with the values."""
+    from sdp_kungfu_bridge.datasets.adaptor import BaseDatasetAdaptor, ExampleDatasetAdaptor
+    import tensorflow as tf
+    with tf.Graph().as_default():
+        adapt = ExampleDatasetAdaptor(batch_size=10, shard_count=4)
+        init, batch = adapt(tf.data.Dataset.from_tensor_slices(np.arange(1024)))
+        offset, topology = adapt.create_update_offset(), adapt.create_update_topology()
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(init)
+            first = [sess.run(batch).tolist(), sess.run(batch).tolist()]
+            sess.run(offset)
+            sess.run(topology)
+            sess.run(init)
+            after = sess.run(batch).tolist()
+        with pytest.raises(RuntimeError, match="Not implemented"):
+            BaseDatasetAdaptor().create_update_topology()
+        with pytest.raises(ValueError, match=r"shard_id must be in \[0, 2\), got 3"):
+            BaseDatasetAdaptor(shard_count=2, shard_id=3)
+        with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+            BaseDatasetAdaptor(batch_size=0)
+    assert first == [list(range(0, 10)), list(range(40, 50))]  # shard 0 of 4: every 4th batch of 10
+    assert after == list(range(40 + 12, 40 + 24))  # offset 40; 5 shards of 12, this one now id 1
+
+
 def test_kungfu_model_sizes_are_measured_from_keras():
     from sdp_kungfu_bridge.tensorflow.v1.benchmarks import model_sizes
     sizes = model_sizes.resnet50_imagenet
