@@ -146,6 +146,38 @@ def test_error_classes_are_horovods(mode):
         assert values[1]["optimizer_outside_set"] == [[2.0, 2.0]]
 
 
+def test_graph_error_class_comes_from_the_python_class_only():
+    """Why graphs raise InvalidArgumentError, not Horovod's FailedPreconditionError (DESIGN.md,
+    "TensorFlow's error classes"): a numpy_function / py_function kernel maps the Python class of
+    the error, and a raised FailedPreconditionError becomes UnknownError, in a tf.function and in
+    sdp's tf.data wait op.  If TensorFlow starts reading an OpError's code, this fails: then
+    raise the TF class from the graph ops too."""
+    import tensorflow as tf
+
+    def fail(cls):
+        def fn(x):
+            raise cls(None, None, "sdp message") if issubclass(cls, tf.errors.OpError) else cls("sdp message")
+        return fn
+
+    got = {}
+    for kind in ("numpy_function", "py_function"):
+        for cls in (tf.errors.FailedPreconditionError, ValueError):
+            op = getattr(tf, kind)
+            fn = fail(cls)
+            f = tf.function(lambda x, op=op, fn=fn: op(fn, [x], tf.float32))
+            data = tf.data.Dataset.from_tensors(tf.ones(2)).map(lambda x, op=op, fn=fn: op(fn, [x], tf.float32))
+            for where, run in (("function", lambda: f(tf.ones(2))), ("tf.data", lambda: next(iter(data)))):
+                try:
+                    run()
+                    got[kind, cls.__name__, where] = "no error"
+                except tf.errors.OpError as e:
+                    got[kind, cls.__name__, where] = type(e).__name__
+                    assert "sdp message" in str(e)
+    for (kind, cls, where), err in got.items():
+        want = "InvalidArgumentError" if cls == "ValueError" else "UnknownError"
+        assert err == want, (kind, cls, where, err)
+
+
 @pytest.mark.parametrize("legacy", [False, True], ids=["keras3", "tf_keras"])
 def test_keras_broadcast_callback_lazy_model_and_local_layers(legacy):
     """Issue 31 item 6: a Sequential built by its first batch (Horovod's Keras MNIST pattern)
