@@ -15,14 +15,19 @@ steps).  ``--schedule 10:2,20:1,30:2``: after global step 10 the job has 2 worke
 after 30 two again; it ends at ``--max-step`` (default: the schedule's last step + 10; without a
 schedule, one pass over this worker's shard of the training set).
 
-Each worker trains on its shard of MNIST (``--data-dir``, default ``../shared/data/mnist``).  At
-the end rank 0 prints ``test accuracy: X`` and every worker still in the job prints
-``parameters checksum: <hex>`` (the same on every worker) and ``steps run: N (global steps A..B)``.
-GRAPH mode by default, ``--mode pynative`` for PYNATIVE.
+Data (``--data-dir``, default ``../shared/data/mnist``): one global stream of MNIST training
+samples, pass after pass, each pass in its own order (seeded, the same on every worker).  A step
+trains on the next ``cluster size * --batch-size`` samples of the stream, worker ``r`` on the
+``r``-th ``--batch-size`` of them.  The callback counts the stream position; after a resize every
+worker (a joiner too) syncs it (``sync data position OLD -> NEW``) and re-shards from there, so a
+joiner continues at the same sample as the others, and no sample is trained twice or skipped.
+At the end rank 0 prints ``test accuracy: X`` and every worker still in the job prints
+``parameters checksum: <hex>`` (the same on every worker), ``steps run: N (global steps A..B)``
+and ``data position: P`` (samples trained by the cluster).  GRAPH mode by default,
+``--mode pynative`` for PYNATIVE.
 """
 import argparse
 import hashlib
-import os
 import sys
 from pathlib import Path
 
@@ -98,13 +103,24 @@ def to_nchw32(images):
     return np.pad(x, ((0, 0), (2, 2), (2, 2)))[:, None]
 
 
-def make_dataset(images, labels, batch_size, shuffle_seed=None):
+def make_dataset(images, labels, batch_size):
     data = ds.NumpySlicesDataset({"image": to_nchw32(images), "label": labels.astype(np.int32)},
                                  shuffle=False)
-    if shuffle_seed is not None:
-        ds.config.set_seed(shuffle_seed)
-        data = data.shuffle(buffer_size=len(labels))
     return data.batch(batch_size, drop_remainder=True)
+
+
+def stream_indices(n_train, position, rank, size, batch_size, steps, seed):
+    """Indices into the training set of worker ``rank``'s next ``steps`` batches from global
+    sample ``position`` on: pass ``k`` of the stream is ``permutation(n_train)`` seeded with
+    ``seed + k``; a step takes the next ``size * batch_size`` samples, worker ``rank`` the
+    ``rank``-th ``batch_size`` of them.  Returns int64 (steps * batch_size,)."""
+    g = (position + rank * batch_size + np.arange(steps)[:, None] * (size * batch_size)
+         + np.arange(batch_size)[None, :]).ravel()
+    out = np.empty_like(g)
+    for k in np.unique(g // n_train):
+        in_pass = g // n_train == k
+        out[in_pass] = np.random.default_rng(seed + int(k)).permutation(n_train)[g[in_pass] % n_train]
+    return out
 
 
 def checksum(network) -> str:
@@ -123,25 +139,32 @@ def main():
     schedule = parse_schedule(args.schedule)
 
     (x_train, y_train), (x_test, y_test) = mnist_data.load_mnist(args.data_dir)
-    per_rank = len(x_train) // size
-    train = make_dataset(x_train[rank::size][:per_rank], y_train[rank::size][:per_rank], args.batch_size,
-                         shuffle_seed=args.seed + rank + 100 * int(os.environ.get("SDP_ELASTIC_EPOCH") or 0))
-    max_step = args.max_step or (max(schedule) + 10 if schedule else train.get_dataset_size())
+    n_train = len(x_train)
+    max_step = args.max_step or (max(schedule) + 10 if schedule else n_train // (size * args.batch_size))
 
     network = LeNet5()
     loss = ms.nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
     opt_cls = KungFuGroupedMomentum if args.grouped else KungFuMomentum
     opt = opt_cls(network.trainable_params(), args.lr, args.momentum)
     model = ms.train.Model(network, loss, opt, metrics={"accuracy": ms.train.Accuracy()})
-    elastic = KungFuElasticCallback(schedule, max_step=max_step)
-    epochs = -(-max_step // train.get_dataset_size())
-    model.train(epochs, train, callbacks=[elastic], dataset_sink_mode=False)
+    elastic = KungFuElasticCallback(schedule, max_step=max_step, local_batch_size=args.batch_size)
+    while not elastic.finished:  # one Model.train per cluster shape: a resize stops it to re-shard
+        position = elastic.sync_data_position()
+        rank, size = kungfu_current_rank(), kungfu_current_cluster_size()
+        steps = max_step - elastic.global_step  # at most (a joiner's step is synced by the first step)
+        idx = stream_indices(n_train, position, rank, size, args.batch_size, steps, args.seed)
+        print("data from sample %d: rank %d of %d" % (position, rank, size), flush=True)
+        model.train(1, make_dataset(x_train[idx], y_train[idx], args.batch_size), callbacks=[elastic],
+                    dataset_sink_mode=False)
+        if not (elastic.resized or elastic.finished):
+            break  # the data ran out (a joiner's bound above): not reached with these bounds
 
     if elastic.detached:
         print("detached at step %d after %d steps" % (elastic.global_step, elastic.steps_run), flush=True)
         return
     first = elastic.global_step - elastic.steps_run + 1
     print("steps run: %d (global steps %d..%d)" % (elastic.steps_run, first, elastic.global_step), flush=True)
+    print("data position: %d" % elastic.data_position, flush=True)
     if kungfu_current_rank() == 0:
         ms.set_context(mode=ms.GRAPH_MODE)  # evaluation compiled: PYNATIVE's batch-1000 convs are slow
         n = min(args.test_samples, len(y_test))

@@ -164,12 +164,52 @@ def test_guide_launch_line_elastic_schedule(tmp_path):
     assert "[1]<stdout>:sync step 1 -> 4" in out and "[1]<stdout>:sync step 1 -> 10" in out
     assert "[1]<stdout>:detached at step 6 after 3 steps" in out
     assert "[1]<stdout>:steps run: 3 (global steps 10..12)" in out
+    # the data position (samples trained by the cluster, 32 per worker and step) is synced too: a
+    # joiner starts at the others' sample, not at its own shard's start; 3*32 + 3*64 + 3*32 + 3*64
+    for joined_at in (96, 384):
+        assert f"[0]<stdout>:sync data position {joined_at} -> {joined_at}" in out, out[-3000:]
+        assert f"[1]<stdout>:sync data position 0 -> {joined_at}" in out, out[-3000:]
+        assert f"[1]<stdout>:data from sample {joined_at}: rank 1 of 2" in out
+    assert "[0]<stdout>:data position: 576" in out and "[1]<stdout>:data position: 576" in out
     logs = tmp_path / "logs"  # -logdir: one pair of files per worker started (rank 1 twice)
     assert "sync step 1 -> 4" in (logs / "worker1.rank1.stdout.log").read_text()
     assert "sync step 1 -> 10" in (logs / "worker2.rank1.stdout.log").read_text()
     # 1..3 by one worker, 4..6 by two, 7..9 by one, 10..12 by two: every step once per worker
     sums = _checksums(out)
     assert sorted(r for r, _ in sums) == ["0", "1"] and len({c for _, c in sums}) == 1, out
+
+
+_STREAM = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import sdp_kungfu_bridge.mindspore as face
+    assert face.install()
+    sys.path.insert(0, sys.argv[1])
+    import mindspore_lenet_elastic as ex
+    n, batch, seed = 1000, 8, 5
+    stream = np.concatenate([np.random.default_rng(seed + k).permutation(n) for k in range(3)])
+    position, trained = 0, []
+    for size, steps in ((1, 7), (2, 30), (3, 11), (1, 40), (2, 50)):  # crosses pass boundaries
+        shards = [ex.stream_indices(n, position, r, size, batch, steps, seed).reshape(steps, batch)
+                  for r in range(size)]
+        trained.append(np.concatenate(shards, axis=1).ravel())  # step by step, rank by rank
+        position += steps * size * batch
+    trained = np.concatenate(trained)
+    print("equal:", np.array_equal(trained, stream[:position]), sorted(trained[:n]) == list(range(n)), position)
+""")
+
+
+def test_example_stream_covers_every_sample_once_across_resizes(tmp_path):
+    """examples/mindspore_lenet_elastic.py's shards: for any sequence of cluster sizes, the
+    workers' batches of each step are the next size * batch samples of the seeded stream, pass
+    after pass, so no sample is trained twice or skipped in a pass."""
+    script = tmp_path / "stream.py"
+    script.write_text(_STREAM)
+    env = dict(os.environ, **ENV)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, str(script), os.path.dirname(EXAMPLE)], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert "equal: True True 1920" in res.stdout, res.stdout + res.stderr[-3000:]
 
 
 _BAD_RESIZE = textwrap.dedent("""
