@@ -1,0 +1,180 @@
+"""Horovod Elastic across hosts: ``sdprun --host-discovery-script`` whose hosts come, go and fail.
+
+The numpy worker (tests/workers_elastic.py) counts every committed step once (``done_ok``) and
+sums the sizes it trained at (``value``, the same on every rank at the end).  First on pretend
+hosts of this machine (``SDP_LAUNCHER_ALLOW_FAKE_HOSTS=1``: the driver's host logic in seconds),
+then on emulated hosts (tests/emulated_hosts.py: real sshd, real links; ``sdprun`` on h1).
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import elastic_run  # noqa: E402
+import emulated_hosts  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "workers_elastic.py")
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    for k in ("SDP_LAUNCHER_ALLOW_FAKE_HOSTS", "SDP_SECRET", "SDP_IFACE"):
+        env.pop(k, None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _sdprun(*args):
+    return [sys.executable, "-m", "sdp.launcher.cli", *args]
+
+
+def _check_results(run, size):
+    rows = run.results()
+    out = run.text()[-6000:]
+    assert sorted(int(r[0]) for r in rows) == list(range(size)), out
+    assert {(r[1], r[5]) for r in rows} == {(str(size), "True")}, out  # every committed step once
+    assert len({r[3] for r in rows}) == 1, out  # the same state on every rank
+
+
+def test_fake_hosts_added_then_removed(tmp_path):
+    """Pretend hosts hA:2,hB:2; hC:2 added at step 8 -> 6 workers at the next commit (the
+    newcomers from rank 0's state); hB dropped later -> its 2 workers are let go at the next
+    commit (exit 0, no rollback) and 4 finish; every committed step counted once."""
+    disc = elastic_run.Discovery(tmp_path, "hA:2,hB:2")
+    run = elastic_run.Run(subprocess.Popen, _sdprun("-np", "4", "--min-np", "2", "--max-np", "8",
+                                                     "--host-discovery-script", str(disc.script), sys.executable,
+                                                     WORKER),
+                          cwd=REPO, env=_env(SDP_LAUNCHER_ALLOW_FAKE_HOSTS=1, PROGRESS=1, STEPS=60, COMMIT=4,
+                                             STEP_S=0.1))
+    try:
+        run.progress(lambda d: d["step"] >= 8)
+        disc.set("hA:2,hB:2,hC:2")
+        run.progress(lambda d: d["size"] == 6 and d["host"] == "hC")
+        disc.set("hA:2,hC:2")
+        run.wait_for(lambda x: "is let go" in x)
+        later = run.progress(lambda d: d["size"] == 4, start=run.mark)
+        assert later["host"] != "hB"
+        assert run.finish() == 0, run.text()[-6000:]
+    finally:
+        run.kill()
+    _check_results(run, 4)
+    text = run.text()
+    assert len(re.findall(r"worker \d+ on hB, let go, exited with 0", text)) == 2, text[-6000:]
+    assert "rolling back" not in text, text[-6000:]
+
+
+# ------------------------------------------------------------------------- emulated hosts
+
+needs_hosts = pytest.mark.skipif(emulated_hosts.unavailable_reason() is not None,
+                                 reason=str(emulated_hosts.unavailable_reason()))
+
+
+def _start(hosts, tmp_path, discovered, *extra, **env):
+    """sdprun on h1 with a discovery script printing ``discovered``; the numpy worker."""
+    disc = elastic_run.Discovery(tmp_path, discovered)
+    argv = _sdprun("-np", "4", "--min-np", "2", "--max-np", "8", "--host-discovery-script", str(disc.script),
+                   *extra, sys.executable, WORKER)
+    run = elastic_run.Run(lambda a, **kw: hosts.popen("h1", a, **kw), argv, cwd=REPO,
+                          env=_env(PROGRESS=1, **{"STEPS": 60, "COMMIT": 4, "STEP_S": 0.1, **env}))
+    return disc, run
+
+
+def _no_worker_left(hosts, names, timeout_s=20.0):
+    for h in names:
+        left = hosts.wait_no_processes(h, match=WORKER, timeout_s=timeout_s)
+        assert not left, f"workers left on {h}: {left}"
+
+
+@needs_hosts
+@pytest.mark.slow
+def test_hosts_added_then_removed_across_hosts(hosts, tmp_path):
+    """The issue's schedule on h1..h3: discovery h1:2,h2:2; h3:2 added at step ~8 -> 6 workers
+    (new ones on h3 through ssh, from rank 0's state); h2 dropped at step ~24 -> its workers leave
+    at the next commit (exit 0) and no worker of the job runs on h2 any more; 4 finish with every
+    committed step once and the same state everywhere; nothing of the job is left on any host."""
+    disc, run = _start(hosts, tmp_path, "h1:2,h2:2")
+    try:
+        first = run.progress(lambda d: d["step"] >= 8 and d["host"] == "h2")
+        assert first["size"] == 4
+        disc.set("h1:2,h2:2,h3:2")
+        run.progress(lambda d: d["size"] == 6 and d["host"] == "h3")
+        run.progress(lambda d: d["step"] >= 24)
+        disc.set("h1:2,h3:2")
+        run.wait_for(lambda x: "is let go" in x)
+        run.progress(lambda d: d["size"] == 4, start=run.mark)
+        _no_worker_left(hosts, ["h2"], timeout_s=20)  # gone while the job still runs
+        assert run.finish() == 0, run.text()[-6000:]
+    finally:
+        run.kill()
+    _check_results(run, 4)
+    text = run.text()
+    assert len(re.findall(r"worker \d+ on h2, let go, exited with 0", text)) == 2, text[-6000:]
+    assert "rolling back" not in text, text[-6000:]
+    _no_worker_left(hosts, hosts.names, timeout_s=10)
+
+
+#: the transport's bound for noticing a dead link (ZeroMQ heartbeats; tests/test_multihost.py)
+LINK_DOWN_BOUND_S = 12
+
+
+@needs_hosts
+@pytest.mark.slow
+def test_dead_link_rolls_back_blacklists_and_reuses_host(hosts, tmp_path):
+    """h1:2,h2:2; h2's link cut mid-epoch: the survivors on h1 get PeerLostError within the
+    transport's bound, roll back to the last commit and re-form as 2 (sdprun stops the lost h2
+    workers, blacklists h2 for 4-5 s); with the link back and h2 still discovered, h2 gets
+    workers again after the cooldown; 4 finish, every committed step once, the same state."""
+    import time
+    disc, run = _start(hosts, tmp_path, "h1:2,h2:2", "--blacklist-cooldown-range", "4", "5", STEPS=80)
+    try:
+        run.progress(lambda d: d["step"] >= 10 and d["host"] == "h2")
+        t0 = time.monotonic()
+        hosts.link("h2", up=False)
+        try:
+            run.wait_for(lambda x: "rolling back to the last commit" in x)
+            detected = time.monotonic() - t0
+            run.wait_for(lambda x: "host h2 blacklisted for" in x)
+            run.progress(lambda d: d["size"] == 2, start=run.mark)
+            reformed = time.monotonic() - t0
+        finally:
+            hosts.link("h2", up=True)
+        run.progress(lambda d: d["size"] == 4 and d["host"] == "h2", start=run.mark)
+        assert run.finish() == 0, run.text()[-6000:]
+    finally:
+        run.kill()
+    print(f"dead link: rollback after {detected:.1f} s, re-formed without h2 after {reformed:.1f} s")
+    assert detected < LINK_DOWN_BOUND_S, (detected, run.text()[-6000:])
+    assert reformed < LINK_DOWN_BOUND_S + 5, (reformed, run.text()[-6000:])
+    _check_results(run, 4)
+    _no_worker_left(hosts, hosts.names, timeout_s=30)
+
+
+@needs_hosts
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["host_h2", "rank0"])
+def test_kill9_on_hosts(hosts, tmp_path, victim):
+    """h1:2,h2:2: kill -9 of every worker on h2 at once (h2 blacklisted for good: the job goes
+    on as 2 on h1) or of the worker that is rank 0 (on h1: the job goes on as 3, rank 0's
+    committed state from a survivor); every committed step once, same state, nothing left."""
+    disc, run = _start(hosts, tmp_path, "h1:2,h2:2")
+    try:
+        seen = {}
+        run.progress(lambda d: seen.setdefault(d["rank"], d) and len(seen) == 4 and d["step"] >= 8)
+        pids = [d["pid"] for d in seen.values() if (d["host"] == "h2" if victim == "host_h2" else d["rank"] == 0)]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)  # one file system and pid space: h2's processes are visible here
+        size = 2 if victim == "host_h2" else 3
+        run.progress(lambda d: d["size"] == size, start=run.mark)
+        assert run.finish() == 0, run.text()[-6000:]
+    finally:
+        run.kill()
+    _check_results(run, size)
+    if victim == "host_h2":
+        assert "host h2 blacklisted" in run.text()
+    _no_worker_left(hosts, hosts.names, timeout_s=10)
