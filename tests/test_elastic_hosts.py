@@ -69,6 +69,33 @@ def test_fake_hosts_added_then_removed(tmp_path):
     assert "rolling back" not in text, text[-6000:]
 
 
+def test_fake_host_stopped_is_blacklisted_then_reused(tmp_path):
+    """Pretend hosts hA:2,hB:2, blacklist cooldown 2-3 s: both hB workers stopped (SIGSTOP: a
+    machine that hangs): the hA workers get PeerLostError, roll back and name the lost ranks;
+    sdprun stops the hB workers, blacklists hB and re-forms as 2; after the cooldown hB (still
+    discovered) gets 2 new workers at the next commit; 4 finish, every committed step once."""
+    disc = elastic_run.Discovery(tmp_path, "hA:2,hB:2")
+    run = elastic_run.Run(subprocess.Popen, _sdprun("-np", "4", "--min-np", "2", "--blacklist-cooldown-range", "2", "3",
+                                                     "--host-discovery-script", str(disc.script), sys.executable,
+                                                     WORKER),
+                          cwd=REPO, env=_env(SDP_LAUNCHER_ALLOW_FAKE_HOSTS=1, PROGRESS=1, STEPS=100, COMMIT=4,
+                                             STEP_S=0.1, SDP_PEER_TIMEOUT=5))
+    try:
+        seen = {}
+        run.progress(lambda d: seen.setdefault(d["rank"], d) and len(seen) == 4 and d["step"] >= 8)
+        for d in seen.values():
+            if d["host"] == "hB":
+                os.kill(d["pid"], signal.SIGSTOP)
+        run.wait_for(lambda x: "were lost by their peers and did not ask to re-form; stopping them" in x)
+        run.wait_for(lambda x: "host hB blacklisted for" in x)
+        run.progress(lambda d: d["size"] == 2, start=run.mark)
+        run.progress(lambda d: d["size"] == 4 and d["host"] == "hB", start=run.mark)
+        assert run.finish() == 0, run.text()[-6000:]
+    finally:
+        run.kill()
+    _check_results(run, 4)
+
+
 # ------------------------------------------------------------------------- emulated hosts
 
 needs_hosts = pytest.mark.skipif(emulated_hosts.unavailable_reason() is not None,
@@ -177,4 +204,50 @@ def test_kill9_on_hosts(hosts, tmp_path, victim):
     _check_results(run, size)
     if victim == "host_h2":
         assert "host h2 blacklisted" in run.text()
+    _no_worker_left(hosts, hosts.names, timeout_s=10)
+
+
+# ------------------------------------------------------------------------- KungFu -w across hosts
+
+KF_WORKER = os.path.join(REPO, "tests", "workers_kungfu_elastic.py")
+
+
+def _kungfu_hosts_check(stdout, a, b):
+    """Steps 1-2 on 2 workers (on ``a``), 3-5 on 4 (``a``, ``b``: the new ranks on the next -H
+    host), 6-7 on 1 (rank 0 on ``a``; the highest ranks removed), identical weights everywhere."""
+    import json
+    recs = [json.loads(line.partition(":")[2]) for line in stdout.splitlines()
+            if "<stdout>:{" in line]
+    steps = {}
+    for r in recs:
+        if "step" in r:
+            steps.setdefault(r["step"], []).append(r)
+    assert sorted(steps) == list(range(1, 8)), stdout[-3000:]
+    for s, rows in steps.items():
+        n = 2 if s <= 2 else 4 if s <= 5 else 1
+        assert sorted(r["rank"] for r in rows) == list(range(n)), (s, rows)
+        assert len({r["w"] for r in rows}) == 1, (s, rows)
+        hosts = [h for _, h in sorted((r["rank"], r["host"]) for r in rows)]
+        assert hosts == {2: [a, a], 4: [a, a, b, b], 1: [a]}[n], (s, hosts)
+    assert sum("detached_at" in r for r in recs) == 3, stdout[-3000:]
+
+
+def test_kungfu_watch_grows_onto_and_shrinks_off_fake_hosts():
+    """``sdprun -w -H hA:2,hB:2 -np 2`` (pretend hosts): resize 2 -> 4 -> 1."""
+    res = subprocess.run(_sdprun("-w", "-H", "hA:2,hB:2", "-np", "2", sys.executable, KF_WORKER,
+                                 '{"2": 4, "5": 1}', "7"), capture_output=True, text=True, timeout=120,
+                         cwd=REPO, env=_env(SDP_LAUNCHER_ALLOW_FAKE_HOSTS=1))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _kungfu_hosts_check(res.stdout, "hA", "hB")
+
+
+@needs_hosts
+@pytest.mark.slow
+def test_kungfu_watch_grows_onto_and_shrinks_off_hosts(hosts):
+    """``sdprun -w -H h1:2,h2:2 -np 2`` on h1: resize 2 -> 4 starts ranks 2-3 on h2 through ssh,
+    4 -> 1 detaches them (and rank 1); the weights agree; nothing is left on h2."""
+    res = hosts.run("h1", _sdprun("-w", "-H", "h1:2,h2:2", "-np", "2", sys.executable, KF_WORKER,
+                                  '{"2": 4, "5": 1}', "7"), timeout=120, cwd=REPO, env=_env())
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _kungfu_hosts_check(res.stdout, "h1", "h2")
     _no_worker_left(hosts, hosts.names, timeout_s=10)

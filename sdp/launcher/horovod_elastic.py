@@ -32,8 +32,9 @@ Failures: a worker that exits non-zero costs its host that slot while the host s
 workers of the job; a host whose workers all failed is blacklisted (for ``random.uniform(*cooldown)``
 seconds with ``--blacklist-cooldown-range``, else for the rest of the job).  A host whose link dies
 or whose machine stops: the survivors get ``PeerLostError`` (``HorovodInternalError``) from the
-transport's fault detection, roll back and ask to re-form, naming the lost ranks; once every other
-member asked and ``LOST_GRACE_S`` passed, ``sdprun`` stops the workers named lost that did not ask
+transport's fault detection, roll back and ask to re-form, naming the lost rank; once every other
+member asked and ``LOST_GRACE_S`` passed, ``sdprun`` stops the workers that did not ask when they,
+or another worker of their host, were named lost
 (their ssh sessions, which ssh's own keep-alives would end only after 15 s), which blacklists a host
 whose workers all went, and re-forms without them.
 
@@ -373,8 +374,11 @@ class HorovodElasticDriver(ElasticController):
     def _stop_lost(self, missing: List[int], now: float) -> None:
         """Stop the members that did not ask to re-form when their peers reported them lost in
         this epoch (a dead link, a stopped machine) and ``LOST_GRACE_S`` passed (lock held)."""
-        lost = [w for w in missing if self.reported_lost.get(w) == self.epoch and w not in self.stopped_lost]
-        if not lost or len(lost) < len(missing) or now - self.joined_at < LOST_GRACE_S:
+        named = [w for w in missing if self.reported_lost.get(w) == self.epoch]
+        down = {self.host_of[w] for w in named}  # a dead link or machine takes every worker of its host
+        lost = [w for w in missing if (w in named or self.host_of[w] in down) and w not in self.stopped_lost]
+        if not named or len(lost) + len(set(missing) & self.stopped_lost) < len(missing) \
+                or now - self.joined_at < LOST_GRACE_S:
             return
         log.warning("elastic: workers %s (on %s) were lost by their peers and did not ask to re-form; "
                     "stopping them", lost, ", ".join(sorted({self.host_of[w] for w in lost})))
