@@ -593,4 +593,6 @@ def run(fn, args=(), kwargs=None, np: int = 1, hosts: Optional[str] = None, **kw
     through ssh) and return their results in rank order.  An alias of
     :func:`sdp.launcher.run_func.run`, which documents the keywords and what must be picklable."""
     from sdp.launcher.run_func import run as launcher_run
-    return launcher_run(fn, args, kwargs, np=np, hosts=hosts, **kw)
+    active = installed()
+    forced = [f for f in active if _finder is not None and _finder.families.get(f)]
+    return launcher_run(fn, args, kwargs, np=np, hosts=hosts, compat=active, compat_forced=forced, **kw)
