@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 RESULT = re.compile(r"RESULT rank=(\d+) size=(\d+) epoch=(\d+) value=(\S+) resets=(\[.*?\]) done_ok=(\w+)")
-PROGRESS = re.compile(r"PROGRESS worker=(\d+) rank=(\d+) size=(\d+) step=(\d+) host=(\S+) pid=(\d+)")
+PROGRESS = re.compile(r"PROGRESS worker=(\d+) rank=(\d+) size=(\d+) step=(\d+) host=(\S+) pid=(\d+) job=(\w+)")
 
 
 class Discovery:
@@ -36,6 +36,8 @@ class Run:
     def __init__(self, popen: Callable, argv: List[str], **kw):
         self.proc = popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
         self.lines: List[str] = []
+        self.mark = 0  # index after the line the last wait matched
+        self.job: Optional[str] = None  # SDP_JOB_ID, from the PROGRESS lines
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -76,8 +78,9 @@ class Run:
             m = PROGRESS.search(line)
             if not m:
                 return None
-            d = dict(zip(("worker", "rank", "size", "step", "host", "pid"), m.groups()))
-            d = {k: (v if k == "host" else int(v)) for k, v in d.items()}
+            d = dict(zip(("worker", "rank", "size", "step", "host", "pid", "job"), m.groups()))
+            d = {k: (v if k in ("host", "job") else int(v)) for k, v in d.items()}
+            self.job = d["job"]
             return d if cond(d) else None
         return self.wait_for(pred, timeout_s, start)
 

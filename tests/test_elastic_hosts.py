@@ -35,6 +35,12 @@ def _sdprun(*args):
 
 
 def _check_results(run, size):
+    """``size`` ranks finished, every committed step once, the same state everywhere; no
+    shared-memory file or ipc directory of the job is left."""
+    import glob
+    if run.job:
+        files = glob.glob(f"/dev/shm/sdp-{run.job}-*") + glob.glob(f"/tmp/sdp-{run.job}-*")
+        assert not files, files
     rows = run.results()
     out = run.text()[-6000:]
     assert sorted(int(r[0]) for r in rows) == list(range(size)), out
@@ -112,10 +118,16 @@ def _start(hosts, tmp_path, discovered, *extra, **env):
     return disc, run
 
 
-def _no_worker_left(hosts, names, timeout_s=20.0):
+def _no_worker_left(hosts, names, timeout_s=20.0, job=None):
+    """No worker process on ``names``; with ``job`` (the job has ended) no shared-memory file or
+    ipc directory of it either (one file system for all hosts)."""
+    import glob
     for h in names:
         left = hosts.wait_no_processes(h, match=WORKER, timeout_s=timeout_s)
         assert not left, f"workers left on {h}: {left}"
+    if job:
+        files = glob.glob(f"/dev/shm/sdp-{job}-*") + glob.glob(f"/tmp/sdp-{job}-*")
+        assert not files, files
 
 
 @needs_hosts
@@ -143,7 +155,7 @@ def test_hosts_added_then_removed_across_hosts(hosts, tmp_path):
     text = run.text()
     assert len(re.findall(r"worker \d+ on h2, let go, exited with 0", text)) == 2, text[-6000:]
     assert "rolling back" not in text, text[-6000:]
-    _no_worker_left(hosts, hosts.names, timeout_s=10)
+    _no_worker_left(hosts, hosts.names, timeout_s=10, job=run.job)
 
 
 #: the transport's bound for noticing a dead link (ZeroMQ heartbeats; tests/test_multihost.py)
@@ -179,7 +191,7 @@ def test_dead_link_rolls_back_blacklists_and_reuses_host(hosts, tmp_path):
     assert detected < LINK_DOWN_BOUND_S, (detected, run.text()[-6000:])
     assert reformed < LINK_DOWN_BOUND_S + 5, (reformed, run.text()[-6000:])
     _check_results(run, 4)
-    _no_worker_left(hosts, hosts.names, timeout_s=30)
+    _no_worker_left(hosts, hosts.names, timeout_s=30, job=run.job)
 
 
 @needs_hosts
@@ -204,7 +216,7 @@ def test_kill9_on_hosts(hosts, tmp_path, victim):
     _check_results(run, size)
     if victim == "host_h2":
         assert "host h2 blacklisted" in run.text()
-    _no_worker_left(hosts, hosts.names, timeout_s=10)
+    _no_worker_left(hosts, hosts.names, timeout_s=10, job=run.job)
 
 
 # ------------------------------------------------------------------------- KungFu -w across hosts
@@ -250,4 +262,92 @@ def test_kungfu_watch_grows_onto_and_shrinks_off_hosts(hosts):
                                   '{"2": 4, "5": 1}', "7"), timeout=120, cwd=REPO, env=_env())
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     _kungfu_hosts_check(res.stdout, "h1", "h2")
+    _no_worker_left(hosts, hosts.names, timeout_s=10)
+
+
+# ------------------------------------------------------------------------- TensorFlow across hosts
+
+MNIST_DIR = os.environ.get("SDP_MNIST_DIR") or os.path.join(os.path.dirname(REPO), "shared", "data", "mnist")
+
+
+def _tf_run(hosts, tmp_path, discovered, *argv, np_="2", compat=True):
+    pytest.importorskip("tensorflow")
+    disc = elastic_run.Discovery(tmp_path, discovered)
+    args = _sdprun(*(["--compat", "horovod"] if compat else []), "-np", np_, "--min-np", "2", "--max-np", "8",
+                   "--host-discovery-script", str(disc.script), sys.executable, *argv)
+    return disc, elastic_run.Run(lambda a, **kw: hosts.popen("h1", a, **kw), args, cwd=REPO, env=_env())
+
+
+@needs_hosts
+@pytest.mark.tf
+@pytest.mark.slow
+def test_horovod_tf2_gradient_tape_pattern_across_hosts(hosts, tmp_path):
+    """Horovod's elastic TF2 GradientTape pattern (tests/horovod_user) under --compat horovod on
+    h1:1,h2:1; h3:1 added mid-run: 3 workers at the next commit, the one on h3 from rank 0's
+    state; the same weights on every rank at the end."""
+    disc, run = _tf_run(hosts, tmp_path, "h1:1,h2:1", os.path.join(REPO, "tests", "horovod_user",
+                                                                   "tensorflow2_mnist_elastic.py"))
+    try:
+        run.wait_for(lambda x: "Step #10" in x, timeout_s=240)
+        disc.set("h1:1,h2:1,h3:1")
+        assert run.finish(400) == 0, run.text()[-6000:]
+    finally:
+        run.kill()
+    text = run.text()
+    assert re.search(r"epoch 1 with 3 workers .*worker 2 on h3", text), text[-6000:]
+    done = re.findall(r"DONE rank (\d) size (\d) weights (\w+)", text)
+    assert sorted(d[0] for d in done) == ["0", "1", "2"], text[-6000:]
+    assert {d[1] for d in done} == {"3"} and len({d[2] for d in done}) == 1, done
+
+
+@needs_hosts
+@pytest.mark.tf
+@pytest.mark.slow
+def test_horovod_keras_fit_pattern_across_hosts(hosts, tmp_path):
+    """Horovod's Keras elastic pattern (model.fit + the elastic callbacks) under --compat horovod
+    on h1:1,h2:2: worker 2 (on h2) dies inside fit; the 2 others (h1, h2) roll back and finish
+    all 3 epochs with the same weights."""
+    disc, run = _tf_run(hosts, tmp_path, "h1:1,h2:2", os.path.join(REPO, "tests", "workers_elastic_keras.py"),
+                        np_="3")
+    try:
+        assert run.finish(400) == 0, run.text()[-6000:]
+    finally:
+        run.kill()
+    text = run.text()
+    assert "epoch 1 with 2 workers" in text and "rolling back to the last commit" in text, text[-6000:]
+    done = re.findall(r"DONE (\d) (\d) (\d) (\w+)", text)
+    assert sorted(d[0] for d in done) == ["0", "1"], text[-6000:]
+    assert {d[1:3] for d in done} == {("2", "3")} and len({d[3] for d in done}) == 1, done
+
+
+@needs_hosts
+@pytest.mark.tf
+@pytest.mark.slow
+def test_mnist_elastic_example_three_hosts_add_and_drop(hosts, tmp_path):
+    """Acceptance: examples/tf2_mnist_elastic.py, discovery h1:2,h2:2, h3:2 added at batch 50,
+    h2 dropped at batch 150: no batch twice or lost, the same final weights on every rank, test
+    accuracy >= 0.97, no worker left on h2 after it was dropped, nothing left anywhere."""
+    if not os.path.isdir(MNIST_DIR):
+        pytest.skip(f"no MNIST data at {MNIST_DIR}")
+    disc, run = _tf_run(hosts, tmp_path, "h1:2,h2:2", os.path.join(REPO, "examples", "tf2_mnist_elastic.py"),
+                        "--data-dir", MNIST_DIR, np_="4", compat=False)
+    try:
+        run.wait_for(lambda x: "step 50/" in x, timeout_s=300)
+        disc.set("h1:2,h2:2,h3:2")
+        run.wait_for(lambda x: "step 150/" in x, timeout_s=300)
+        disc.set("h1:2,h3:2")
+        run.wait_for(lambda x: "is let go" in x, timeout_s=120)
+        run.wait_for(lambda x: "epoch 2 with 4 workers" in x, timeout_s=120)
+        _no_worker_left(hosts, ["h2"], timeout_s=20)
+        assert run.finish(600) == 0, run.text()[-6000:]
+    finally:
+        run.kill()
+    text = run.text()
+    m = re.search(r"batches: (\d+) trained once, (\d+) twice, (\d+) lost \(of (\d+)\)", text)
+    assert m and m.group(1) == m.group(4) and m.group(2) == m.group(3) == "0", text[-3000:]
+    finals = re.findall(r"final: rank (\d) of (\d), weights (\w+)", text)
+    assert len(finals) == 4 and len({f[2] for f in finals}) == 1, finals
+    acc = float(re.search(r"test accuracy: ([\d.]+)", text).group(1))
+    print(f"mnist elastic across 3 hosts: {m.group(0)}, test accuracy {acc}")
+    assert acc >= 0.97, text[-3000:]
     _no_worker_left(hosts, hosts.names, timeout_s=10)

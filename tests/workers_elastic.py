@@ -55,7 +55,8 @@ def train(state):
         state.step += 1
         if PROGRESS:
             print(f"PROGRESS worker={os.environ.get(elastic.WORKER_ENV)} rank={api.rank()} size={api.size()} "
-                  f"step={state.step} host={os.environ.get('SDP_HOSTNAME')} pid={os.getpid()}", flush=True)
+                  f"step={state.step} host={os.environ.get('SDP_HOSTNAME')} pid={os.getpid()} job={os.environ.get('SDP_JOB_ID')}",
+                  flush=True)
         time.sleep(STEP_S)
         if state.step % COMMIT == 0:
             state.commit()
