@@ -48,6 +48,31 @@ def _check_results(run, size):
     assert len({r[3] for r in rows}) == 1, out  # the same state on every rank
 
 
+def _add_then_drop(run, disc, a, b, c, while_dropped=lambda: None):
+    """A job on ``a:2,b:2`` (discovery); ``c:2`` added at step 8 -> 6 workers at the next commit
+    (new ones on ``c``, from rank 0's state); ``b`` dropped at step 24 -> its 2 workers are let go
+    at the next commit (exit 0, no rollback); ``while_dropped()`` runs then; 4 finish, every
+    committed step once, the same state everywhere."""
+    try:
+        first = run.progress(lambda d: d["step"] >= 8 and d["host"] == b)
+        assert first["size"] == 4
+        disc.set(f"{a}:2,{b}:2,{c}:2")
+        run.progress(lambda d: d["size"] == 6 and d["host"] == c)
+        run.progress(lambda d: d["step"] >= 24)
+        disc.set(f"{a}:2,{c}:2")
+        run.wait_for(lambda x: "is let go" in x)
+        later = run.progress(lambda d: d["size"] == 4, start=run.mark)
+        assert later["host"] != b
+        while_dropped()
+        assert run.finish() == 0, run.text()[-6000:]
+    finally:
+        run.kill()
+    _check_results(run, 4)
+    text = run.text()
+    assert len(re.findall(rf"worker \d+ on {b}, let go, exited with 0", text)) == 2, text[-6000:]
+    assert "rolling back" not in text, text[-6000:]
+
+
 def test_fake_hosts_added_then_removed(tmp_path):
     """Pretend hosts hA:2,hB:2; hC:2 added at step 8 -> 6 workers at the next commit (the
     newcomers from rank 0's state); hB dropped later -> its 2 workers are let go at the next
@@ -58,21 +83,7 @@ def test_fake_hosts_added_then_removed(tmp_path):
                                                      WORKER),
                           cwd=REPO, env=_env(SDP_LAUNCHER_ALLOW_FAKE_HOSTS=1, PROGRESS=1, STEPS=60, COMMIT=4,
                                              STEP_S=0.1))
-    try:
-        run.progress(lambda d: d["step"] >= 8)
-        disc.set("hA:2,hB:2,hC:2")
-        run.progress(lambda d: d["size"] == 6 and d["host"] == "hC")
-        disc.set("hA:2,hC:2")
-        run.wait_for(lambda x: "is let go" in x)
-        later = run.progress(lambda d: d["size"] == 4, start=run.mark)
-        assert later["host"] != "hB"
-        assert run.finish() == 0, run.text()[-6000:]
-    finally:
-        run.kill()
-    _check_results(run, 4)
-    text = run.text()
-    assert len(re.findall(r"worker \d+ on hB, let go, exited with 0", text)) == 2, text[-6000:]
-    assert "rolling back" not in text, text[-6000:]
+    _add_then_drop(run, disc, "hA", "hB", "hC")
 
 
 def test_fake_host_stopped_is_blacklisted_then_reused(tmp_path):
@@ -138,23 +149,8 @@ def test_hosts_added_then_removed_across_hosts(hosts, tmp_path):
     at the next commit (exit 0) and no worker of the job runs on h2 any more; 4 finish with every
     committed step once and the same state everywhere; nothing of the job is left on any host."""
     disc, run = _start(hosts, tmp_path, "h1:2,h2:2")
-    try:
-        first = run.progress(lambda d: d["step"] >= 8 and d["host"] == "h2")
-        assert first["size"] == 4
-        disc.set("h1:2,h2:2,h3:2")
-        run.progress(lambda d: d["size"] == 6 and d["host"] == "h3")
-        run.progress(lambda d: d["step"] >= 24)
-        disc.set("h1:2,h3:2")
-        run.wait_for(lambda x: "is let go" in x)
-        run.progress(lambda d: d["size"] == 4, start=run.mark)
-        _no_worker_left(hosts, ["h2"], timeout_s=20)  # gone while the job still runs
-        assert run.finish() == 0, run.text()[-6000:]
-    finally:
-        run.kill()
-    _check_results(run, 4)
-    text = run.text()
-    assert len(re.findall(r"worker \d+ on h2, let go, exited with 0", text)) == 2, text[-6000:]
-    assert "rolling back" not in text, text[-6000:]
+    _add_then_drop(run, disc, "h1", "h2", "h3",
+                   while_dropped=lambda: _no_worker_left(hosts, ["h2"], timeout_s=20))
     _no_worker_left(hosts, hosts.names, timeout_s=10, job=run.job)
 
 
