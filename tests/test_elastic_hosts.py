@@ -48,6 +48,25 @@ def _check_results(run, size):
     assert len({r[3] for r in rows}) == 1, out  # the same state on every rank
 
 
+def test_discovery_output_and_rank_placement():
+    """The discovery script's lines (Horovod's format) and the rank table of an epoch whose
+    members run on hosts in any order."""
+    from sdp.launcher import discovery, placement
+    text = "h2:2\n# comment\nlocalhost:1\n127.0.0.1\nh3\nbad:x\nh4:100000\nh5:-3\n"
+    assert discovery.parse(text, None, 8, names={"localhost"}) == \
+        {"h2": 2, "localhost": 2, "h3": 1, "h4": 8, "h5": 0}
+    assert discovery.parse("h3\n", 4, 8, names=set()) == {"h3": 4}
+    assert discovery.parse("localhost:2\n", None, 8, allow_fake=True) == {"localhost": 2}
+    infos = placement.rank_infos(["h1", "h2", "h1", "h3", "h2"])
+    assert [(i.local_rank, i.local_size, i.cross_rank, i.cross_size) for i in infos] == \
+        [(0, 2, 0, 3), (0, 2, 1, 3), (1, 2, 0, 2), (0, 1, 2, 3), (1, 2, 1, 2)]
+    launchers = placement.Launchers()
+    assert launchers("localhost") is launchers.local and launchers("") is launchers.local
+    assert launchers("h2").name == "ssh" and launchers("h2") is launchers("h2")
+    assert placement.Launchers(allow_fake=True)("h2") is not None and not placement.Launchers(
+        allow_fake=True).is_remote("h2")
+
+
 def _add_then_drop(run, disc, a, b, c, while_dropped=lambda: None):
     """A job on ``a:2,b:2`` (discovery); ``c:2`` added at step 8 -> 6 workers at the next commit
     (new ones on ``c``, from rank 0's state); ``b`` dropped at step 24 -> its 2 workers are let go
