@@ -132,6 +132,25 @@ def test_fake_host_stopped_is_blacklisted_then_reused(tmp_path):
     _check_results(run, 4)
 
 
+def test_remote_host_while_listening_on_loopback_is_refused(tmp_path):
+    """A job that started on this machine only listens on 127.0.0.1 (never 0.0.0.0): a remote
+    host the script lists later cannot reach it, so it is skipped with an error naming -nic and
+    the job finishes as it was."""
+    disc = elastic_run.Discovery(tmp_path, "localhost:2")
+    run = elastic_run.Run(subprocess.Popen, _sdprun("-np", "2", "--host-discovery-script", str(disc.script),
+                                                     sys.executable, WORKER),
+                          cwd=REPO, env=_env(PROGRESS=1, STEPS=30, COMMIT=4, STEP_S=0.1))
+    try:
+        run.progress(lambda d: d["step"] >= 4)
+        disc.set("localhost:2,elsewhere.invalid:2")
+        run.wait_for(lambda x: "elsewhere.invalid is another host, but sdprun listens on 127.0.0.1" in x
+                     and "-nic" in x)
+        assert run.finish() == 0, run.text()[-6000:]
+    finally:
+        run.kill()
+    _check_results(run, 2)
+
+
 # ------------------------------------------------------------------------- emulated hosts
 
 needs_hosts = pytest.mark.skipif(emulated_hosts.unavailable_reason() is not None,
