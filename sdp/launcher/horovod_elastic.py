@@ -1,5 +1,14 @@
 """Horovod Elastic's driver: ``sdprun -np N --min-np A --max-np B --host-discovery-script S``.
 
+Across machines (run on one of them; the others through ssh, keys and the same Python
+environment at the same path as for ``-H``)::
+
+    sdprun -np 4 --min-np 2 --max-np 8 --host-discovery-script ./discover.sh \
+        [--slots-per-host 2] [--blacklist-cooldown-range 30 60] [-nic eth0] python train.py
+    # discover.sh prints the usable hosts now, e.g. "h1:2" and "h2:2" (or "h1", "h2" with
+    # --slots-per-host); add a line and the job grows at its next commit, drop one and its
+    # workers leave there
+
 :class:`HorovodElasticDriver` runs on the elastic core of :mod:`sdp.launcher.elastic` (the signed
 HTTP endpoint, one rendezvous server per epoch) and decides the members of each epoch itself:
 survivors of a failure, minus workers on hosts that went away, plus workers it starts on new
