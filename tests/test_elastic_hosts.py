@@ -357,6 +357,8 @@ def test_horovod_keras_fit_pattern_across_hosts(hosts, tmp_path):
 @needs_hosts
 @pytest.mark.tf
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("SDP_TEST_ACCEPTANCE") != "1",
+                    reason="MNIST on up to 6 TensorFlow workers takes minutes; set SDP_TEST_ACCEPTANCE=1")
 def test_mnist_elastic_example_three_hosts_add_and_drop(hosts, tmp_path):
     """Acceptance: examples/tf2_mnist_elastic.py, discovery h1:2,h2:2, h3:2 added at batch 50,
     h2 dropped at batch 150: no batch twice or lost, the same final weights on every rank, test
