@@ -163,7 +163,7 @@ def _start(hosts, tmp_path, discovered, *extra, **env):
     argv = _sdprun("-np", "4", "--min-np", "2", "--max-np", "8", "--host-discovery-script", str(disc.script),
                    *extra, sys.executable, WORKER)
     run = elastic_run.Run(lambda a, **kw: hosts.popen("h1", a, **kw), argv, cwd=REPO,
-                          env=_env(PROGRESS=1, **{"STEPS": 60, "COMMIT": 4, "STEP_S": 0.1, **env}))
+                          env=_env(PROGRESS=1, **{"STEPS": 120, "COMMIT": 4, "STEP_S": 0.1, **env}))
     return disc, run
 
 
@@ -204,7 +204,7 @@ def test_dead_link_rolls_back_blacklists_and_reuses_host(hosts, tmp_path):
     workers, blacklists h2 for 4-5 s); with the link back and h2 still discovered, h2 gets
     workers again after the cooldown; 4 finish, every committed step once, the same state."""
     import time
-    disc, run = _start(hosts, tmp_path, "h1:2,h2:2", "--blacklist-cooldown-range", "4", "5", STEPS=80)
+    disc, run = _start(hosts, tmp_path, "h1:2,h2:2", "--blacklist-cooldown-range", "4", "5", STEPS=250)
     try:
         run.progress(lambda d: d["step"] >= 10 and d["host"] == "h2")
         t0 = time.monotonic()
