@@ -444,9 +444,9 @@ def _launch(args, command, hosts, ranks, remote, host_addr, watch, secret, stdou
         if elastic is not None:
             elastic.stop()
         server.stop()
-        from sdp.transport import shm
-        if shm.remove_job_files(job_id):
-            log.debug("removed shared-memory segments that killed workers left behind")
+        from sdp.launcher.local import remove_job_files
+        if remove_job_files(job_id):
+            log.debug("removed shared-memory segments / ipc directories that killed workers left behind")
         for s, h in previous.items():
             signal.signal(s, h)
 

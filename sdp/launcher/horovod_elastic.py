@@ -474,7 +474,7 @@ def run_horovod_elastic(args, command, host_addr: str, secret: str, stdout=None,
     finally:
         group.stop(signal.SIGKILL, grace_s=0)
         driver.stop()
-        from sdp.transport import shm
-        shm.remove_job_files(job_id)
+        from sdp.launcher.local import remove_job_files
+        remove_job_files(job_id)
         for s, h in previous.items():
             signal.signal(s, h)
