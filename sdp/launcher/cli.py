@@ -336,9 +336,10 @@ def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=No
         ranks = hostlib.assign_ranks(hosts, np)
         remote = remote_hosts([h for h in hosts if any(r.hostname == h.host for r in ranks)]
                               if not watch and args.launcher != "slurm" else hosts, allow_fake)
+        discovered_first = None
         if args.host_discovery_script and not (args.hosts or args.hostfile):
             from sdp.launcher.horovod_elastic import listen_hosts
-            remote = listen_hosts(args, allow_fake)
+            remote, discovered_first = listen_hosts(args, allow_fake)
         host_addr = listen_address(remote, args.nic)
         exports = parse_exports(args.export, base_env)
     except (ValueError, OSError) as e:
@@ -360,7 +361,8 @@ def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=No
     try:
         if args.host_discovery_script:
             from sdp.launcher.horovod_elastic import run_horovod_elastic
-            return run_horovod_elastic(args, command, host_addr, secret, stdout, stderr, base_env, allow_fake)
+            return run_horovod_elastic(args, command, host_addr, secret, stdout, stderr, base_env, allow_fake,
+                                       discovered_first)
         return _launch(args, command, hosts, ranks, remote, host_addr, watch, secret,
                        stdout, stderr, base_env, tool)
     finally:

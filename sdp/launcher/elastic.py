@@ -434,3 +434,4 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     do_PUT = _write
     do_POST = _write
+    do_DELETE = _write

@@ -91,6 +91,7 @@ class HorovodElasticDriver(ElasticController):
         self.discovery_script = discovery_script
         self._discovery_ok = False  # the script has succeeded once
         self._discovery_failures = 0  # consecutive failures since
+        self.first_output: Optional[str] = None  # the script's output sdprun read before starting
         self.launchers = launchers or Launchers(allow_fake=True)
         self.np, self.min_np, self.max_np = np, min_np, max_np
         self.slots_per_host = slots_per_host
@@ -124,7 +125,9 @@ class HorovodElasticDriver(ElasticController):
         a script that fails).  Remote hosts are dropped (with one error each) while ``sdprun``
         listens on a loopback address."""
         try:
-            out = discovery.run_script(self.discovery_script)
+            out, self.first_output = self.first_output, None
+            if out is None:
+                out = discovery.run_script(self.discovery_script)
         except (OSError, subprocess.SubprocessError) as e:
             return self._discovery_failed(e)
         if self._discovery_failures >= DISCOVERY_FAILURES_WARN:
@@ -415,25 +418,28 @@ class HorovodElasticDriver(ElasticController):
                         f" for {until - time.monotonic():.0f} s" if self.cooldown else "")
 
 
-def listen_hosts(args, allow_fake: bool) -> List[str]:
-    """The remote hosts the discovery script lists now (``sdprun`` listens on the address that
-    routes to the first); none when the script fails (the driver reports it) or in fake-hosts
+def listen_hosts(args, allow_fake: bool):
+    """``(remote hosts, output)``: the hosts other than this machine the discovery script lists
+    now (``sdprun`` listens on the address that routes to the first) and the script's output,
+    which the driver takes as its first answer (the script runs once per interval, however it
+    counts its runs); ``([], None)`` when the script fails (the driver reports it) or in fake-hosts
     mode."""
     if allow_fake:
-        return []
+        return [], None
     try:
-        found = discovery.parse(discovery.run_script(args.host_discovery_script), args.slots_per_host,
-                                args.max_np or (1 << 16))
+        out = discovery.run_script(args.host_discovery_script)
     except (OSError, subprocess.SubprocessError):
-        return []
+        return [], None
+    found = discovery.parse(out, args.slots_per_host, args.max_np or (1 << 16))
     names = hostlib.local_names()
-    return [h for h in found if not hostlib.is_local(h, names)]
+    return [h for h in found if not hostlib.is_local(h, names)], out
 
 
 def run_horovod_elastic(args, command, host_addr: str, secret: str, stdout=None, stderr=None,
-                        base_env=None, allow_fake: bool = False) -> int:
+                        base_env=None, allow_fake: bool = False, first_output: Optional[str] = None) -> int:
     """``sdprun --host-discovery-script`` (horovodrun's elastic flags, see
-    :class:`HorovodElasticDriver`); returns the exit status."""
+    :class:`HorovodElasticDriver`); returns the exit status.  ``first_output``: the discovery
+    script's output already read (:func:`listen_hosts`)."""
     from sdp.launcher.jobenv import parse_exports, worker_envs
     from sdp.launcher.procs import DEFAULT_GRACE_S, WorkerGroup
     from sdp.launcher.ssh import SshOptions
@@ -461,7 +467,9 @@ def run_horovod_elastic(args, command, host_addr: str, secret: str, stdout=None,
     driver = HorovodElasticDriver(args.host_discovery_script, np, min_np, max_np, group, make_envs,
                                   args.start_timeout, slots_per_host=args.slots_per_host,
                                   reset_limit=args.reset_limit, elastic_timeout=args.elastic_timeout,
-                                  cooldown=cooldown, host=host_addr, secret=secret, launchers=launchers).start()
+                                  cooldown=cooldown, host=host_addr, secret=secret, launchers=launchers)
+    driver.first_output = first_output
+    driver.start()
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, lambda signum, _f: group.request_stop(signum)) for s in handled} \
