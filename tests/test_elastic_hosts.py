@@ -157,11 +157,17 @@ needs_hosts = pytest.mark.skipif(emulated_hosts.unavailable_reason() is not None
                                  reason=str(emulated_hosts.unavailable_reason()))
 
 
+#: the numpy worker's settings (tests/workers_elastic.py); remote workers get them through -x
+WORKER_SETTINGS = ("PROGRESS", "STEPS", "COMMIT", "STEP_S")
+
+
 def _start(hosts, tmp_path, discovered, *extra, **env):
-    """sdprun on h1 with a discovery script printing ``discovered``; the numpy worker."""
+    """sdprun on h1 with a discovery script printing ``discovered``; the numpy worker, its
+    settings exported with ``-x`` (ssh forwards only ``SDP_*``/``HOROVOD_*``/``TF_*`` and those)."""
     disc = elastic_run.Discovery(tmp_path, discovered)
+    exports = [a for k in WORKER_SETTINGS for a in ("-x", k)]
     argv = _sdprun("-np", "4", "--min-np", "2", "--max-np", "8", "--host-discovery-script", str(disc.script),
-                   *extra, sys.executable, WORKER)
+                   *exports, *extra, sys.executable, WORKER)
     run = elastic_run.Run(lambda a, **kw: hosts.popen("h1", a, **kw), argv, cwd=REPO,
                           env=_env(PROGRESS=1, **{"STEPS": 120, "COMMIT": 4, "STEP_S": 0.1, **env}))
     return disc, run
