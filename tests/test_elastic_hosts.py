@@ -393,3 +393,26 @@ def test_mnist_elastic_example_three_hosts_add_and_drop(hosts, tmp_path):
     print(f"mnist elastic across 3 hosts: {m.group(0)}, test accuracy {acc}")
     assert acc >= 0.97, text[-3000:]
     _no_worker_left(hosts, hosts.names, timeout_s=10)
+
+
+@needs_hosts
+@pytest.mark.tf
+@pytest.mark.slow
+def test_kungfu_elastic_mnist_example_across_hosts(hosts):
+    """The examples' KungFu elastic MNIST script with ``sdprun -w -H h1:2,h2:2 -np 2`` on h1 and
+    a short schedule: 2 workers, 4 after step 3 (ranks 2-3 on h2 through ssh, synchronised from
+    rank 0), 1 after step 6 (ranks 1-3 detach); rank 0 finishes alone; nothing is left on h2."""
+    pytest.importorskip("tensorflow")
+    if not os.path.isdir(MNIST_DIR):
+        pytest.skip(f"no MNIST data at {MNIST_DIR}")
+    res = hosts.run("h1", _sdprun("-w", "-H", "h1:2,h2:2", "-np", "2", sys.executable,
+                                  os.path.join(REPO, "examples", "kungfu_elastic_mnist.py"), "--data-dir", MNIST_DIR,
+                                  "--schedule", "3:4,6:1", "--max-step", "8", "--batch-size", "32"),
+                    timeout=300, cwd=REPO, env=_env())
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    synced = re.findall(r"\[(\d)\]<stdout>:rank (\d)/4: synchronised at step 3", out)
+    assert sorted(r for _, r in synced) == ["0", "1", "2", "3"], out[-4000:]
+    assert out.count("detached after step 6") == 3, out[-4000:]
+    assert "finished at step 8 with 1 workers" in out, out[-4000:]
+    _no_worker_left(hosts, hosts.names, timeout_s=10)
