@@ -78,10 +78,7 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 log = logging.getLogger("sdp.compat")
 
-FAMILIES = ("horovod", "smdistributed", "kungfu")
-COMPAT_ENV = "SDP_COMPAT"
-FORCE_ENV = "SDP_COMPAT_FORCE"
-SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_compat_site")
+from sdp.common.compat_names import COMPAT_ENV, FAMILIES, FORCE_ENV, SHIM_DIR, parse_families  # noqa: F401
 
 _TRUE = ("1", "true", "yes", "on", "all")
 
@@ -141,29 +138,6 @@ _PACKAGE_DOCS = {
               "sdp_kungfu_bridge.python and sdp_kungfu_bridge.tensorflow; the KungFu fork's "
               "MindSpore modules are sdp_kungfu_bridge.mindspore.",
 }
-
-
-# ---------------------------------------------------------------- parsing family lists
-
-def parse_families(value: Union[str, Iterable[str], None]) -> Tuple[str, ...]:
-    """``"horovod,kungfu"`` / ``["horovod"]`` / ``"all"`` -> a tuple of family names, in
-    :data:`FAMILIES` order.  Raises ``ValueError`` naming an unknown family."""
-    if value is None:
-        return ()
-    items = value.split(",") if isinstance(value, str) else list(value)
-    names = set()
-    for item in items:
-        item = str(item).strip().lower()
-        if not item:
-            continue
-        if item == "all":
-            names.update(FAMILIES)
-        elif item in FAMILIES:
-            names.add(item)
-        else:
-            raise ValueError(f"unknown compatibility family {item!r}; choose from {', '.join(FAMILIES)} "
-                             f"(comma-separated) or 'all'")
-    return tuple(f for f in FAMILIES if f in names)
 
 
 def _forced_from_env() -> Tuple[str, ...]:
@@ -620,4 +594,6 @@ def run(fn, args=(), kwargs=None, np: int = 1, hosts: Optional[str] = None, **kw
     through ssh) and return their results in rank order.  An alias of
     :func:`sdp.launcher.run_func.run`, which documents the keywords and what must be picklable."""
     from sdp.launcher.run_func import run as launcher_run
-    return launcher_run(fn, args, kwargs, np=np, hosts=hosts, **kw)
+    active = installed()
+    forced = [f for f in active if _finder is not None and _finder.families.get(f)]
+    return launcher_run(fn, args, kwargs, np=np, hosts=hosts, compat=active, compat_forced=forced, **kw)

@@ -36,6 +36,7 @@ import functools
 import json
 import logging
 import os
+import re
 import time
 import urllib.error
 import urllib.parse
@@ -43,7 +44,7 @@ import urllib.request
 from typing import Callable, Dict, List, Optional
 
 from sdp import api
-from sdp.common.errors import HorovodInternalError, HostsUpdatedInterrupt, SdpError
+from sdp.common.errors import HorovodInternalError, HostsUpdatedInterrupt, PeerLostError, SdpError
 from sdp.transport import security
 
 log = logging.getLogger("sdp.elastic")
@@ -134,21 +135,46 @@ def hosts_version() -> int:
     return _hosts_seen["version"]
 
 
+_LOST_RE = re.compile(r"lost connection to rank (\d{1,7})\b")
+_lost_ranks = set()  # ranks of the current epoch a failed collective named (PeerLostError)
+
+
+def note_lost(e: BaseException) -> None:
+    """Remember the rank a :class:`~sdp.common.errors.PeerLostError` names: the next
+    :func:`reset` tells ``sdprun``, which then stops that worker if it does not ask to re-form
+    (a dead link or machine) instead of waiting for its ssh session to time out."""
+    rank = getattr(e, "rank", None) if isinstance(e, PeerLostError) else None
+    if rank is None:  # the same error wrapped by a framework (a TensorFlow op error)
+        m = _LOST_RE.search(str(e))
+        rank = int(m.group(1)) if m else None
+    if isinstance(rank, int) and 0 <= rank < (1 << 20):
+        _lost_ranks.add(rank)
+
+
 def reset() -> None:
     """Leave the current epoch and join the next one (see the module docstring).  Raises
-    :class:`ElasticError` outside an elastic job, when ``sdprun`` stops the job, or on timeout."""
+    :class:`ElasticError` outside an elastic job, when ``sdprun`` stops the job, or on timeout;
+    ``SystemExit(0)`` when ``sdprun`` lets this worker go (its host left the discovery output:
+    the worker ends, as Horovod's do)."""
     url, worker = control_url(), os.environ.get(WORKER_ENV)
     if not url or worker is None:
         raise ElasticError("re-forming the job needs an elastic launch: sdprun --host-discovery-script ... "
                            f"({CONTROL_ENV}/{WORKER_ENV} are not set)")
     api.shutdown()
     ep = epoch()
+    body = {"worker": int(worker), "epoch": ep}
+    if _lost_ranks:
+        body["lost"] = sorted(_lost_ranks)
+    _lost_ranks.clear()
     deadline = time.monotonic() + _float_env(TIMEOUT_ENV, 600.0)
     while True:
-        rec = request(url.rstrip("/") + "/join", "POST", {"worker": int(worker), "epoch": ep},
+        rec = request(url.rstrip("/") + "/join", "POST", body,
                       timeout=JOIN_POLL_S + _float_env(HTTP_TIMEOUT_ENV, 30.0))
         if "stop" in rec:
             raise ElasticError(f"sdprun ended the elastic job: {rec['stop']}")
+        if "leave" in rec:
+            log.info("worker %s leaves the job: %s", worker, rec["leave"])
+            raise SystemExit(0)
         if "rendezvous" in rec:
             break
         if time.monotonic() > deadline:
@@ -261,6 +287,7 @@ def _reform(reset_fn: Callable) -> None:
         except HorovodInternalError as e:
             if not _recoverable(e):
                 raise
+            note_lost(e)
             log.warning("re-forming the job failed (%s); trying again", str(e).splitlines()[0][:300])
 
 
@@ -286,6 +313,7 @@ def run_fn(func: Callable, reset_fn: Callable = reset, is_internal_error: Callab
                     raise
                 log.warning("collective failed (%s): rolling back to the last commit and re-forming",
                             str(e).splitlines()[0][:300])
+                note_lost(e)
                 state.restore()
                 skip_sync = False
             _reform(reset_fn)

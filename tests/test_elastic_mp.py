@@ -302,7 +302,7 @@ def test_join_endpoint_refuses_unsigned_and_malformed_requests():
     import urllib.error
     import urllib.request
 
-    from sdp.launcher.elastic import HorovodElasticDriver
+    from sdp.launcher.horovod_elastic import HorovodElasticDriver
     from sdp.transport import security
     secret = security.new_secret()
     drv = HorovodElasticDriver("/bin/true", 2, 2, 2, None, None, 5, secret=secret).start()

@@ -3,7 +3,8 @@
 Each step allreduces (SUM) a vector of ones and adds the step number to ``state.done``; a commit
 every ``COMMIT`` steps.  ``DIE_WORKER``/``DIE_STEP``: that worker kills itself (SIGKILL) at that
 step, after its allreduce was submitted; ``HANG_WORKER`` never asks to re-form after a failure;
-``WAIT_STEP``/``WAIT_FILE``: rank 0 prints ``WAITING`` at that step and goes on once the file exists.  At the end rank 0 prints the committed steps, which must
+``WAIT_STEP``/``WAIT_FILE``: rank 0 prints ``WAITING`` at that step and goes on once the file exists;
+``PROGRESS=1``: a ``PROGRESS`` line per step.  At the end rank 0 prints the committed steps, which must
 be 0..STEPS-1 once each, and every rank prints its size and the checksum of ``state.value``.
 """
 import functools
@@ -24,6 +25,7 @@ DIE_STEP = int(os.environ.get("DIE_STEP", "-1"))
 STEP_S = float(os.environ.get("STEP_S", "0.05"))
 WAIT_STEP = int(os.environ.get("WAIT_STEP", "-1"))  # rank 0 prints WAITING there and waits for WAIT_FILE
 WAIT_FILE = os.environ.get("WAIT_FILE")
+PROGRESS = bool(os.environ.get("PROGRESS"))  # a PROGRESS line per step (tests act on them)
 
 api.init()
 state = elastic.ObjectState(step=0, done=[], value=0.0, sizes=[])
@@ -51,6 +53,10 @@ def train(state):
         state.done.append(state.step)
         state.sizes.append(api.size())
         state.step += 1
+        if PROGRESS:
+            print(f"PROGRESS worker={os.environ.get(elastic.WORKER_ENV)} rank={api.rank()} size={api.size()} "
+                  f"step={state.step} host={os.environ.get('SDP_HOSTNAME')} pid={os.getpid()} job={os.environ.get('SDP_JOB_ID')}",
+                  flush=True)
         time.sleep(STEP_S)
         if state.step % COMMIT == 0:
             state.commit()

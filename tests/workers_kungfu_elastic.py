@@ -13,6 +13,7 @@ model, ``SynchronousSGDOptimizer`` in a ``tf.function``, the ``resize`` TF opera
 """
 import hashlib
 import json
+import os
 import sys
 
 import numpy as np
@@ -39,7 +40,8 @@ def main():
         w = w - 0.1 * g
         step += 1
         print(json.dumps({"uid": me, "rank": kf.current_rank(), "size": kf.current_cluster_size(),
-                          "step": step, "w": hashlib.sha256(w.tobytes()).hexdigest()[:16]}), flush=True)
+                          "step": step, "w": hashlib.sha256(w.tobytes()).hexdigest()[:16],
+                          "host": os.environ.get("SDP_HOSTNAME")}), flush=True)
         if mode == "resize":
             changed, detached = kf.resize(schedule[step]) if step in schedule else (False, False)
         else:

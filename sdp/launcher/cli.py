@@ -66,20 +66,22 @@ import signal
 import socket
 import sys
 import threading
-from typing import Dict, List, Optional
+from typing import List, Optional
 
-from sdp.common import network
+from sdp.common import compat_names, network
 from sdp.launcher import hosts as hostlib
 from sdp.launcher import mpi, slurm
-from sdp.launcher.local import LocalLauncher
+from sdp.launcher.jobenv import (NON_TEMPORAL_BYTES, NON_TEMPORAL_TUNABLE, STREAMING_COPIES,  # noqa: F401
+                                 job_env, parse_exports, with_streaming_copies, worker_envs)
+from sdp.launcher.placement import Launchers
 from sdp.launcher.procs import DEFAULT_GRACE_S, WorkerGroup
-from sdp.launcher.ssh import SshLauncher, SshOptions, probe_host
+from sdp.launcher.ssh import SshOptions, probe_host
 from sdp.transport import security
 
 log = logging.getLogger("sdp.launcher")
 
 ALLOW_FAKE_HOSTS_ENV = "SDP_LAUNCHER_ALLOW_FAKE_HOSTS"
-COMPAT_CHOICES = ("horovod", "smdistributed", "kungfu")
+COMPAT_CHOICES = compat_names.FAMILIES
 EXIT_USAGE = 2
 EXIT_NOT_FOUND = 127
 EXIT_CANNOT_RUN = 126
@@ -87,9 +89,8 @@ EXIT_CANNOT_RUN = 126
 
 def _compat_list(value: str) -> str:
     """``--compat`` value: a comma list of COMPAT_CHOICES (or ``all``), normalized."""
-    from sdp.compat import parse_families
     try:
-        families = parse_families(value)
+        families = compat_names.parse_families(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e))
     if not families:
@@ -171,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     # horovodrun's elastic mode (Horovod Elastic); see sdp.launcher.elastic.HorovodElasticDriver
     el = p.add_argument_group("elastic: Horovod Elastic (horovodrun's names)")
     el.add_argument("--host-discovery-script", metavar="SCRIPT",
-                    help="elastic mode: run SCRIPT every second; it prints 'host:slots' lines (this machine only)")
+                    help="elastic mode: run SCRIPT every second; it prints 'host:slots' lines (other hosts "
+                         "through ssh, as with -H)")
     el.add_argument("--min-np", type=int, metavar="N", help="stop the job below N workers (default: -np)")
     el.add_argument("--max-np", type=int, metavar="N", help="grow the job to at most N workers (default: no limit)")
     el.add_argument("--slots-per-host", type=int, metavar="N", help="slots of a discovered host given without ':slots'")
@@ -246,23 +248,6 @@ def listen_address(remote: List[str], nic: Optional[str]) -> str:
     return network.address_towards(remote[0]) if remote else network.LOOPBACK
 
 
-def parse_exports(items: List[str], env=None) -> Dict[str, str]:
-    """``-x NAME=VALUE`` / ``-x NAME`` (value from ``env``, default ``os.environ``) -> a dict.
-    Raises ``ValueError`` for a bad name or a ``NAME`` that is not set."""
-    env = os.environ if env is None else env
-    out = {}
-    for item in items:
-        name, eq, value = item.partition("=")
-        if not name.isidentifier():
-            raise ValueError(f"-x {item!r}: {name!r} is not a variable name")
-        if not eq:
-            if name not in env:
-                raise ValueError(f"-x {name}: {name} is not set in sdprun's environment (give -x {name}=VALUE)")
-            value = env[name]
-        out[name] = value
-    return out
-
-
 def check_hosts(hosts: List[hostlib.HostSlots], remote: List[str], args, out=None) -> int:
     """``sdprun --check``: print one line per host; return 0 when every host answered, else 1."""
     out = out or sys.stdout
@@ -285,65 +270,6 @@ def check_hosts(hosts: List[hostlib.HostSlots], remote: List[str], args, out=Non
         print(f"{h.host}: reachable ({'ssh' if is_remote else 'local'}), hostname {info['hostname']}, "
               f"Python {info['python']}, sdp {info['sdp']}, /dev/shm {shm} free, {iface}", file=out)
     return 1 if failed else 0
-
-
-# glibc's memcpy switches to non-temporal (cache-bypassing) stores above this many bytes.  Its own
-# default is 3/4 of the L3 cache per thread (99 MB on a 260 MB-L3 host), so the fusion-buffer
-# packs and shared-memory pushes (256 KB - 512 KB copies into memory another core reads next)
-# would otherwise read every destination line first and evict the caller's cache on the way.
-# Measured with 2 ranks here: 64 MB allreduce busbw 3.0 -> 4.2 GB/s, a fused 25 MB gradient list
-# 7.1-8.0 -> 6.1-6.9 ms (benchmarks/README.md).
-NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
-NON_TEMPORAL_BYTES = 128 * 1024
-STREAMING_COPIES = f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_BYTES}"  # the GLIBC_TUNABLES entry sdprun adds
-
-
-def with_streaming_copies(env: dict) -> dict:
-    """``env`` with ``GLIBC_TUNABLES`` setting glibc's non-temporal memcpy threshold to
-    ``NON_TEMPORAL_BYTES`` (128 KB), unless the user's ``GLIBC_TUNABLES`` already sets it.
-    Other tunables are kept.  (glibc reads it at process start, so only a launcher can set it;
-    an unknown tunable, e.g. on musl or an old glibc, is ignored.)"""
-    tunables = env.get("GLIBC_TUNABLES", "")
-    if NON_TEMPORAL_TUNABLE + "=" in tunables:
-        return env
-    return dict(env, GLIBC_TUNABLES=f"{tunables}:{STREAMING_COPIES}" if tunables else STREAMING_COPIES)
-
-
-def worker_envs(ranks: List[hostlib.RankInfo], rendezvous_addr: str, job_id: str, args,
-                base_env=None, secret: Optional[str] = None) -> List[dict]:
-    """The full environment of each worker: :func:`job_env` plus the ``SDP_*`` variables of
-    its rank."""
-    base = job_env(rendezvous_addr, job_id, args, base_env, secret)
-    envs = []
-    for info in ranks:
-        env = dict(base)
-        env.update(info.env())
-        envs.append(env)
-    return envs
-
-
-def job_env(rendezvous_addr: str, job_id: str, args, base_env=None, secret: Optional[str] = None) -> dict:
-    """The environment every worker of the job shares: ``base_env`` (default ``os.environ``),
-    ``-x`` variables, ``SDP_RENDEZVOUS_ADDR``, ``SDP_JOB_ID``, ``SDP_START_TIMEOUT``, ``SDP_SECRET``
-    (when ``secret``), ``SDP_IFACE`` / ``SDP_COMPAT`` when asked; no rank variables."""
-    base = with_streaming_copies(dict(os.environ if base_env is None else base_env))
-    base.update(parse_exports(getattr(args, "export", []) or [], base))
-    if secret:
-        base[security.SECRET_ENV] = secret
-        base.pop(security.SECRET_FILE_ENV, None)
-    base.update({
-        "SDP_RENDEZVOUS_ADDR": rendezvous_addr,
-        "SDP_JOB_ID": job_id,
-        "SDP_START_TIMEOUT": f"{args.start_timeout:g}",
-        "PYTHONUNBUFFERED": "1",
-    })
-    if args.nic:
-        base["SDP_IFACE"] = args.nic
-    if args.compat:
-        from sdp.compat import SHIM_DIR
-        base["SDP_COMPAT"] = args.compat
-        base["PYTHONPATH"] = os.pathsep.join(p for p in (SHIM_DIR, base.get("PYTHONPATH")) if p)
-    return base
 
 
 def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=None) -> int:
@@ -410,6 +336,10 @@ def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=No
         ranks = hostlib.assign_ranks(hosts, np)
         remote = remote_hosts([h for h in hosts if any(r.hostname == h.host for r in ranks)]
                               if not watch and args.launcher != "slurm" else hosts, allow_fake)
+        discovered_first = None
+        if args.host_discovery_script and not (args.hosts or args.hostfile):
+            from sdp.launcher.horovod_elastic import listen_hosts
+            remote, discovered_first = listen_hosts(args, allow_fake)
         host_addr = listen_address(remote, args.nic)
         exports = parse_exports(args.export, base_env)
     except (ValueError, OSError) as e:
@@ -430,8 +360,9 @@ def main(argv: Optional[List[str]] = None, stdout=None, stderr=None, base_env=No
     os.environ[security.SECRET_ENV] = secret
     try:
         if args.host_discovery_script:
-            from sdp.launcher.elastic import run_horovod_elastic
-            return run_horovod_elastic(args, command, host_addr, secret, stdout, stderr, base_env)
+            from sdp.launcher.horovod_elastic import run_horovod_elastic
+            return run_horovod_elastic(args, command, host_addr, secret, stdout, stderr, base_env, allow_fake,
+                                       discovered_first)
         return _launch(args, command, hosts, ranks, remote, host_addr, watch, secret,
                        stdout, stderr, base_env, tool)
     finally:
@@ -451,13 +382,10 @@ def _launch(args, command, hosts, ranks, remote, host_addr, watch, secret, stdou
     server = RendezvousServer(size=np, host=host_addr, port=0, timeout_s=args.start_timeout,
                               secret=secret).start()
     envs = worker_envs(ranks, server.address, job_id, args, base_env=base_env, secret=secret)
-    local = LocalLauncher()
     options = SshOptions(args.ssh_port, args.ssh_identity_file)
     forward = list(parse_exports(args.export, base_env))
-    ssh_launchers = {h: SshLauncher(h, options, forward=forward, grace_s=DEFAULT_GRACE_S) for h in remote}
-
-    def launcher_of(host: str):
-        return ssh_launchers.get(host, local)
+    launcher_of = Launchers(options, forward=forward, grace_s=DEFAULT_GRACE_S,
+                            allow_fake=os.environ.get(ALLOW_FAKE_HOSTS_ENV, "") not in ("", "0"))
 
     prefix = not args.no_prefix
     if args.launcher in ("mpi", "slurm"):
@@ -518,9 +446,9 @@ def _launch(args, command, hosts, ranks, remote, host_addr, watch, secret, stdou
         if elastic is not None:
             elastic.stop()
         server.stop()
-        from sdp.transport import shm
-        if shm.remove_job_files(job_id):
-            log.debug("removed shared-memory segments that killed workers left behind")
+        from sdp.launcher.local import remove_job_files
+        if remove_job_files(job_id):
+            log.debug("removed shared-memory segments / ipc directories that killed workers left behind")
         for s, h in previous.items():
             signal.signal(s, h)
 

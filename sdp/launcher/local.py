@@ -108,3 +108,20 @@ class LocalLauncher(Launcher):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 preexec_fn=pdeathsig_preexec())
         return LocalProcess(rank, proc)
+
+
+def remove_job_files(job: str) -> int:
+    """Remove what ranks of job ``job`` that were killed left on this machine: shared-memory
+    segments (``/dev/shm/sdp-JOB-*``) and ipc socket directories (``$TMPDIR/sdp-JOB-*``).  Only
+    once the job has ended (``sdprun``'s clean-up): the names do not tell a live rank's files
+    apart.  Returns how many were removed."""
+    import glob
+    import shutil
+    import tempfile
+    from sdp.transport import shm
+    removed = shm.remove_job_files(job)
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"sdp-{glob.escape(job)}-*")):
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+    return removed
+

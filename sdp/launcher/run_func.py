@@ -24,7 +24,9 @@ import pickle
 import sys
 import threading
 import traceback
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
+
+from sdp.common import compat_names
 
 ENV_FUNC = "SDP_RUN_FUNC"
 ENV_MAIN = "SDP_RUN_MAIN"
@@ -73,7 +75,8 @@ class _Collector:
 def run(fn, args=(), kwargs=None, np: int = 1, hosts: Optional[str] = None, hostfile: Optional[str] = None,
         env: Optional[dict] = None, start_timeout: Optional[float] = None,
         network_interface: Optional[str] = None, ssh_port: Optional[int] = None,
-        ssh_identity_file: Optional[str] = None, verbose=None, **ignored) -> list:
+        ssh_identity_file: Optional[str] = None, verbose=None, compat: Sequence[str] = (),
+        compat_forced: Sequence[str] = (), **ignored) -> list:
     """Mirror of ``horovod.run``: call ``fn(*args, **kwargs)`` on ``np`` ranks and return their
     results as a list in rank order.
 
@@ -82,8 +85,10 @@ def run(fn, args=(), kwargs=None, np: int = 1, hosts: Optional[str] = None, host
     ``ssh_identity_file``, ``start_timeout`` (seconds) are ``sdprun``'s ``-nic``,
     ``--ssh-port``, ``--ssh-identity-file``, ``--start-timeout``; ``env`` adds variables on every
     rank (forwarded to remote ranks too).  Horovod's other keywords (``use_gloo``, ``use_mpi``,
-    ``executable``, ...) are accepted and ignored.  The compatibility families active here
-    (:func:`sdp.compat.install`) are active in the ranks too.  See the module docstring for what
+    ``executable``, ...) are accepted and ignored.  ``compat`` / ``compat_forced``:
+    the compatibility families to activate in the ranks (``sdprun --compat``) and those to force
+    (``SDP_COMPAT_FORCE``); :func:`sdp.compat.run` passes the ones active in the caller
+    (:func:`sdp.compat.install`).  See the module docstring for what
     must be picklable.
 
     Raises ``ValueError`` for a bad ``np``/host list, ``pickle.PicklingError`` (or
@@ -112,7 +117,7 @@ def run(fn, args=(), kwargs=None, np: int = 1, hosts: Optional[str] = None, host
     argv += ["--verbose"] if verbose else []
     for k in env or {}:
         argv += ["-x", str(k)]
-    argv += _compat_args(base)
+    argv += _compat_args(base, compat, compat_forced)
     collector = _Collector(sys.stdout)
     code = cli.main(argv + ["--", sys.executable, "-m", "sdp.launcher.run_func"], stdout=collector,
                     base_env=base)
@@ -135,17 +140,14 @@ def run(fn, args=(), kwargs=None, np: int = 1, hosts: Optional[str] = None, host
     return [results[r] for r in range(np)]
 
 
-def _compat_args(base: dict) -> List[str]:
-    """``--compat`` for the families active here (the ranks re-import the caller's main script,
-    which may ``import horovod``), with ``SDP_COMPAT_FORCE`` for those forced here."""
-    from sdp import compat
-    active = compat.installed()
+def _compat_args(base: dict, active: Sequence[str], forced: Sequence[str]) -> List[str]:
+    """``--compat`` for the families ``active`` in the caller (the ranks re-import the caller's
+    main script, which may ``import horovod``), with ``SDP_COMPAT_FORCE`` for those ``forced``
+    there (:func:`sdp.compat.run` passes both; the launcher never imports the faces)."""
     if not active:
         return []
-    finder = compat._finder
-    forced = [f for f in active if finder is not None and finder.families.get(f)]
     if forced:
-        base[compat.FORCE_ENV] = ",".join(forced)
+        base[compat_names.FORCE_ENV] = ",".join(forced)
     return ["--compat", ",".join(active)]
 
 
