@@ -4,8 +4,8 @@ import pytest
 
 grimp = pytest.importorskip("grimp")
 
-#: known circles outside this test's owners' layers, to be broken there (sdp/engine: the GPU work)
-KNOWN = [{"sdp.engine.backends", "sdp.engine.cuda_backend"}]
+#: known circles, to be broken (none left)
+KNOWN = []
 
 
 def _circles(graph):

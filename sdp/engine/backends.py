@@ -286,24 +286,3 @@ class NumpyBackend(Backend):
     def ipc_unlink(self, alloc: Allocation) -> None:
         if isinstance(alloc.owner, _Mapped):
             alloc.owner.unlink()
-
-
-def backend_name() -> str:
-    """``SDP_DEVICE_BACKEND`` (``cuda``, the default, or ``numpy``)."""
-    return (os.environ.get("SDP_DEVICE_BACKEND") or "cuda").lower()
-
-
-def make_backend(device_id: int, name: Optional[str] = None) -> Backend:
-    """The backend for device arrays of ``device_id``: ``name`` or :func:`backend_name`.
-    ``RuntimeError`` naming the cause when PyCUDA or a device is missing."""
-    name = (name or backend_name()).lower()
-    if name == "numpy":
-        return NumpyBackend()
-    if name != "cuda":
-        raise ValueError(f"SDP_DEVICE_BACKEND={name!r}: expected 'cuda' or 'numpy'")
-    try:
-        from sdp.engine.cuda_backend import CudaBackend
-    except ImportError as e:
-        raise RuntimeError(f"a CUDA device array reached sdp, but PyCUDA is not importable ({e}); "
-                           "install sdp[cuda]") from e
-    return CudaBackend(device_id)

@@ -37,6 +37,7 @@ Results are synchronised before they are handed out, and go back as the input's 
 (:meth:`sdp.engine.device_arrays.DeviceTensor.wrap_result`).
 """
 import logging
+import os
 import struct
 from typing import List, Optional
 
@@ -44,7 +45,7 @@ import numpy as np
 
 from sdp.common.reduce_ops import UFUNCS, ReduceOp
 from sdp.engine import barrier, collectives, fusion
-from sdp.engine.backends import Allocation, accumulation_type, backend_name, make_backend
+from sdp.engine.backends import Allocation, Backend, NumpyBackend, accumulation_type
 from sdp.engine.device_arrays import DeviceTensor
 
 log = logging.getLogger("sdp.engine.device")
@@ -54,6 +55,27 @@ MAX_HANDLE = 128  # bytes of an exported handle (CUDA's is 64; a shm path fits t
 WINDOWS = 2  # windows per rank, used in turn
 ONE_SHOT_BYTES = 1 << 20  # with more than 2 ranks, larger allreduce buckets take two shots
 _RECORD = struct.Struct("<q" + f"B{MAX_HANDLE}s" * WINDOWS)  # window bytes, then each handle's length and bytes
+
+
+def backend_name() -> str:
+    """``SDP_DEVICE_BACKEND`` (``cuda``, the default, or ``numpy``)."""
+    return (os.environ.get("SDP_DEVICE_BACKEND") or "cuda").lower()
+
+
+def make_backend(device_id: int, name: Optional[str] = None) -> Backend:
+    """The backend for device arrays of ``device_id``: ``name`` or :func:`backend_name`.
+    ``RuntimeError`` naming the cause when PyCUDA or a device is missing."""
+    name = (name or backend_name()).lower()
+    if name == "numpy":
+        return NumpyBackend()
+    if name != "cuda":
+        raise ValueError(f"SDP_DEVICE_BACKEND={name!r}: expected 'cuda' or 'numpy'")
+    try:
+        from sdp.engine.cuda_backend import CudaBackend
+    except ImportError as e:
+        raise RuntimeError(f"a CUDA device array reached sdp, but PyCUDA is not importable ({e}); "
+                           "install sdp[cuda]") from e
+    return CudaBackend(device_id)
 
 
 class DevicePath:
