@@ -11,7 +11,10 @@ size per rank, with ``KungFuMomentum`` (one allreduce per gradient, 10 per step,
 the 1-rank rows use the same optimizers on a cluster of one.  A step is timed from its call to
 its loss being read; the table shows the median over ``--steps`` steps after ``--warmup``,
 maximum over ranks, and the ratio to the 1-rank step of the same optimizer.  Target: the 2-rank
-grouped step at most 1.3x the 1-rank step.  Load on the machine skews every number: the first
+grouped step at most 1.3x the 1-rank step.  Each rank is pinned to its own cores
+(``--cores-per-rank``, default half the machine), the lone rank of the 1-rank run too, so both
+runs give a rank the same compute and the ratio measures communication, not two ranks sharing
+cores (on 2 cores an unpinned 1-rank step uses both).  Load on the machine skews every number: the first
 line gives the load average.
 """
 import argparse
@@ -29,6 +32,10 @@ MARK = "@@STEP@@"
 
 
 def worker(args):
+    if args.cores_per_rank:  # before MindSpore starts its thread pool: this rank's own cores
+        local = int(os.environ.get("SDP_LOCAL_RANK", "0"))
+        first = local * args.cores_per_rank % os.cpu_count()
+        os.sched_setaffinity(0, set(range(first, min(first + args.cores_per_rank, os.cpu_count()))))
     import numpy as np
     import mindspore as ms
     from mindspore import nn
@@ -66,7 +73,8 @@ def run(n, optimizer, args):
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "sdp.launcher.cli", "--compat", "kungfu", "-np", str(n), sys.executable,
            os.path.abspath(__file__), "--worker", "--optimizer", optimizer, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
+           "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
+           "--cores-per-rank", str(args.cores_per_rank)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
@@ -82,12 +90,16 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
     ap.add_argument("--target", type=float, default=1.3)
+    ap.add_argument("--cores-per-rank", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                    help="cores each rank is pinned to, in the 1-rank run too (0: no pinning); default: "
+                         "half the machine, so both runs give every rank the same cores")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     import mindspore
-    print(f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}, mindspore {mindspore.__version__}, "
-          f"batch {args.batch_size}/rank, {args.steps} steps after {args.warmup}", flush=True)
+    print(f"cores {os.cpu_count()} ({args.cores_per_rank or 'all'} per rank), load {os.getloadavg()[0]:.2f}, "
+          f"mindspore {mindspore.__version__}, batch {args.batch_size}/rank, {args.steps} steps after {args.warmup}",
+          flush=True)
     print(f"{'optimizer':<14}{'1 rank (ms)':>12}{'2 ranks (ms)':>14}{'2/1':>7}")
     ratios = {}
     for optimizer in ("per-gradient", "grouped"):
