@@ -39,6 +39,7 @@ import itertools
 import logging
 import pickle
 import threading
+import zlib
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -49,13 +50,17 @@ from sdp.common.errors import AlreadyInitializedError, NotInitializedError
 from sdp.common.reduce_ops import ReduceOp, resolve_op
 from sdp.engine.device_arrays import device_tensor, host_array
 from sdp.engine.process_sets import MAX_SET_ID
-from sdp.engine.runtime import Handle, Request, Runtime
+from sdp.engine.runtime import Handle, PartHandle, Request, Runtime
 from sdp.transport import lifeline
 
 _lock = threading.Lock()
 _runtime: Optional[Runtime] = None
 _counters = {}
 _counter_lock = threading.Lock()
+#: mean bytes per array up to which grouped_allreduce_async flattens host arrays into one request
+#: (packing them costs the caller a copy the engine would make anyway; above it, the engine's own
+#: fusion packs straight into shared memory, which saves a pass over the bytes)
+GROUP_MEAN_BYTES = 64 << 10
 _set_ids = itertools.count(1)  # ids of process sets, in the order they are added (the same on every rank)
 
 
@@ -97,7 +102,11 @@ def init(config: Optional[Config] = None) -> None:
             from sdp.engine import timeline
             timeline.start(_runtime, cfg.timeline)
         _counters.clear()
-        _set_ids = itertools.count(1)
+        #: mean bytes per array up to which grouped_allreduce_async flattens host arrays into one request
+#: (packing them costs the caller a copy the engine would make anyway; above it, the engine's own
+#: fusion packs straight into shared memory, which saves a pass over the bytes)
+GROUP_MEAN_BYTES = 64 << 10
+_set_ids = itertools.count(1)
 
 
 def shutdown() -> None:
@@ -292,18 +301,60 @@ def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = 
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set=0) -> List[Handle]:
     """Submit allreduces of several arrays in one batch (scheduled and fused together);
-    ``names`` defaults to ``<auto>.0``, ``<auto>.1``, ...  Returns one handle per array."""
+    ``names`` defaults to ``<auto>.0``, ``<auto>.1``, ...  Returns one handle per array.
+
+    Host arrays of at most :data:`GROUP_MEAN_BYTES` bytes on average go to the engine as one
+    request per dtype (a flattened group, :meth:`Request.group`): one negotiation, one cache
+    entry and one handle for the lot, where per-array requests cost ~10 us each.  Every rank must
+    then pass the same shapes in the same order (else :class:`TensorMismatchError` naming the
+    group by its first name and count; a timeline shows the group under that name, without
+    the FUSE and UNPACK phases, which happen outside the engine); larger arrays go one request
+    each, fused by the engine.  Groups are cut at the fusion threshold (0: one request per
+    array), so ranks must use the same threshold."""
     rt = runtime("grouped_allreduce()")
     ps = _check_set(rt, "grouped_allreduce", None, process_set)
     if names is None:
         base = auto_name("grouped_allreduce", ps)
         names = [f"{base}.{i}" for i in range(len(tensors))]
-    if ps:
-        names = [f"{n}@ps{ps}" for n in names]
+    names = [f"{n}@ps{ps}" for n in names] if ps else list(names)
     op = resolve_op(op)
-    reqs = [Request(n, "allreduce", as_input(t), op=op, prescale=prescale_factor, postscale=postscale_factor,
-                    ps=ps) for t, n in zip(tensors, names)]
-    return rt.submit_many(reqs) if reqs else []
+    kw = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, ps=ps)
+    arrays = [as_input(t) for t in tensors]
+    if len(arrays) < 2 or not all(type(a) is np.ndarray for a in arrays) \
+            or sum(a.nbytes for a in arrays) > GROUP_MEAN_BYTES * len(arrays):
+        reqs = [Request(n, "allreduce", a, **kw) for a, n in zip(arrays, names)]
+        return rt.submit_many(reqs) if reqs else []
+    by_dtype, threshold = {}, rt.fusion_threshold
+    for i, a in enumerate(arrays):
+        by_dtype.setdefault(a.dtype, []).append(i)
+    handles, reqs = [None] * len(arrays), []
+    for same in by_dtype.values():
+        for idx in _chunks(same, [arrays[i].nbytes for i in same], threshold):
+            if len(idx) == 1:
+                reqs.append(Request(names[idx[0]], "allreduce", arrays[idx[0]], **kw))
+                handles[idx[0]] = reqs[-1].handle
+                continue
+            group = [names[i] for i in idx]
+            digest = zlib.crc32("\0".join(group).encode())
+            reqs.append(Request.group(f"{group[0]} (+{len(idx) - 1}) #{digest:08x}", [arrays[i] for i in idx],
+                                      **kw))
+            for j, i in enumerate(idx):
+                handles[i] = PartHandle(names[i], reqs[-1].handle, j)
+    rt.submit_many(reqs)
+    return handles
+
+
+def _chunks(items: list, nbytes: List[int], threshold: int) -> List[list]:
+    """``items`` in runs of consecutive items totalling <= ``threshold`` bytes (the fusion
+    threshold: 0, no fusion, gives one item per run; an item larger than it is a run alone)."""
+    runs, fill = [], 0
+    for item, n in zip(items, nbytes):
+        if not runs or not threshold or fill + n > threshold:
+            runs.append([])
+            fill = 0
+        runs[-1].append(item)
+        fill += n
+    return runs
 
 
 def grouped_allreduce(tensors: Sequence, name: Optional[str] = None, op=None,

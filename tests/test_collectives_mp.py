@@ -123,3 +123,9 @@ def test_results_held_by_one_rank_stay_exact(pool):
             assert free is None
     if pool == "2097152":
         assert values[0][1] < 4096 * 64, "rank 0 should have used up its pool"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_grouped_allreduce_of_small_arrays_is_one_request_per_dtype(n):
+    for checks in check_ok(run_workers(n, "workers_collectives:flattened_groups", [])):
+        assert all(ok for _, ok in checks), checks

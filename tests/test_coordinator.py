@@ -208,3 +208,17 @@ def test_cache_capacity_zero_sends_every_request_in_full_and_still_checks():
     c.add(1, {"new": [meta("g", dtype="<f8")]})
     assert c.ready()[0]["err"] == "allreduce of 'g': dtype mismatch, rank 0 has float32, rank 1 has float64"
     assert c._batches == {}  # no ids: no batch cache either
+
+
+def test_group_shapes_must_agree_and_be_well_formed():
+    """A flattened group (``gs``: its tensors' shapes) with the same flat size but other shapes
+    on one rank is a mismatch naming both; a ``gs`` that is not a list of int lists is malformed."""
+    from sdp.engine.coordinator import malformed
+    a, b = meta("g", shape=(10,)), meta("g", shape=(10,))
+    a["gs"], b["gs"] = [[2, 3], [4]], [[3, 2], [4]]
+    assert check({0: a, 1: b}, 2) == ("allreduce of 'g': shapes of the grouped tensors mismatch, "
+                                      "rank 0 has [[2, 3], [4]], rank 1 has [[3, 2], [4]]")
+    assert check({0: a, 1: dict(a)}, 2) is None
+    assert malformed(a) is None
+    for bad in ([2, 3], [[2.5]], "x", [["1"]]):
+        assert malformed({**a, "gs": bad}) == f"bad 'gs': {bad!r:.80}"

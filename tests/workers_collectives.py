@@ -1,4 +1,6 @@
 """Worker functions run inside real rank processes by tests/harness.py."""
+import itertools
+
 import numpy as np
 
 import sdp
@@ -69,7 +71,8 @@ def checksum_of_allreduce(n_elems):
 def timeline_run(path):
     import json
     sdp.start_timeline(path)
-    hs = sdp.grouped_allreduce_async([np.ones(10, np.float32) * i for i in range(5)], [f"g{i}" for i in range(5)])
+    # 80 KB each: above GROUP_MEAN_BYTES, so the engine fuses them (FUSE, UNPACK)
+    hs = sdp.grouped_allreduce_async([np.ones(20_000, np.float32) * i for i in range(5)], [f"g{i}" for i in range(5)])
     [h.wait() for h in hs]
     sdp.broadcast(np.ones(3), 0, name="bc")
     sdp.stop_timeline()
@@ -235,16 +238,25 @@ def fp16_average_no_overflow():
 
 def fused_buckets(seed):
     """Gradient-list style fused allreduces (83 KB to 666 KB) with tensor boundaries falling
-    inside each rank's own chunk; float32 SUM, float16 AVERAGE, float64 prescaled."""
+    inside each rank's own chunk; float32 SUM, float16 AVERAGE, float64 prescaled; each list
+    once fused by the engine (one request per tensor) and once as grouped_allreduce_async
+    makes it (a flattened group where the mean size allows)."""
+    from sdp.engine.runtime import Request
     n, r = sdp.size(), sdp.rank()
+    rt = sdp.api.runtime()
     sizes = [1, 30_001, 7, 12_345, 0, 40_000, 3]
     oks = []
-    for dtype, op, pre in (("float32", "SUM", 1.0), ("float16", "AVERAGE", 1.0), ("float64", "SUM", 0.5)):
+    for (dtype, op, pre), grouped in itertools.product(
+            (("float32", "SUM", 1.0), ("float16", "AVERAGE", 1.0), ("float64", "SUM", 0.5)), (False, True)):
         mine = [data_for(r, [s], dtype, seed + i) for i, s in enumerate(sizes)]
         for a in mine:
             a.setflags(write=False)
-        hs = sdp.grouped_allreduce_async(mine, [f"{dtype}.{i}" for i in range(len(sizes))],
-                                         op=getattr(sdp.ReduceOp, op), prescale_factor=pre)
+        names = [f"{dtype}.{grouped}.{i}" for i in range(len(sizes))]
+        if grouped:
+            hs = sdp.grouped_allreduce_async(mine, names, op=getattr(sdp.ReduceOp, op), prescale_factor=pre)
+        else:
+            hs = rt.submit_many([Request(nm, "allreduce", a, op=getattr(sdp.ReduceOp, op), prescale=pre)
+                                 for nm, a in zip(names, mine)])
         for i, h in enumerate(hs):
             ref = reference(op, [data_for(q, [sizes[i]], dtype, seed + i) for q in range(n)]) * pre
             out = h.wait()
@@ -344,9 +356,55 @@ def control_path(steps):
         ok &= bool(np.all(out == np.arange(n)))
         ok &= bool(np.all(sdp.reducescatter(np.ones((n, 2), np.float32), name="rs", op=sdp.Sum) == n))
         sdp.barrier()
-    many = [np.full(3, i, np.float32) for i in range(2000)]
-    hs = sdp.api.grouped_allreduce_async(many, names=[f"many.{i}" for i in range(2000)], op=sdp.Sum)
+    # one request per tensor (grouped_allreduce would flatten them into one small request)
+    from sdp.engine.runtime import Request
+    hs = rt.submit_many([Request(f"many.{i}", "allreduce", np.full(3, i, np.float32)) for i in range(2000)])
     ok &= all(bool(np.all(h.wait() == n * i)) for i, h in enumerate(hs))
     ok &= sdp.broadcast_object({"rank": r}, root_rank=0) == {"rank": 0}
     sent = ctrl._wpos.get(1 if r == 0 else 0, 0) if ctrl is not None else 0
     return [rings, int(sent), bool(ok)]
+
+
+def flattened_groups():
+    """grouped_allreduce_async of small host arrays: one request per dtype (a flattened group),
+    results exact, aligned views of the input shapes; a shape mismatch inside a group with the
+    same total size is a TensorMismatchError on every rank; a joined rank's zeros fill a group.
+    Returns a list of (check, passed) pairs."""
+    from sdp.common.errors import TensorMismatchError
+    n, r = sdp.size(), sdp.rank()
+    rt = sdp.api.runtime()
+    checks = []
+    shapes = [(i % 5 + 1, 3) for i in range(40)] + [(), (0,), (7,)]
+
+    def data(q):  # rank q's arrays: float32 of many shapes, int64, a float16 scalar
+        return ([np.full(s, q + i, np.float32) for i, s in enumerate(shapes)]
+                + [np.full(3, q - i, np.int64) for i in range(3)] + [np.array(0.5 + q, np.float16)])
+
+    mine = data(r)
+    want = [sum(arrays) for arrays in zip(*[data(q) for q in range(n)])]
+    before = len(rt._cache)
+    hs = sdp.grouped_allreduce_async(mine, [f"fg.{i}" for i in range(len(mine))], op=sdp.Sum)
+    outs = [h.wait() for h in hs]
+    checks.append(("values", all(o.shape == a.shape and o.dtype == a.dtype and np.array_equal(o, w)
+                                 for o, a, w in zip(outs, mine, want))))
+    checks.append(("aligned views", all(o.size == 0 or o.ctypes.data % 64 == 0 for o in outs[:len(shapes)])))
+    checks.append(("one request per dtype", len(rt._cache) - before == 3))
+    # the same total size, other shapes on the last rank
+    bad = [np.ones((2, 3), np.float32), np.ones(4, np.float32)] if r != n - 1 else \
+        [np.ones((3, 2), np.float32), np.ones(4, np.float32)]
+    try:
+        [h.wait() for h in sdp.grouped_allreduce_async(bad, ["bad.0", "bad.1"])]
+        checks.append(("mismatch raised", False))
+    except TensorMismatchError as e:
+        checks.append(("mismatch raised", "shapes of the grouped tensors" in str(e) and "[[2, 3], [4]]" in str(e)
+                       and "[[3, 2], [4]]" in str(e) and "'bad.0 (+1) #" in str(e)))
+    # the last rank joins; the others' group gets its zeros
+    if r == n - 1:
+        sdp.join()
+    else:
+        got = sdp.grouped_allreduce([np.full((2, 2), 1.0, np.float32), np.full(5, 2.0, np.float32)], name="jg",
+                                    op=sdp.Sum)
+        checks.append(("joined rank's zeros", np.array_equal(got[0], np.full((2, 2), n - 1.0, np.float32))
+                       and np.array_equal(got[1], np.full(5, 2.0 * (n - 1), np.float32))))
+        sdp.join()
+    return checks

@@ -16,6 +16,8 @@ key    meaning
 ``sp`` alltoall splits (list of n ints) or None
 ``ps`` process set id (int), only for sets other than the global one (see
        :mod:`sdp.engine.process_sets`): ready once every rank of the set submitted it
+``gs`` a flattened group's shapes (list of shapes), only for a group
+       (:meth:`sdp.engine.runtime.Request.group`; ``s`` is then its flat size)
 =====  =====================================================================
 
 A **response cache** keeps steady state cheap: the first time a meta is agreed it gets an integer
@@ -53,7 +55,7 @@ log = logging.getLogger("sdp.coordinator")
 # fields that must agree on every rank (allgather: all but the first dimension of the shape)
 CHECKED = (("k", "op"), ("d", "dtype"), ("o", "reduce op"), ("r", "root rank"),
            ("pre", "prescale factor"), ("post", "postscale factor"), ("ps", "process set"),
-           ("dev", "memory (host or device)"))
+           ("dev", "memory (host or device)"), ("gs", "shapes of the grouped tensors"))
 
 
 def wire_dtype(code: str) -> np.dtype:
@@ -86,6 +88,8 @@ def malformed(meta) -> Optional[str]:
             return f"bad or missing {key!r}: {meta.get(key)!r:.80}"
     if "ps" in meta and type(meta["ps"]) is not int:
         return f"bad 'ps': {meta['ps']!r:.80}"
+    if "gs" in meta and not (isinstance(meta["gs"], list) and all(ints(s) for s in meta["gs"])):
+        return f"bad 'gs': {meta['gs']!r:.80}"
     if "dev" in meta and meta["dev"] not in (0, 1):
         return f"bad 'dev': {meta['dev']!r:.80}"
     if meta["k"] in ("allreduce", "reducescatter") and meta["o"] is None:

@@ -74,6 +74,27 @@ def pieces(arrays: List[np.ndarray], offs: List[int], lo: int, hi: int):
     return out
 
 
+def flatten(arrays: List[np.ndarray]):
+    """``(flat, parts)``: ``arrays`` (one dtype, any shapes) packed into one new aligned 1-D
+    array at :func:`offsets` (padding zeroed), and ``parts``, each array's ``(offset, size,
+    shape)`` there, for :func:`unflatten`.  One copy of the bytes: the one fusion makes anyway."""
+    offs = offsets(arrays)
+    flat = aligned_empty(arrays[0].dtype, offs[-1])
+    pad = np.zeros(max(1, ALIGN_BYTES // flat.itemsize), flat.dtype)
+    chunks = []  # (one concatenate: ~0.2 us per array, where a copy each costs ~1.5 us)
+    for a, start, nxt in zip(arrays, offs, offs[1:]):
+        chunks.append(a.reshape(-1))
+        if start + a.size < nxt:
+            chunks.append(pad[:nxt - start - a.size])
+    np.concatenate(chunks, out=flat)
+    return flat, [(off, a.size, a.shape) for a, off in zip(arrays, offs)]
+
+
+def unflatten(flat: np.ndarray, parts) -> List[np.ndarray]:
+    """Views of the ``parts`` (from :func:`flatten`) of the 1-D array ``flat``, no copy."""
+    return [flat[off:off + size].reshape(shape) for off, size, shape in parts]
+
+
 def aligned_empty(dtype, count: int, align_bytes: int = ALIGN_BYTES) -> np.ndarray:
     """A new 1-D array of ``count`` elements of ``dtype`` whose data starts on an ``align_bytes``
     boundary (numpy's own arrays are only 16-byte aligned)."""

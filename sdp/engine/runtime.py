@@ -84,14 +84,43 @@ class Handle:
         return self._result
 
 
+class PartHandle:
+    """The handle of one tensor of a flattened group (:meth:`Request.group`): ``wait()`` returns
+    its part of the group's result (a view, no copy); the group's error is every part's error."""
+
+    __slots__ = ("name", "_group", "_index")
+
+    def __init__(self, name: str, group: Handle, index: int):
+        self.name, self._group, self._index = name, group, index
+
+    def done(self) -> bool:
+        """True once the group's result (or error) is available; never blocks."""
+        return self._group.done()
+
+    def wait(self, timeout: Optional[float] = None):
+        """Block until the group is done and return this tensor's result (see :meth:`Handle.wait`)."""
+        return self._group.wait(timeout)[self._index]
+
+
 class Request:
     """One tensor submitted to one collective (see :mod:`sdp.engine.coordinator` for ``meta``)."""
 
     __slots__ = ("name", "kind", "array", "op", "root", "prescale", "postscale", "splits", "handle", "out", "ps",
-                 "device")
+                 "device", "parts", "_shapes")
+
+    @classmethod
+    def group(cls, name: str, arrays: List[np.ndarray], **kw) -> "Request":
+        """One allreduce request for several host arrays of one dtype (a *flattened group*):
+        packed into one aligned buffer here (:func:`sdp.engine.fusion.flatten`, the copy fusion
+        would make in the engine), then negotiated, cached and reduced as one tensor, so a group
+        costs the engine one request instead of one per array.  Every rank must group the same
+        shapes in the same order: the shapes are part of the agreed meta (``gs``).  The result
+        is the list of the arrays' results (views of one buffer); :class:`PartHandle` gives each."""
+        flat, parts = fusion.flatten(arrays)
+        return cls(name, "allreduce", flat, parts=parts, **kw)
 
     def __init__(self, name, kind, array, op=ReduceOp.SUM, root=None, prescale=1.0, postscale=1.0,
-                 splits=None, out=None, ps=0):
+                 splits=None, out=None, ps=0, parts=None):
         if kind not in KINDS:
             raise ValueError(f"unknown collective kind {kind!r}")
         if not isinstance(name, str):
@@ -117,19 +146,24 @@ class Request:
                              f"{array.shape} (allreduce only), got {out.dtype} {out.shape}")
         self.out = out
         self.ps = ps  # process set id (0: all ranks; see sdp.engine.process_sets)
+        #: a flattened group's ``(offset, size, shape)`` per array (see :meth:`group`), else None
+        self.parts = parts
+        self._shapes = None if parts is None else tuple(shape for _, _, shape in parts)
         self.handle = Handle(name)
 
     def key(self) -> tuple:
         """Everything that must agree across ranks, hashable: the response-cache key."""
         return (self.name, self.kind, self.array.dtype, self.array.shape, self.op, self.root,
                 self.prescale, self.postscale, None if self.splits is None else tuple(self.splits), self.ps,
-                self.device is not None)
+                self.device is not None, self._shapes)
 
     def meta(self) -> dict:
         reduces = self.kind in ("allreduce", "reducescatter")
         ps = {"ps": self.ps} if self.ps else {}
         if self.device is not None:
             ps["dev"] = 1  # device memory: every rank must agree (the paths differ)
+        if self._shapes is not None:
+            ps["gs"] = [list(shape) for shape in self._shapes]  # a flattened group's shapes
         return {**ps, "n": self.name, "k": self.kind, "d": self.array.dtype.str if self.array.dtype.kind != "V"
                 else self.array.dtype.name, "s": list(self.array.shape),
                 "o": int(self.op) if reduces else None, "r": self.root,
@@ -614,6 +648,8 @@ class Runtime:
         del self._pending[req.name]
         if staged and req.device is not None:  # a device array staged through host memory
             result = self._device.stage_out(req.device, result)
+        if req.parts is not None:
+            result = fusion.unflatten(result.reshape(-1), req.parts)
         req.handle._set(result=result)
 
     def _run_single(self, req: Request, item: dict) -> None:
