@@ -30,6 +30,10 @@ log = logging.getLogger("sdp.engine")
 # takes ~0.1 ms more to wake on a small VM.  Only when this host has a core per local rank: with
 # 4 ranks on 2 cores, the spinning engines slowed a 1 KB allreduce from 0.84 to 1.42 ms.
 RESPONSE_SPIN_S = 0.002
+# results smaller than this come from the heap, not the shared-memory result pool: a pool block
+# costs ~12 us (allocation, its finalizer, its release) against ~2 us, more than the copy out of
+# the segments that peers writing into it directly saves below ~64 KB
+POOL_MIN_BYTES = 64 << 10
 
 
 @functools.lru_cache(maxsize=None)
@@ -506,9 +510,10 @@ class Runtime:
 
     def _result_array(self, dtype: np.dtype, count: int) -> np.ndarray:
         """A new 1-D result array: from the shared-memory result pool when there is room (peers
-        then write into it directly), else from the heap."""
+        then write into it directly) and it holds at least :data:`POOL_MIN_BYTES`, else from
+        the heap."""
         seg = self.mesh.shm if self.hierarchy is None else self.hierarchy.host.shm
-        pool = seg.pool if seg is not None else None
+        pool = seg.pool if seg is not None and count * dtype.itemsize >= POOL_MIN_BYTES else None
         got = pool.alloc(dtype, count) if pool is not None else None
         return fusion.aligned_empty(dtype, count) if got is None else got[1]
 
