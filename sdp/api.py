@@ -48,6 +48,7 @@ from sdp.common import topology as _topology
 from sdp.common.config import Config
 from sdp.common.errors import AlreadyInitializedError, NotInitializedError
 from sdp.common.reduce_ops import ReduceOp, resolve_op
+from sdp.engine import fusion
 from sdp.engine.device_arrays import device_tensor, host_array
 from sdp.engine.process_sets import MAX_SET_ID
 from sdp.engine.runtime import Handle, PartHandle, Request, Runtime
@@ -329,7 +330,7 @@ def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = 
         by_dtype.setdefault(a.dtype, []).append(i)
     handles, reqs = [None] * len(arrays), []
     for same in by_dtype.values():
-        for idx in _chunks(same, [arrays[i].nbytes for i in same], threshold):
+        for idx in fusion.runs(same, [arrays[i].nbytes for i in same], threshold):
             if len(idx) == 1:
                 reqs.append(Request(names[idx[0]], "allreduce", arrays[idx[0]], **kw))
                 handles[idx[0]] = reqs[-1].handle
@@ -342,19 +343,6 @@ def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = 
                 handles[i] = PartHandle(names[i], reqs[-1].handle, j)
     rt.submit_many(reqs)
     return handles
-
-
-def _chunks(items: list, nbytes: List[int], threshold: int) -> List[list]:
-    """``items`` in runs of consecutive items totalling <= ``threshold`` bytes (the fusion
-    threshold: 0, no fusion, gives one item per run; an item larger than it is a run alone)."""
-    runs, fill = [], 0
-    for item, n in zip(items, nbytes):
-        if not runs or not threshold or fill + n > threshold:
-            runs.append([])
-            fill = 0
-        runs[-1].append(item)
-        fill += n
-    return runs
 
 
 def grouped_allreduce(tensors: Sequence, name: Optional[str] = None, op=None,

@@ -31,6 +31,20 @@ def plan_buckets(items: List[dict], nbytes: Dict[str, int], key, threshold: int)
     return buckets
 
 
+def runs(items: list, nbytes: List[int], threshold: int) -> List[list]:
+    """``items`` (in order) in runs of consecutive items totalling <= ``threshold`` bytes
+    (``nbytes``: each item's bytes): a caller's buckets before the engine sees them.  0 (no
+    fusion) gives one item per run; an item larger than ``threshold`` is a run alone."""
+    out, fill = [], 0
+    for item, n in zip(items, nbytes):
+        if not out or not threshold or fill + n > threshold:
+            out.append([])
+            fill = 0
+        out[-1].append(item)
+        fill += n
+    return out
+
+
 ALIGN_BYTES = 64  # every tensor of a bucket starts on this boundary (TensorFlow's EIGEN_MAX_ALIGN_BYTES)
 
 

@@ -77,6 +77,7 @@ import tensorflow as tf
 from sdp import api
 from sdp.common.errors import SdpError
 from sdp.common.reduce_ops import ReduceOp, check_dtype
+from sdp.engine import fusion
 from sdp.engine.fusion import ALIGN_BYTES  # results start on this boundary: TensorFlow's EIGEN_MAX_ALIGN_BYTES
 from sdp.tensorflow.errors import tf_errors
 
@@ -345,16 +346,9 @@ class Batch:
 
 def _buckets(reduce, tensors, threshold):
     """``reduce`` entries ``(index, name)`` in buckets of <= ``threshold`` bytes, last entry first."""
-    buckets, size = [], 0
-    for item in reversed(reduce):
-        t = tensors[item[0]]
-        n = (t.shape.num_elements() or 0) * t.dtype.size
-        if not buckets or not threshold or size + n > threshold:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(item)
-        size += n
-    return buckets
+    items = list(reversed(reduce))
+    return fusion.runs(items, [(tensors[i].shape.num_elements() or 0) * tensors[i].dtype.size for i, _ in items],
+                       threshold)
 
 
 def _starter(kind, items, rargs, ps=0):
