@@ -117,12 +117,22 @@ def test_gradients_on_process_sets(mode):
         assert "alltoall@1" not in v
 
 
-@pytest.mark.parametrize("mode", ["eager", "function", "v1"])
+def _check_error_messages(v):
+    """sdp's message (tensor name, ranks, values) in each case's error, whatever its class."""
+    assert "shape mismatch, rank 0 has [1], rank 1 has [2]" in v["shape"][1], v["shape"]
+    assert "dtype mismatch" in v["dtype"][1] and "float64" in v["dtype"][1], v["dtype"]
+    assert "root" in v["root"][1], v["root"]
+    assert "splits" in v["splits"][1] and "rank 1" in v["splits"][1], v["splits"]
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "v1", "data"])
 def test_error_classes_are_horovods(mode):
-    """Issue 31 item 2: eagerly a mismatch is tf.errors.FailedPreconditionError and still sdp's
-    TensorMismatchError (an SdpError), bad alltoall splits tf.errors.InvalidArgumentError, each
-    with sdp's message; in graphs (numpy_function ops) TensorFlow makes them InvalidArgumentError,
-    keeping the message.  Before: TensorMismatchError (a ValueError) eagerly."""
+    """Issue 31 item 2: a mismatch across ranks is tf.errors.FailedPreconditionError and bad alltoall
+    splits tf.errors.InvalidArgumentError, on every rank, with sdp's message: eagerly (then also
+    sdp's TensorMismatchError, an SdpError), in a tf.function, in a TF1 Session and in a tf.data
+    map (sdp's compiled SdpCheck op sets the status).  Before: TensorMismatchError (a ValueError)
+    eagerly, InvalidArgumentError for everything in graphs.  A rank outside a process set gets
+    InvalidArgumentError in every mode."""
     values = check_ok(run_workers(2, "workers_tf_fidelity:error_classes", [mode], timeout=240,
                                   env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}))
     for r, v in enumerate(values):
@@ -130,28 +140,77 @@ def test_error_classes_are_horovods(mode):
             for case in ("shape", "dtype", "root"):
                 assert v[case][0] == ["FailedPrecondition", "SdpError", "TensorMismatch"], (r, case, v[case])
             assert v["splits"][0] == ["InvalidArgument", "SdpError", "TensorMismatch"], v["splits"]
-        else:
-            for case in ("shape", "dtype", "root", "splits"):
-                assert "InvalidArgument" in v[case][0], (r, case, v[case])
-        assert "shape mismatch, rank 0 has [1], rank 1 has [2]" in v["shape"][1], v["shape"]
-        assert "dtype mismatch" in v["dtype"][1] and "float64" in v["dtype"][1], v["dtype"]
-        assert "root" in v["root"][1], v["root"]
-        assert "splits" in v["splits"][1] and "rank 1" in v["splits"][1], v["splits"]
-    if mode == "eager":
-        assert values[0]["outside_set"] == "no error"
-        inv, is_value_error, is_sdp, msg = values[1]["outside_set"]
-        assert inv and is_value_error and is_sdp and "rank 1 is not in process set" in msg
-        # Horovod: a rank outside the tape's / optimizer's set keeps its local gradients
+        else:  # the classes TensorFlow raises for a status: not sdp's
+            for case in ("shape", "dtype", "root"):
+                assert v[case][0] == ["FailedPrecondition"], (r, case, v[case])
+            assert v["splits"][0] == ["InvalidArgument"], v["splits"]
+            assert "shape_case" in v["shape"][1] and "dtype_case" in v["dtype"][1], v
+        _check_error_messages(v)
+    assert values[0]["outside_set"] == "no error"
+    inv, is_value_error, is_sdp, msg = values[1]["outside_set"]
+    assert inv and is_value_error and is_sdp and "rank 1 is not in process set" in msg
+    if mode == "eager":  # Horovod: a rank outside the tape's / optimizer's set keeps its local gradients
         assert values[1]["tape_outside_set"] == [2.0, 2.0] and values[0]["tape_outside_set"] == [1.0, 1.0]
         assert values[1]["optimizer_outside_set"] == [[2.0, 2.0]]
 
 
+@pytest.mark.parametrize("why", ["SDP_TF_OPS=0", "no compiler"])
+def test_graph_errors_without_the_compiled_op(why, tmp_path):
+    """Without sdp's compiled op (switched off, or no compiler to build it in an empty cache) graph
+    collectives keep TensorFlow's class for a numpy_function's ValueError: InvalidArgumentError
+    with sdp's message; the reason is logged once per rank when it was not switched off."""
+    env = {"SDP_TF_OPS": "0"} if why == "SDP_TF_OPS=0" else {
+        "SDP_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")}
+    results = run_workers(2, "workers_tf_fidelity:error_classes", ["function"], timeout=240,
+                          env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1", **env})
+    for res, v in zip(results, check_ok(results)):
+        for case in ("shape", "dtype", "root", "splits"):
+            assert v[case][0] == ["InvalidArgument"], (case, v[case])
+        _check_error_messages(v)
+        logged = res.stderr.count("sdp's compiled op is not loaded")
+        if why == "no compiler":
+            assert logged == 1 and "no C++ compiler" in res.stderr, res.stderr[-3000:]
+        else:
+            assert logged == 0, res.stderr[-3000:]
+    assert not list(tmp_path.glob("tf_ops/*.so"))
+
+
+def test_compiled_op_is_built_once_then_cached(tmp_path):
+    """Two ranks whose cache holds no library build it on their first graph collective, once (the
+    compiler is a wrapper that counts its runs; the other rank waits on the lock, then loads it);
+    `python -m sdp.tensorflow.build_ops` then finds it in the cache, even with no compiler."""
+    import shutil
+    gxx = shutil.which("g++") or shutil.which("c++")
+    if gxx is None:
+        pytest.skip("no C++ compiler")
+    count = tmp_path / "compiles"
+    wrapper = tmp_path / "cxx.sh"
+    wrapper.write_text(f'#!/bin/sh\necho run >> "{count}"\nexec "{gxx}" "$@"\n')
+    wrapper.chmod(0o755)
+    cache = tmp_path / "cache"
+    values = check_ok(run_workers(2, "workers_tf_fidelity:error_classes", ["function"], timeout=240,
+                                  env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "SDP_CACHE_DIR": str(cache),
+                                       "CXX": str(wrapper)}))
+    assert [v["shape"][0] for v in values] == [["FailedPrecondition"]] * 2
+    assert count.read_text().splitlines() == ["run"]
+    libs = list(cache.glob("tf_ops/*.so"))
+    assert len(libs) == 1 and not list(cache.glob("tf_ops/*.tmp")), libs
+    env = {k: v for k, v in os.environ.items() if k != "SDP_TF_OPS"}
+    env.update(SDP_CACHE_DIR=str(cache), CXX=str(tmp_path / "no-such-compiler"), TF_CPP_MIN_LOG_LEVEL="3")
+    res = subprocess.run([sys.executable, "-m", "sdp.tensorflow.build_ops"], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=240)
+    assert res.returncode == 0 and f"sdp: cached {libs[0]}" in res.stdout, res.stdout + res.stderr
+    res = subprocess.run([sys.executable, "-m", "sdp.tensorflow.build_ops", "--force"], capture_output=True,
+                         text=True, env=env, cwd=REPO, timeout=240)
+    assert res.returncode == 1 and "no C++ compiler" in res.stderr, res.stdout + res.stderr
+
+
 def test_graph_error_class_comes_from_the_python_class_only():
-    """Why graphs raise InvalidArgumentError, not Horovod's FailedPreconditionError (DESIGN.md,
-    "TensorFlow's error classes"): a numpy_function / py_function kernel maps the Python class of
-    the error, and a raised FailedPreconditionError becomes UnknownError, in a tf.function and in
-    sdp's tf.data wait op.  If TensorFlow starts reading an OpError's code, this fails: then
-    raise the TF class from the graph ops too."""
+    """Why sdp ships a compiled op for graph-mode errors (DESIGN.md, "TensorFlow's error classes"):
+    a numpy_function / py_function kernel maps the Python class of the error, and a raised
+    FailedPreconditionError becomes UnknownError, in a tf.function and in a tf.data map.  If
+    TensorFlow starts reading an OpError's code, this fails: then the numpy_function could raise
+    the TF class itself, without SdpCheck."""
     import tensorflow as tf
 
     def fail(cls):

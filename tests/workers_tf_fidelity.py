@@ -72,8 +72,9 @@ def gradients(mode, with_set=False):
 
 def error_classes(mode):
     """What each rank gets from collectives that Horovod fails with a TensorFlow status, ``mode``
-    "eager", "function" or "v1".  Returns {case: [class names of the error's MRO that matter,
-    message]} and, eagerly, the process-set cases."""
+    "eager", "function", "v1" (a ``tf.compat.v1.Session``) or "data" (the collective inside a
+    ``tf.data`` ``map`` function).  Returns {case: [class names of the error's MRO that matter,
+    message]}, the process-set cases, and eagerly the tape's and optimizer's."""
     import tensorflow as tf
 
     import sdp.common.errors as sdp_errors
@@ -85,6 +86,8 @@ def error_classes(mode):
             return build()
         if mode == "function":
             return tf.function(build)()
+        if mode == "data":
+            return next(iter(tf.data.Dataset.from_tensors(0).map(lambda _: build())))
         with tf.Graph().as_default():
             y = build()
             with tf.compat.v1.Session() as sess:
@@ -107,14 +110,15 @@ def error_classes(mode):
                                       ("SdpError", sdp_errors.SdpError),
                                       ("TensorMismatch", sdp_errors.TensorMismatchError)) if isinstance(e, cls)]
             out[case] = [kinds, str(e).splitlines()[0] if mode == "eager" else str(e)]
-    if mode == "eager":  # a set of rank 0 alone: rank 1 calls its collective, and its tape
-        solo = hvd.add_process_set([0])
-        try:
-            hvd.allreduce(tf.ones([2]), process_set=solo)
-            out["outside_set"] = "no error"
-        except Exception as e:  # noqa: BLE001
-            out["outside_set"] = [isinstance(e, tf.errors.InvalidArgumentError), isinstance(e, ValueError),
-                                  isinstance(e, sdp_errors.SdpError), str(e)]
+    # a set of rank 0 alone: rank 1 calls its collective (and eagerly, its tape and optimizer)
+    solo = hvd.add_process_set([0])
+    try:
+        run(lambda: hvd.allreduce(tf.ones([2]), process_set=solo, name="solo_case"))
+        out["outside_set"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["outside_set"] = [isinstance(e, tf.errors.InvalidArgumentError), isinstance(e, ValueError),
+                              isinstance(e, sdp_errors.SdpError), str(e)]
+    if mode == "eager":
         w = tf.Variable([1.0, 2.0])
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(w * (r + 1.0))

@@ -14,11 +14,16 @@ sdp.errors.SdpError`` (``TensorMismatchError``) catch them:
   ``SdpError`` and ``ValueError``.
 
 Where: eagerly, every collective of :mod:`sdp.tensorflow`.  In ``tf.function`` and
-``tf.compat.v1`` graphs the collectives are ``tf.numpy_function`` ops, whose Python errors
-TensorFlow turns into a status by their Python class only (``ValueError`` ->
-``InvalidArgumentError``, anything else -> ``UnknownError``; there is no way to set another code
-without a compiled op), so there a mismatch is ``tf.errors.InvalidArgumentError`` carrying sdp's
-message, and a rank outside a set still gets :class:`InvalidCollectiveError` when the op is built.
+``tf.compat.v1`` graphs (and ``tf.data`` functions) the collectives are ``tf.numpy_function`` ops,
+whose Python errors TensorFlow turns into a status by their Python class only (``ValueError`` ->
+``InvalidArgumentError``, anything else -> ``UnknownError``).  So there a collective's
+``numpy_function`` returns the status of these errors (:func:`graph_status`) instead of raising,
+and sdp's compiled ``SdpCheck`` op (:mod:`sdp.tensorflow.build_ops`) fails with it: TensorFlow
+raises ``tf.errors.FailedPreconditionError`` / ``InvalidArgumentError`` (its own classes, not
+sdp's: the call that raises is TensorFlow's) with sdp's message.  Without that library
+(``SDP_TF_OPS=0``, no C++ compiler) every one of them is ``tf.errors.InvalidArgumentError`` in
+graphs.  A rank outside a set gets :class:`InvalidCollectiveError` when the op is built (while a
+function is traced, too: AutoGraph re-raises these classes as they are).
 """
 import contextlib
 
@@ -29,11 +34,16 @@ from sdp.common import errors as _errors
 
 class _FromMessage:
     """Mixin of the classes below: built from sdp's message alone (the ``OpError``'s ``node_def``
-    and ``op`` are None), printed as that message, and picklable."""
+    and ``op`` are None), printed as that message, and picklable.  The constructor also takes
+    ``OpError``'s arguments ``(node_def, op, message, *payloads)``: AutoGraph re-raises an
+    ``OpError`` from traced code (a ``tf.function``, a ``tf.data`` function) with its own class
+    only when ``__init__`` has those, else as a ``StagingError``."""
     _op_error = tf.errors.OpError  # the TensorFlow class whose constructor is used
 
-    def __init__(self, message: str):
-        self._op_error.__init__(self, None, None, message)
+    def __init__(self, node_def=None, op=None, message=None, *args):
+        if message is None and op is None and isinstance(node_def, str):  # Error("sdp's message")
+            node_def, message = None, node_def
+        self._op_error.__init__(self, node_def, op, message, *args)
 
     def __str__(self):
         return self.message
@@ -60,6 +70,16 @@ class AlltoallSplitsError(_FromMessage, tf.errors.InvalidArgumentError, _errors.
     rank): Horovod's ``tf.errors.InvalidArgumentError``, also
     :class:`sdp.common.errors.TensorMismatchError` (every rank raises it)."""
     _op_error = tf.errors.InvalidArgumentError
+
+
+def graph_status(e: BaseException):
+    """``e``'s TensorFlow status for sdp's compiled check op (:mod:`sdp.tensorflow.build_ops`): the
+    bytes ``code`` + UTF-8 message when :func:`as_tf_error` gives ``e`` a TensorFlow class, else
+    None (the error is raised as it is, and TensorFlow maps it by its Python class)."""
+    tf_e = as_tf_error(e)
+    if not isinstance(tf_e, tf.errors.OpError) or not 0 < tf_e.error_code < 256:
+        return None
+    return bytes([tf_e.error_code]) + (tf_e.message or "").encode("utf-8", "replace")
 
 
 def as_tf_error(e: BaseException) -> BaseException:

@@ -7,8 +7,9 @@ on the Python thread that called it, and returns the engine's results as tensors
 (no copy when the engine aligned them on 64 bytes, as it does).  No graph op round trip;
 gradients come from ``tf.custom_gradient``, set up only while a tape may record.
 
-**In graphs** the engine cannot be called from a TensorFlow kernel of its own (sdp ships no C++
-op): every op here is a ``tf.numpy_function`` (not ``tf.py_function``: its inputs arrive as numpy
+**In graphs** the engine is called from Python ops (sdp's one compiled op, ``SdpCheck``, only
+gives their failures TensorFlow's status classes: :func:`_checked_numpy_function`): every op here
+is a ``tf.numpy_function`` (not ``tf.py_function``: its inputs arrive as numpy
 views of TensorFlow's buffers and aligned numpy outputs are taken without a copy, with no
 ``EagerTensor`` wrapping either way, ~10 us less per op here).  A graph op that blocks until the
 peers submitted holds one of TensorFlow's inter-op threads (2 on a 2-core machine, 1 with
@@ -79,7 +80,9 @@ from sdp.common.errors import SdpError
 from sdp.common.reduce_ops import ReduceOp, check_dtype
 from sdp.engine import fusion
 from sdp.engine.fusion import ALIGN_BYTES  # results start on this boundary: TensorFlow's EIGEN_MAX_ALIGN_BYTES
-from sdp.tensorflow.errors import tf_errors
+from sdp.common import errors as _errors
+from sdp.tensorflow import build_ops
+from sdp.tensorflow.errors import graph_status, tf_errors
 
 def _autograph_skips_sdp() -> None:
     """Tell AutoGraph not to convert sdp's own functions when a ``tf.function`` calls them, as it
@@ -221,12 +224,10 @@ def run_numpy(fn, tensors, out_dtypes, out_shapes, name, blocking=False):
         def body(*arrays):
             return results(fn(_read_only(arrays)))
 
-        outs = tf.numpy_function(body, list(tensors), out_dtypes, stateful=True,
-                                 name=_sanitize(name)[:100] if name else None)
         if not out_dtypes:
-            return outs
-        if not isinstance(outs, (list, tuple)):
-            outs = [outs]
+            return tf.numpy_function(body, list(tensors), [], stateful=True,
+                                     name=_sanitize(name)[:100] if name else None)
+        outs = _checked_numpy_function(body, list(tensors), out_dtypes, name)
     outs = list(outs)
     for o, s in zip(outs, out_shapes):
         o.set_shape(s)
@@ -488,11 +489,8 @@ def _blocking_op(fn, tensors, dtypes, deps, name):
     :func:`_order_submits_before_blocking`); the module docstring says why this cannot deadlock."""
     graph = tf.compat.v1.get_default_graph()
     with tf.control_dependencies(deps):
-        outs = tf.numpy_function(fn, list(tensors), list(dtypes), stateful=True,
-                                 name=_sanitize(name)[:100] if name else None)
-    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    _independent(outs[0].op)
-    _BLOCKING[graph] = outs[0].op
+        outs = _checked_numpy_function(fn, list(tensors), list(dtypes), name, independent=True,
+                                       on_op=lambda op: _BLOCKING.__setitem__(graph, op))
     graph._add_scope_exit_callback(lambda: _order_submits_before_blocking(graph))
     return outs
 
@@ -504,7 +502,7 @@ def _async_wait(wait, dtypes, deps, name):
     dtypes = list(dtypes)
 
     def element(_):
-        return tuple(tf.numpy_function(lambda _z: wait(), [_], dtypes, stateful=True))
+        return tuple(_checked_numpy_function(lambda _z: wait(), [_], dtypes, name))
 
     def dataset():
         return tf.data.Dataset.from_tensors(np.int64(0)).repeat().map(
@@ -520,6 +518,57 @@ def _async_wait(wait, dtypes, deps, name):
     with tf.control_dependencies(deps):
         outs = it.get_next()
     return list(outs)
+
+
+_OK = np.zeros(0, np.uint8)  # the status of a collective that succeeded (see _checked_numpy_function)
+_OK.flags.writeable = False
+
+
+def _checked_numpy_function(fn, inputs, dtypes, name, independent=False, on_op=None):
+    """Tensors of ``dtypes`` returned by ``fn(*input arrays)`` (a list of arrays) run as a stateful
+    ``numpy_function`` (the op is passed to ``on_op``; ``independent``: marked as an independent
+    side effect, see :func:`_independent`).
+
+    With sdp's compiled op loaded (:func:`sdp.tensorflow.build_ops.load`), an error of ``fn``
+    that has a TensorFlow class (:func:`sdp.tensorflow.errors.graph_status`: a mismatch across
+    ranks) is not raised inside the ``numpy_function``, where TensorFlow would make it an
+    ``InvalidArgumentError``: the ``numpy_function`` returns empty placeholders of ``dtypes``
+    and the status (code, sdp's message), and one ``SdpCheck`` op fed every output fails with that
+    status, as Horovod's kernels do (``FailedPreconditionError``), or forwards the results without
+    a copy.  Any other error is raised as before.  Without the library (``SDP_TF_OPS=0``, no
+    compiler), the plain ``numpy_function``."""
+    dtypes = list(dtypes)
+    op_name = _sanitize(name)[:100] if name else None
+    lib = build_ops.load()
+    if lib is None:
+        outs = tf.numpy_function(fn, inputs, dtypes, stateful=True, name=op_name)
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        if independent:
+            _independent(outs[0].op)
+        if on_op is not None:
+            on_op(outs[0].op)
+        return outs
+    np_dtypes = [d.as_numpy_dtype for d in dtypes]
+
+    def body(*arrays):
+        try:
+            outs = fn(*arrays)
+        except (_errors.TensorMismatchError, tf.errors.OpError) as e:
+            status = graph_status(e)
+            if status is None:
+                raise
+            return [np.zeros(0, d) for d in np_dtypes] + [np.frombuffer(status, np.uint8)]
+        return [*outs, _OK]
+
+    outs = tf.numpy_function(body, inputs, dtypes + [tf.uint8], stateful=True, name=op_name)
+    if independent:
+        _independent(outs[0].op)
+    if on_op is not None:
+        on_op(outs[0].op)
+    checked = lib.sdp_check(list(outs[:-1]), outs[-1], name=f"{op_name}.check" if op_name else None)
+    if independent:
+        _independent(checked[0].op)
+    return list(checked)
 
 
 def as_output(arr: np.ndarray):

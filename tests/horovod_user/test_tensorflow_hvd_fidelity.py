@@ -73,6 +73,7 @@ class TensorFlowFidelityTests(tf.test.TestCase):
                               tf.ones([2, 3]))
             self.assertAllClose(grad, np.ones([size * 2, 3]) * scale)
 
+    @run_in_graph_and_eager_modes
     def test_horovod_allreduce_error(self):
         """Different shapes on different ranks: FailedPreconditionError, as Horovod's kernels say."""
         hvd.init()
@@ -80,21 +81,23 @@ class TensorFlowFidelityTests(tf.test.TestCase):
         if size == 1:
             self.skipTest("Only one worker available")
         with self.assertRaises(tf.errors.FailedPreconditionError):
-            hvd.allreduce(tf.ones([17] * (rank + 1)))
+            self.evaluate(hvd.allreduce(tf.ones([17] * (rank + 1))))
 
+    @run_in_graph_and_eager_modes
     def test_horovod_broadcast_rank_error(self):
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         if size == 1:
             self.skipTest("Only one worker available")
         with self.assertRaises(tf.errors.FailedPreconditionError):
-            hvd.broadcast(tf.ones([17] * 3), rank)
+            self.evaluate(hvd.broadcast(tf.ones([17] * 3), rank))
 
+    @run_in_graph_and_eager_modes
     def test_horovod_alltoall_splits_error(self):
         hvd.init()
         size = hvd.size()
         with self.assertRaises(tf.errors.InvalidArgumentError):
-            hvd.alltoall(tf.ones([size * 2, 2]), splits=[1] * size)
+            self.evaluate(hvd.alltoall(tf.ones([size * 2, 2]), splits=[1] * size))
 
     def test_horovod_environment(self):
         """horovodrun's worker variables, and the helper Horovod's tests read them with."""

@@ -1,0 +1,209 @@
+"""Build and load sdp's compiled TensorFlow op, ``SdpCheck`` (``sdp/tensorflow/cc/sdp_ops.cc``).
+
+Why: in ``tf.function`` and ``tf.compat.v1`` graphs sdp's collectives are ``tf.numpy_function``
+ops, and TensorFlow gives an exception raised there a status by its Python class only
+(``ValueError`` -> ``InvalidArgumentError``).  Horovod's kernels fail a mismatch across ranks with
+``tf.errors.FailedPreconditionError``.  With this library loaded, a graph collective's
+``numpy_function`` returns its results plus a status (empty when it succeeded; else the code and
+sdp's message) and one ``SdpCheck`` op, fed all of them, either fails with that TensorFlow status
+or forwards the results without a copy (see :mod:`sdp.tensorflow.ops`).
+
+Building (needs a C++ compiler: ``$CXX``, else ``g++``, ``c++`` or ``clang++``; ~5-10 s):
+
+* ``python -m sdp.tensorflow.build_ops`` compiles it now (``--force`` recompiles) and prints the
+  library's path; run it once after installing (``.ci/run`` does).
+* Otherwise the first graph collective of a process builds it (every rank at once: under a file
+  lock, so one process per cache directory compiles and the others wait, then load it).
+* The library lives in ``$SDP_CACHE_DIR/tf_ops/`` (default ``$XDG_CACHE_HOME/sdp`` or
+  ``~/.cache/sdp``), named by TensorFlow's version and a hash of the source, TensorFlow's compile
+  and link flags and the Python ABI: a new TensorFlow or sdp version builds a new one.
+
+``SDP_TF_OPS=0`` never loads or builds it: graph collectives then raise what TensorFlow makes of
+sdp's Python errors (``InvalidArgumentError`` for a mismatch), as they also do when no compiler
+is found or the build or load fails (logged once per process on the ``sdp.tensorflow`` logger,
+with the reason).  ``launcher`` code (``sdprun``) never builds it.
+"""
+import argparse
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+from sdp.common.errors import SdpError
+
+log = logging.getLogger("sdp.tensorflow")
+
+SOURCE = Path(__file__).resolve().parent / "cc" / "sdp_ops.cc"
+SWITCH = "SDP_TF_OPS"  # 0: never use the compiled op (graph errors by Python class, as without one)
+BUILD_TIMEOUT_S = 600.0
+
+_lock = threading.Lock()
+_state = {}  # "lib": the loaded module or None once load() decided; "why": the reason for None
+
+
+class BuildError(SdpError):
+    """The compiled op could not be built: no compiler, or the compiler failed (its output is in
+    the message)."""
+
+
+def enabled() -> bool:
+    """False when ``SDP_TF_OPS=0`` (or ``false``/``off``/``no``) says not to use the compiled op."""
+    return os.environ.get(SWITCH, "").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$SDP_CACHE_DIR/tf_ops`` (default ``$XDG_CACHE_HOME/sdp``,
+    else ``~/.cache/sdp``)."""
+    base = os.environ.get("SDP_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "sdp")
+    return Path(base) / "tf_ops"
+
+
+def _tf_flags():
+    import tensorflow as tf
+    return tf.__version__, list(tf.sysconfig.get_compile_flags()), list(tf.sysconfig.get_link_flags())
+
+
+def library_path() -> Path:
+    """The library for this TensorFlow and this source (it may not exist yet)."""
+    version, cflags, lflags = _tf_flags()
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in [version, sys.implementation.cache_tag, platform.machine(), *cflags, *lflags]:
+        h.update(b"\0" + part.encode())
+    return cache_dir() / f"sdp_ops-tf{version}-{h.hexdigest()[:16]}.so"
+
+
+def compiler() -> Optional[list]:
+    """The C++ compiler's command (``$CXX`` split as a shell would, else the first of ``g++``,
+    ``c++``, ``clang++`` on ``PATH``), or None."""
+    cxx = os.environ.get("CXX", "").strip()
+    if cxx:
+        argv = shlex.split(cxx)
+        return argv if shutil.which(argv[0]) else None
+    for name in ("g++", "c++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return [path]
+    return None
+
+
+class _FileLock:
+    """An exclusive ``flock`` on ``path`` (created 0600) while in the ``with`` block: processes
+    sharing a cache directory build one at a time."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = None
+
+    def __enter__(self):
+        import fcntl
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def build(force: bool = False) -> Path:
+    """Compile the library into :func:`cache_dir` unless it is there (``force``: compile anyway)
+    and return its path.  Concurrent callers (ranks of a job) compile once: the first takes the
+    directory's lock, the others wait for it and find the library.  Raises :class:`BuildError`
+    when there is no compiler or it fails."""
+    out = library_path()
+    if out.exists() and not force:
+        return out
+    cxx = compiler()
+    if cxx is None:
+        raise BuildError("no C++ compiler: set CXX or install g++ (e.g. apt-get install g++)")
+    out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with _FileLock(out.parent / ".build.lock"):
+        if out.exists() and not force:  # another process built it while this one waited
+            return out
+        _, cflags, lflags = _tf_flags()
+        fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
+        os.close(fd)
+        argv = [*cxx, "-shared", "-fPIC", "-O2", "-Wno-deprecated-declarations", str(SOURCE), "-o", tmp,
+                *cflags, *lflags]
+        try:
+            try:
+                res = subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise BuildError(f"{shlex.join(argv)}: {e}") from e
+            if res.returncode != 0:
+                tail = "\n".join((res.stderr or res.stdout).strip().splitlines()[-20:])
+                raise BuildError(f"{shlex.join(argv)} exited with {res.returncode}:\n{tail}")
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, out)  # readers never see a partial library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return out
+
+
+def load(build_missing: bool = True):
+    """The loaded library (a module whose ``sdp_check(tensors, status)`` builds the op), or None
+    when graph collectives go without it: ``SDP_TF_OPS=0``, no compiler, a failed build or load.
+    Decided once per process (a missing library is built first when ``build_missing``); the
+    reason for None is logged once."""
+    if not enabled():
+        return None
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"], _state["why"] = _load(build_missing)
+            if _state["lib"] is None:
+                log.warning("sdp: graph-mode collectives raise TensorFlow's InvalidArgumentError where Horovod "
+                            "raises FailedPreconditionError (sdp's compiled op is not loaded: %s). Build it with "
+                            "`python -m sdp.tensorflow.build_ops`; SDP_TF_OPS=0 silences this.", _state["why"])
+        return _state["lib"]
+
+
+def _load(build_missing: bool):
+    import tensorflow as tf
+    try:
+        path = library_path()
+        if not path.exists():
+            if not build_missing:
+                return None, f"{path} does not exist"
+            path = build()
+        return tf.load_op_library(str(path)), ""
+    except BuildError as e:
+        return None, f"building it failed: {e}"
+    except (OSError, tf.errors.OpError) as e:  # pragma: no cover - e.g. a library of another TensorFlow
+        return None, f"loading it failed: {e}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sdp.tensorflow.build_ops",
+                                description="Compile sdp's TensorFlow op (graph-mode error classes) into the cache.")
+    p.add_argument("--force", action="store_true", help="compile even if the cached library exists")
+    p.add_argument("--print-path", action="store_true", help="only print where the library is (or would be)")
+    args = p.parse_args(argv)
+    path = library_path()
+    if args.print_path:
+        print(path)
+        return 0
+    existed = path.exists() and not args.force
+    try:
+        path = build(force=args.force)
+    except BuildError as e:
+        print(f"sdp: {e}", file=sys.stderr)
+        return 1
+    import tensorflow as tf
+    tf.load_op_library(str(path))
+    print(f"sdp: {'cached' if existed else 'built'} {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
