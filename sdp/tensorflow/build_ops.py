@@ -4,9 +4,11 @@ Why: in ``tf.function`` and ``tf.compat.v1`` graphs sdp's collectives are ``tf.n
 ops, and TensorFlow gives an exception raised there a status by its Python class only
 (``ValueError`` -> ``InvalidArgumentError``).  Horovod's kernels fail a mismatch across ranks with
 ``tf.errors.FailedPreconditionError``.  With this library loaded, a graph collective's
-``numpy_function`` returns its results plus a status (empty when it succeeded; else the code and
-sdp's message) and one ``SdpCheck`` op, fed all of them, either fails with that TensorFlow status
-or forwards the results without a copy (see :mod:`sdp.tensorflow.ops`).
+``numpy_function`` that fails with such an error returns a one-element placeholder as its first
+result instead of raising, registered (:meth:`Library.register`) with the status, and the
+``SdpCheck`` op fed its results fails with that status, or forwards them without a copy (see
+:mod:`sdp.tensorflow.ops`).  When loaded, a self-test checks that TensorFlow takes such a
+placeholder without a copy (else the op could not recognise it, and the library is not used).
 
 Building (needs a C++ compiler: ``$CXX``, else ``g++``, ``c++`` or ``clang++``; ~5-10 s):
 
@@ -24,6 +26,7 @@ is found or the build or load fails (logged once per process on the ``sdp.tensor
 with the reason).  ``launcher`` code (``sdprun``) never builds it.
 """
 import argparse
+import ctypes
 import hashlib
 import logging
 import os
@@ -47,6 +50,45 @@ BUILD_TIMEOUT_S = 600.0
 
 _lock = threading.Lock()
 _state = {}  # "lib": the loaded module or None once load() decided; "why": the reason for None
+
+
+class Library:
+    """The loaded library: :meth:`check` builds an ``SdpCheck`` op; :meth:`register` and
+    :meth:`pending` are its C functions (through ``ctypes``) for a failed collective's placeholder."""
+
+    def __init__(self, module, path: Path, align: int):
+        self.module = module
+        self.path = path
+        self.align = align  # TensorFlow takes a numpy_function result without a copy at this alignment
+        native = ctypes.CDLL(str(path))  # the library TensorFlow loaded (one handle, one registry)
+        self._fail = native.sdp_check_fail
+        self._fail.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int64]
+        self._fail.restype = None
+        self._pending = native.sdp_check_pending
+        self._pending.argtypes = [ctypes.c_void_p]
+        self._pending.restype = ctypes.c_int
+
+    def check(self, tensors, name=None) -> list:
+        """``SdpCheck(tensors)``: the same tensors (no copy), or the registered status when the
+        first one's buffer is a registered placeholder."""
+        return list(self.module.sdp_check(list(tensors), name=name))
+
+    def placeholder(self, dtype):
+        """A new one-element array of ``dtype`` aligned so TensorFlow takes it without a copy."""
+        import numpy as np
+        dtype = np.dtype(dtype)
+        raw = np.zeros(dtype.itemsize + self.align, np.uint8)
+        skip = -raw.ctypes.data % self.align
+        return raw[skip:skip + dtype.itemsize].view(dtype)
+
+    def register(self, address: int, code: int, message: bytes) -> None:
+        """The ``SdpCheck`` op whose first input is the buffer at ``address`` fails with ``(code,
+        message)`` (``code`` an ``absl::StatusCode``; the entry is dropped when that op runs)."""
+        self._fail(address, int(code), message, len(message))
+
+    def pending(self, address: int) -> bool:
+        """True while the buffer at ``address`` is registered and its op has not run."""
+        return bool(self._pending(address))
 
 
 class BuildError(SdpError):
@@ -151,9 +193,9 @@ def build(force: bool = False) -> Path:
     return out
 
 
-def load(build_missing: bool = True):
-    """The loaded library (a module whose ``sdp_check(tensors, status)`` builds the op), or None
-    when graph collectives go without it: ``SDP_TF_OPS=0``, no compiler, a failed build or load.
+def load(build_missing: bool = True) -> Optional[Library]:
+    """The loaded :class:`Library`, or None when graph collectives go without it: ``SDP_TF_OPS=0``,
+    no compiler, a failed build, load or self-test.
     Decided once per process (a missing library is built first when ``build_missing``); the
     reason for None is logged once."""
     if not enabled():
@@ -168,6 +210,14 @@ def load(build_missing: bool = True):
         return _state["lib"]
 
 
+def _align() -> int:
+    """TensorFlow's ``EIGEN_MAX_ALIGN_BYTES`` (its compile flags; 64 if they do not say)."""
+    for flag in _tf_flags()[1]:
+        if flag.startswith("-DEIGEN_MAX_ALIGN_BYTES="):
+            return max(1, int(flag.split("=", 1)[1]))
+    return 64
+
+
 def _load(build_missing: bool):
     import tensorflow as tf
     try:
@@ -176,11 +226,35 @@ def _load(build_missing: bool):
             if not build_missing:
                 return None, f"{path} does not exist"
             path = build()
-        return tf.load_op_library(str(path)), ""
+        lib = Library(tf.load_op_library(str(path)), path, _align())
     except BuildError as e:
         return None, f"building it failed: {e}"
-    except (OSError, tf.errors.OpError) as e:  # pragma: no cover - e.g. a library of another TensorFlow
+    except (OSError, AttributeError, tf.errors.OpError) as e:  # pragma: no cover - e.g. another TensorFlow's
         return None, f"loading it failed: {e}"
+    why = _self_test(lib)
+    return (None, why) if why else (lib, "")
+
+
+def _self_test(lib: Library) -> str:
+    """'' if TensorFlow takes an aligned ``numpy_function`` result without a copy (``SdpCheck``
+    recognises a failed op's placeholder by its buffer's address), else why not.  Runs in a
+    ``Session`` of its own graph, so it also works while a function is being traced."""
+    import numpy as np
+    import tensorflow as tf
+    held = []
+
+    def body(_):
+        held.append(lib.placeholder(np.float32))
+        return held[-1]
+
+    with tf.Graph().as_default() as g:
+        address = lib.module.sdp_buffer_address(tf.numpy_function(body, [tf.constant(0.0)], tf.float32,
+                                                                  stateful=True))
+        with tf.compat.v1.Session(graph=g) as sess:
+            got = int(sess.run(address))
+    if got != held[0].ctypes.data:  # pragma: no cover - a TensorFlow that copies numpy_function results
+        return "its self-test failed: TensorFlow copied a numpy_function's aligned result"
+    return ""
 
 
 def main(argv=None) -> int:
@@ -200,7 +274,10 @@ def main(argv=None) -> int:
         print(f"sdp: {e}", file=sys.stderr)
         return 1
     import tensorflow as tf
-    tf.load_op_library(str(path))
+    why = _self_test(Library(tf.load_op_library(str(path)), path, _align()))
+    if why:
+        print(f"sdp: {path}: {why}", file=sys.stderr)
+        return 1
     print(f"sdp: {'cached' if existed else 'built'} {path}")
     return 0
 

@@ -17,8 +17,8 @@ Where: eagerly, every collective of :mod:`sdp.tensorflow`.  In ``tf.function`` a
 ``tf.compat.v1`` graphs (and ``tf.data`` functions) the collectives are ``tf.numpy_function`` ops,
 whose Python errors TensorFlow turns into a status by their Python class only (``ValueError`` ->
 ``InvalidArgumentError``, anything else -> ``UnknownError``).  So there a collective's
-``numpy_function`` returns the status of these errors (:func:`graph_status`) instead of raising,
-and sdp's compiled ``SdpCheck`` op (:mod:`sdp.tensorflow.build_ops`) fails with it: TensorFlow
+``numpy_function`` does not raise these errors: it hands their status (:func:`graph_status`) to
+sdp's compiled ``SdpCheck`` op (:mod:`sdp.tensorflow.build_ops`), which fails with it: TensorFlow
 raises ``tf.errors.FailedPreconditionError`` / ``InvalidArgumentError`` (its own classes, not
 sdp's: the call that raises is TensorFlow's) with sdp's message.  Without that library
 (``SDP_TF_OPS=0``, no C++ compiler) every one of them is ``tf.errors.InvalidArgumentError`` in
@@ -73,13 +73,13 @@ class AlltoallSplitsError(_FromMessage, tf.errors.InvalidArgumentError, _errors.
 
 
 def graph_status(e: BaseException):
-    """``e``'s TensorFlow status for sdp's compiled check op (:mod:`sdp.tensorflow.build_ops`): the
-    bytes ``code`` + UTF-8 message when :func:`as_tf_error` gives ``e`` a TensorFlow class, else
-    None (the error is raised as it is, and TensorFlow maps it by its Python class)."""
+    """``e``'s TensorFlow status for sdp's compiled check op (:mod:`sdp.tensorflow.build_ops`):
+    ``(code, UTF-8 message)`` when :func:`as_tf_error` gives ``e`` a TensorFlow class, else None
+    (the error is raised as it is, and TensorFlow maps it by its Python class)."""
     tf_e = as_tf_error(e)
-    if not isinstance(tf_e, tf.errors.OpError) or not 0 < tf_e.error_code < 256:
+    if not isinstance(tf_e, tf.errors.OpError) or not tf_e.error_code:
         return None
-    return bytes([tf_e.error_code]) + (tf_e.message or "").encode("utf-8", "replace")
+    return tf_e.error_code, (tf_e.message or "").encode("utf-8", "replace")
 
 
 def as_tf_error(e: BaseException) -> BaseException:

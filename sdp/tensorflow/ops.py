@@ -70,6 +70,7 @@ when it is built inside a ``jit_compile=True`` function.
 """
 import collections
 import functools
+import threading
 import weakref
 
 import numpy as np
@@ -81,7 +82,6 @@ from sdp.common.reduce_ops import ReduceOp, check_dtype
 from sdp.engine import fusion
 from sdp.engine.fusion import ALIGN_BYTES  # results start on this boundary: TensorFlow's EIGEN_MAX_ALIGN_BYTES
 from sdp.common import errors as _errors
-from sdp.tensorflow import build_ops
 from sdp.tensorflow.errors import graph_status, tf_errors
 
 def _autograph_skips_sdp() -> None:
@@ -520,8 +520,22 @@ def _async_wait(wait, dtypes, deps, name):
     return list(outs)
 
 
-_OK = np.zeros(0, np.uint8)  # the status of a collective that succeeded (see _checked_numpy_function)
-_OK.flags.writeable = False
+_FAILED = {}  # buffer address -> a failed op's placeholder, kept alive until its SdpCheck op ran
+_FAILED_LOCK = threading.Lock()
+
+
+def _failed_result(lib, dtype, status):
+    """A failed collective's first result: a new placeholder of ``dtype`` registered with the
+    compiled op under ``status`` (its ``SdpCheck`` fails with it).  Placeholders are held here
+    until their op ran (so no other buffer takes a registered address); those of ops that never
+    run (their step failed elsewhere first) stay, a few bytes each."""
+    with _FAILED_LOCK:
+        for address in [a for a in _FAILED if not lib.pending(a)]:
+            del _FAILED[address]
+        ph = lib.placeholder(dtype)
+        _FAILED[ph.ctypes.data] = ph
+        lib.register(ph.ctypes.data, *status)
+    return ph
 
 
 def _checked_numpy_function(fn, inputs, dtypes, name, independent=False, on_op=None):
@@ -532,43 +546,40 @@ def _checked_numpy_function(fn, inputs, dtypes, name, independent=False, on_op=N
     With sdp's compiled op loaded (:func:`sdp.tensorflow.build_ops.load`), an error of ``fn``
     that has a TensorFlow class (:func:`sdp.tensorflow.errors.graph_status`: a mismatch across
     ranks) is not raised inside the ``numpy_function``, where TensorFlow would make it an
-    ``InvalidArgumentError``: the ``numpy_function`` returns empty placeholders of ``dtypes``
-    and the status (code, sdp's message), and one ``SdpCheck`` op fed every output fails with that
-    status, as Horovod's kernels do (``FailedPreconditionError``), or forwards the results without
-    a copy.  Any other error is raised as before.  Without the library (``SDP_TF_OPS=0``, no
-    compiler), the plain ``numpy_function``."""
+    ``InvalidArgumentError``: the ``numpy_function`` returns a registered placeholder
+    (:func:`_failed_result`) and empty arrays, and the ``SdpCheck`` op fed every result fails
+    with that status, as Horovod's kernels do (``FailedPreconditionError``), or forwards the
+    results without a copy.  Any other error is raised as before.  Without the library
+    (``SDP_TF_OPS=0``, no compiler), the plain ``numpy_function``."""
     dtypes = list(dtypes)
     op_name = _sanitize(name)[:100] if name else None
+    from sdp.tensorflow import build_ops  # (here: `python -m sdp.tensorflow.build_ops` runs it as __main__)
     lib = build_ops.load()
-    if lib is None:
-        outs = tf.numpy_function(fn, inputs, dtypes, stateful=True, name=op_name)
-        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-        if independent:
-            _independent(outs[0].op)
-        if on_op is not None:
-            on_op(outs[0].op)
-        return outs
-    np_dtypes = [d.as_numpy_dtype for d in dtypes]
+    body = fn
+    if lib is not None:
+        np_dtypes = [np.dtype(d.as_numpy_dtype) for d in dtypes]
 
-    def body(*arrays):
-        try:
-            outs = fn(*arrays)
-        except (_errors.TensorMismatchError, tf.errors.OpError) as e:
-            status = graph_status(e)
-            if status is None:
-                raise
-            return [np.zeros(0, d) for d in np_dtypes] + [np.frombuffer(status, np.uint8)]
-        return [*outs, _OK]
+        def body(*arrays):
+            try:
+                return fn(*arrays)
+            except (_errors.TensorMismatchError, tf.errors.OpError) as e:
+                status = graph_status(e)
+                if status is None or np_dtypes[0].hasobject:
+                    raise
+                return [_failed_result(lib, np_dtypes[0], status)] + [np.zeros(0, d) for d in np_dtypes[1:]]
 
-    outs = tf.numpy_function(body, inputs, dtypes + [tf.uint8], stateful=True, name=op_name)
+    outs = tf.numpy_function(body, inputs, dtypes, stateful=True, name=op_name)
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     if independent:
         _independent(outs[0].op)
     if on_op is not None:
         on_op(outs[0].op)
-    checked = lib.sdp_check(list(outs[:-1]), outs[-1], name=f"{op_name}.check" if op_name else None)
+    if lib is None:
+        return outs
+    checked = lib.check(outs, name=f"{op_name}.check" if op_name else None)
     if independent:
         _independent(checked[0].op)
-    return list(checked)
+    return checked
 
 
 def as_output(arr: np.ndarray):
