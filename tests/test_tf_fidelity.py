@@ -146,6 +146,8 @@ def test_error_classes_are_horovods(mode):
             assert v["splits"][0] == ["InvalidArgument"], v["splits"]
             assert "shape_case" in v["shape"][1] and "dtype_case" in v["dtype"][1], v
         _check_error_messages(v)
+    if mode == "function":  # after a failure the same op succeeds again, with the right values
+        assert all(v["again"] == ["FailedPreconditionError", [[3.0] * 3] * 3] for v in values), values
     assert values[0]["outside_set"] == "no error"
     inv, is_value_error, is_sdp, msg = values[1]["outside_set"]
     assert inv and is_value_error and is_sdp and "rank 1 is not in process set" in msg

@@ -110,6 +110,15 @@ def error_classes(mode):
                                       ("SdpError", sdp_errors.SdpError),
                                       ("TensorMismatch", sdp_errors.TensorMismatchError)) if isinstance(e, cls)]
             out[case] = [kinds, str(e).splitlines()[0] if mode == "eager" else str(e)]
+    if mode == "function":  # the same traced op fails, then succeeds: no failure is left behind
+        again = tf.function(lambda x: hvd.allreduce(x, op=hvd.Sum, name="again_case"),
+                            input_signature=[tf.TensorSpec(None, tf.float32)])
+        try:
+            again(tf.ones([r + 1]))
+            out["again"] = ["no error"]
+        except tf.errors.OpError as e:
+            out["again"] = [type(e).__name__]
+        out["again"].append([again(tf.ones([3]) * (r + 1)).numpy().tolist() for _ in range(3)])
     # a set of rank 0 alone: rank 1 calls its collective (and eagerly, its tape and optimizer)
     solo = hvd.add_process_set([0])
     try:
