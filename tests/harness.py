@@ -112,3 +112,45 @@ def check_ok(results: List[WorkerResult]) -> list:
     for r in results:
         assert r.ok, f"rank {r.rank} failed: {r.error_type}: {r.error}\n{r.stderr[-3000:]}"
     return [r.value for r in results]
+
+
+def run_cases(n: int, cases, env=None, timeout: float = 240, **kw) -> dict:
+    """One launch of ``n`` ranks for several cases: ``cases`` is ``[(key, "module:function", args),
+    ...]``; every rank runs them in that order (so their collectives pair up as in one script) and
+    records each case's return value or exception apart.  Returns ``{key: [WorkerResult per rank]}``,
+    so ``check_ok(runs[key])`` fails naming that case's own error.  For cases that differ only in
+    what they check (modes, dtypes): one launch pays the interpreter and TensorFlow start-up once
+    (~4-8 s per launch on 2 cores) instead of once per case.  Cases needing different process-wide
+    settings (environment, eager off, thread pools) need launches of their own."""
+    cases = [list(c) for c in cases]
+    assert len({c[0] for c in cases}) == len(cases), "case keys must differ"
+    results = run_workers(n, "harness:_cases", [cases], env=env, timeout=timeout, **kw)
+    out = {}
+    for i, (key, target, _) in enumerate(cases):
+        per_rank = []
+        for r in results:
+            if not r.ok:  # the process itself failed (a crash, or the harness's own error)
+                per_rank.append(dataclasses.replace(r, error=f"[case {key!r} of one launch] {r.error}"))
+                continue
+            c = r.value[i]
+            per_rank.append(dataclasses.replace(
+                r, ok=c["ok"], value=c.get("value"), error_type=c.get("type"),
+                error=None if c["ok"] else f"[case {key!r}: {target}] {c['msg']}",
+                stderr=r.stderr if c["ok"] else r.stderr + f"\n--- case {key!r}:\n" + c["tb"]))
+        out[key] = per_rank
+    return out
+
+
+def _cases(cases):
+    """The worker side of :func:`run_cases` (runs inside each rank)."""
+    import importlib
+    import traceback
+    out = []
+    for key, target, args in cases:
+        mod, fn = target.split(":")
+        try:
+            out.append({"ok": True, "value": getattr(importlib.import_module(mod), fn)(*args)})
+        except Exception as e:  # noqa: BLE001  (recorded for this case; the next case still runs)
+            out.append({"ok": False, "type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()})
+        print(f"case {key!r} done", flush=True)
+    return out

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from harness import check_ok, run_workers
+from harness import check_ok, run_cases, run_workers
 from workers_tf_fidelity import upstream
 
 pytest.importorskip("tensorflow")
@@ -87,11 +87,31 @@ def _expected_gradients(n=2):
     return exp
 
 
+@pytest.fixture(scope="module")
+def plain_runs():
+    """One 2-rank launch for the cases below that need no process-wide setting: the gradients of
+    every collective per mode, get_local_and_global_gradients per mode, the Keras 3 callback case
+    (each a key of its own; one launch instead of six)."""
+    return run_cases(2, [*((f"gradients {m}", "workers_tf_fidelity:gradients", [m]) for m in ("eager", "function", "v1")),
+                         *((f"local_and_global {m}", "workers_tf_fidelity:local_and_global", [m])
+                           for m in ("eager", "function")),
+                         ("keras_lazy_model keras3", "workers_tf_fidelity:keras_lazy_model", [3])],
+                     env={"TF_USE_LEGACY_KERAS": "0"}, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def dynamic_set_runs():
+    """One 2-rank launch with HOROVOD_DYNAMIC_PROCESS_SETS=1: the gradients on process sets per
+    mode.  (The error-class tests keep a launch per mode: each adds a set of rank 0 alone.)"""
+    return run_cases(2, [(f"set gradients {m}", "workers_tf_fidelity:gradients", [m, True]) for m in ("eager", "v1")],
+                     env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, timeout=300)
+
+
 @pytest.mark.parametrize("mode", ["eager", "function", "v1"])
-def test_gradients_of_every_collective(mode):
+def test_gradients_of_every_collective(mode, plain_runs):
     """Issue 31 item 1: before, tape.gradient through allgather/broadcast/alltoall/reducescatter
     returned None (and tf.gradients in a TF1 graph too)."""
-    values = check_ok(run_workers(2, "workers_tf_fidelity:gradients", [mode], timeout=240))
+    values = check_ok(plain_runs[f"gradients {mode}"])
     exp = _expected_gradients()
     for r, v in enumerate(values):
         for case, want in exp.items():
@@ -101,11 +121,10 @@ def test_gradients_of_every_collective(mode):
 
 
 @pytest.mark.parametrize("mode", ["eager", "v1"])
-def test_gradients_on_process_sets(mode):
+def test_gradients_on_process_sets(mode, dynamic_set_runs):
     """The same gradients on a process set of every rank, and on a set of one rank (there the
     gradient of allgather/broadcast/reducescatter is the upstream gradient itself, Sum times 1)."""
-    values = check_ok(run_workers(2, "workers_tf_fidelity:gradients", [mode, True], timeout=240,
-                                  env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}))
+    values = check_ok(dynamic_set_runs[f"set gradients {mode}"])
     exp = _expected_gradients()
     for r, v in enumerate(values):
         for case, want in exp.items():
@@ -240,7 +259,7 @@ def test_graph_error_class_comes_from_the_python_class_only():
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["keras3", "tf_keras"])
-def test_keras_broadcast_callback_lazy_model_and_local_layers(legacy):
+def test_keras_broadcast_callback_lazy_model_and_local_layers(legacy, request):
     """Issue 31 item 6: a Sequential built by its first batch (Horovod's Keras MNIST pattern)
     trains under BroadcastGlobalVariablesCallback (before: tf_keras raised "Weights for model
     'sequential' have not yet been created" at train begin) and ends with the same weights on
@@ -248,8 +267,11 @@ def test_keras_broadcast_callback_lazy_model_and_local_layers(legacy):
     layer's gradients local (its weights differ per rank, the others agree)."""
     if legacy:
         pytest.importorskip("tf_keras")
-    values = check_ok(run_workers(2, "workers_tf_fidelity:keras_lazy_model", [3], timeout=240,
-                                  env={"TF_USE_LEGACY_KERAS": "1" if legacy else "0"}))
+    if legacy:  # TF_USE_LEGACY_KERAS is read once per process: a launch of its own
+        values = check_ok(run_workers(2, "workers_tf_fidelity:keras_lazy_model", [3], timeout=240,
+                                      env={"TF_USE_LEGACY_KERAS": "1"}))
+    else:
+        values = check_ok(request.getfixturevalue("plain_runs")["keras_lazy_model keras3"])
     a, b = values
     for wa, wb in zip(a["lazy"], b["lazy"]):
         np.testing.assert_array_equal(wa, wb)
@@ -260,12 +282,12 @@ def test_keras_broadcast_callback_lazy_model_and_local_layers(legacy):
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
-def test_get_local_and_global_gradients(mode):
+def test_get_local_and_global_gradients(mode, plain_runs):
     """Horovod's DistributedGradientTape.get_local_and_global_gradients (horovod.tensorflow 0.28):
     ([(source, grad)] of registered local sources, [(source, grad)] of the others), in the order
     of the sources; local gradients are this rank's own (divided by size unless
     scale_local_gradients=False), the others averaged.  Before: AttributeError."""
-    values = check_ok(run_workers(2, "workers_tf_fidelity:local_and_global", [mode], timeout=240))
+    values = check_ok(plain_runs[f"local_and_global {mode}"])
     for r, v in enumerate(values):
         own, mean = r + 1.0, 1.5
         assert v["registered"] == [["local", "b", [own / 2]],

@@ -8,6 +8,17 @@ def upstream(shape, r):
     return ((np.arange(int(np.prod(shape))).reshape(shape) + 1) * 0.5 * (r + 1)).astype(np.float32)
 
 
+_SETS = {}
+
+
+def _process_set(hvd, ranks):
+    """The process set of ``ranks``, added on first use: a set is registered once per job, and
+    several cases run in one launch (tests/harness.py run_cases)."""
+    if tuple(ranks) not in _SETS:
+        _SETS[tuple(ranks)] = hvd.add_process_set(list(ranks))
+    return _SETS[tuple(ranks)]
+
+
 def _cases(hvd, tf, r, ps):
     """(case, input, output builder) for every differentiable collective; inputs as float32."""
     n = len(ps.ranks) if ps is not None else hvd.size()
@@ -40,7 +51,7 @@ def gradients(mode, with_set=False):
     r = hvd.rank()
     sets = [None]
     if with_set:  # every rank registers [0] and [1]; each then runs the cases alone in its own
-        singles = [hvd.add_process_set([k]) for k in range(hvd.size())]
+        singles = [_process_set(hvd, [k]) for k in range(hvd.size())]
         sets = [hvd.global_process_set, singles[r]]
     out = {}
     for k, ps in enumerate(sets):
