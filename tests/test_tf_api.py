@@ -3,11 +3,24 @@ import importlib.util
 import numpy as np
 import pytest
 
-from harness import check_ok, run_workers
+from harness import check_ok, run_cases, run_workers
 
 pytest.importorskip("tensorflow")
 
 pytestmark = pytest.mark.tf
+BUCKETS = [(64 << 20, 1), (2048, 4), (0, 6)]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """One 2-rank launch for the tests below that check results against numpy: the collectives
+    eagerly and in a tf.function, the tapes, the gradient buckets per fusion threshold (each case
+    sets its own), then the held gradients (they fill the result pool); one launch instead of 7."""
+    return run_cases(2, [("collectives eager", "workers_tf_api:collectives", ["eager"]),
+                         ("collectives graph", "workers_tf_api:collectives", ["graph"]),
+                         ("tapes", "workers_tf_api:tapes", [2]),
+                         *((f"buckets {t}", "workers_tf_api:buckets", [t, 2]) for t, _ in BUCKETS),
+                         ("held_gradients", "workers_tf_api:held_gradients", [200])], timeout=300)
 
 
 def _data(r, shape=(2, 3), dtype=np.float32):
@@ -50,8 +63,8 @@ def _check_collectives(values):
         assert [v["rank_op"], v["size_op"], v["local_rank_op"], v["local_size_op"]] == [r, 2, r, 2]
 
 
-def test_collectives_eager_match_numpy():
-    values = check_ok(run_workers(2, "workers_tf_api:collectives", ["eager"], timeout=180))
+def test_collectives_eager_match_numpy(runs):
+    values = check_ok(runs["collectives eager"])
     _check_collectives(values)
     for r, v in enumerate(values):
         np.testing.assert_allclose(v["broadcast_"][0], _data(1))
@@ -72,15 +85,15 @@ def test_collectives_eager_match_numpy():
             "string_allgather": "ValueError", "complex_reducescatter": "ValueError", "bool_average": "ValueError"}
 
 
-def test_collectives_in_tf_function_match_numpy():
-    _check_collectives(check_ok(run_workers(2, "workers_tf_api:collectives", ["graph"], timeout=180)))
+def test_collectives_in_tf_function_match_numpy(runs):
+    _check_collectives(check_ok(runs["collectives graph"]))
 
 
-@pytest.mark.parametrize("threshold,buckets", [(64 << 20, 1), (2048, 4), (0, 6)])
-def test_gradient_buckets_are_submitted_one_by_one_and_match_numpy(threshold, buckets):
+@pytest.mark.parametrize("threshold,buckets", BUCKETS)
+def test_gradient_buckets_are_submitted_one_by_one_and_match_numpy(threshold, buckets, runs):
     # one submit op per bucket; a single bucket is submitted by the step's blocking op itself
     # variables' bytes, last first (the order buckets are formed in): 48, 16, 2244, 4000, 60, 28
-    values = check_ok(run_workers(2, "workers_tf_api:buckets", [threshold, 2], timeout=180))
+    values = check_ok(runs[f"buckets {threshold}"])
     shapes = [[7], [3, 5], [1000], [33, 17], [4], [2, 2, 3]]
     want = [(np.arange(np.prod(s), dtype=np.float32).reshape(s) + 1) * 1.5 for s in shapes]  # mean of 1x, 2x
     for v in values:
@@ -90,9 +103,9 @@ def test_gradient_buckets_are_submitted_one_by_one_and_match_numpy(threshold, bu
                 np.testing.assert_allclose(got, w, rtol=1e-6, err_msg=mode)
 
 
-def test_gradients_held_across_steps_keep_their_values():
+def test_gradients_held_across_steps_keep_their_values(runs):
     # 200 steps x 1 MB: the shared-memory result pool (128 MB) fills and results move to the heap
-    assert check_ok(run_workers(2, "workers_tf_api:held_gradients", [200], timeout=180)) == [[], []]
+    assert check_ok(runs["held_gradients"]) == [[], []]
 
 
 def test_failures_inside_a_tf_function_step_name_ranks_and_values():
@@ -146,8 +159,8 @@ def _sync_bn_reference():
     return [y.numpy() for y in ys], mean.numpy(), [g.numpy() for g in grads]
 
 
-def test_tapes_and_sync_batch_norm_match_numpy():
-    values = check_ok(run_workers(2, "workers_tf_api:tapes", [2], timeout=180))
+def test_tapes_and_sync_batch_norm_match_numpy(runs):
+    values = check_ok(runs["tapes"])
     x = [_data(r, shape=(2, 3)) for r in range(2)]
     w = np.ones([3, 2], np.float32)
     gw = np.mean([2 * xr.T @ (xr @ w) for xr in x], axis=0)

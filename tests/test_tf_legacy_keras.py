@@ -4,7 +4,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from harness import check_ok, run_workers
+from harness import check_ok, run_cases
 from test_tf_keras import aggregation_reference
 
 pytest.importorskip("tensorflow")
@@ -15,14 +15,22 @@ pytestmark = pytest.mark.tf
 LEGACY = {"TF_USE_LEGACY_KERAS": "1"}
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One 2-rank launch with tf_keras for both tests below."""
+    return run_cases(2, [("suite", "workers_tf_keras:legacy_keras_suite", [4]),
+                         ("fit_callbacks", "workers_tf_keras:fit_callbacks_save_resume",
+                          [str(tmp_path_factory.mktemp("fit_callbacks")), 3])], env=LEGACY, timeout=400)
+
+
 def _assert_weights(a, b, **kw):
     assert len(a) == len(b)
     for x, y in zip(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
 
 
-def test_tf_keras_optimizers_match_single_process():
-    values = check_ok(run_workers(2, "workers_tf_keras:legacy_keras_suite", [4], env=LEGACY, timeout=240))
+def test_tf_keras_optimizers_match_single_process(runs):
+    values = check_ok(runs["suite"])
     for key in ("sgd", "legacy_sgd", "legacy_adam"):
         v0, v1 = values[0][key], values[1][key]
         _assert_weights(v0["weights"], v1["weights"], rtol=0, atol=0)
@@ -36,9 +44,8 @@ def test_tf_keras_optimizers_match_single_process():
             assert iterations == 4, key
 
 
-def test_tf_keras_fit_with_callbacks_then_load_model_resumes(tmp_path):
-    values = check_ok(run_workers(2, "workers_tf_keras:fit_callbacks_save_resume", [str(tmp_path), 3], env=LEGACY,
-                                  timeout=240))
+def test_tf_keras_fit_with_callbacks_then_load_model_resumes(runs):
+    values = check_ok(runs["fit_callbacks"])
     v0, v1 = values
     assert v0["history"] == v1["history"]
     steps = 6

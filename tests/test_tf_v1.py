@@ -3,16 +3,22 @@ BroadcastGlobalVariablesHook and DistributedOptimizer over tf.compat.v1.train.Gr
 import numpy as np
 import pytest
 
-from harness import check_ok, run_workers
+from harness import check_ok, run_cases
 
 pytest.importorskip("tensorflow")
 
 pytestmark = pytest.mark.tf
 
 
+@pytest.fixture(scope="module")
+def runs():
+    """One 2-rank launch for both numbers of passes (each case builds its own graph)."""
+    return run_cases(2, [(p, "workers_tf_v1:monitored_session", [4, p]) for p in (1, 2)], timeout=240)
+
+
 @pytest.mark.parametrize("passes", [1, 2])
-def test_monitored_session_with_hook_equals_single_process_gd(passes):
-    values = check_ok(run_workers(2, "workers_tf_v1:monitored_session", [4, passes], timeout=180))
+def test_monitored_session_with_hook_equals_single_process_gd(passes, runs):
+    values = check_ok(runs[passes])
     v0, v1 = values
     assert v0["w0"] == v1["w0"]  # the hook broadcast rank 0's initial weights
     assert v0["w"] == v1["w"]
