@@ -145,12 +145,14 @@ def _cases(cases):
     """The worker side of :func:`run_cases` (runs inside each rank)."""
     import importlib
     import traceback
+    import time
     out = []
     for key, target, args in cases:
+        t0 = time.monotonic()
         mod, fn = target.split(":")
         try:
             out.append({"ok": True, "value": getattr(importlib.import_module(mod), fn)(*args)})
         except Exception as e:  # noqa: BLE001  (recorded for this case; the next case still runs)
             out.append({"ok": False, "type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()})
-        print(f"case {key!r} done", flush=True)
+        print(f"case {key!r} done in {time.monotonic() - t0:.2f} s", flush=True)
     return out

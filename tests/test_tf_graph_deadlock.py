@@ -5,10 +5,22 @@ eager path (direct engine calls): values and gradients."""
 import numpy as np
 import pytest
 
-from harness import check_ok, run_workers
+from harness import check_ok, run_cases
 from workers_tf_graph import KINDS, creation_order, data
 
 N_OPS, SIZE = 35, 2
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """One launch per inter-op pool size (set once per process, before TensorFlow starts): the
+    rank-dependent graphs, then Horovod's first-batch broadcast step, and with the default pool
+    the eager path too; 2 launches instead of 5.  {threads: {case: [WorkerResult per rank]}}."""
+    return {threads: run_cases(SIZE, [("graphs", "workers_tf_graph:graphs", [N_OPS, threads]),
+                                      ("first_batch_broadcast", "workers_tf_graph:first_batch_broadcast", [threads]),
+                                      *([("eager", "workers_tf_graph:eager_gradients", [])] if not threads else [])],
+                               timeout=240)
+            for threads in (1, 0)}
 
 
 def expected(i, rank, size=SIZE):
@@ -41,8 +53,8 @@ def test_creation_orders_differ():
 
 
 @pytest.mark.parametrize("threads", [1, 0], ids=["inter_op_1", "inter_op_default"])
-def test_independent_collectives_in_rank_dependent_order_finish(threads):
-    values = check_ok(run_workers(SIZE, "workers_tf_graph:graphs", [N_OPS, threads], timeout=120))
+def test_independent_collectives_in_rank_dependent_order_finish(threads, runs):
+    values = check_ok(runs[threads]["graphs"])
     for rank, v in enumerate(values):
         if threads:
             assert v["threads"] == threads
@@ -59,8 +71,8 @@ def test_independent_collectives_in_rank_dependent_order_finish(threads):
                                                    err_msg=f"rank {rank} {mode} op {i} ({KINDS[i % len(KINDS)]})")
 
 
-def test_eager_collectives_and_gradients():
-    values = check_ok(run_workers(SIZE, "workers_tf_graph:eager_gradients", timeout=120))
+def test_eager_collectives_and_gradients(runs):
+    values = check_ok(runs[0]["eager"])
     xs = [data(0, r) for r in range(SIZE)]
     for rank, v in enumerate(values):
         x = xs[rank]
@@ -79,12 +91,12 @@ def test_eager_collectives_and_gradients():
 
 
 @pytest.mark.parametrize("threads", [1, 0], ids=["inter_op_1", "inter_op_default"])
-def test_horovod_first_batch_broadcast_in_the_training_step(threads):
+def test_horovod_first_batch_broadcast_in_the_training_step(threads, runs):
     """Horovod's TF2 examples broadcast the variables inside the ``tf.function`` step, after
     ``apply_gradients`` of the allreduced gradients: the broadcast's submit op reads variables
     the blocking op's results updated, so ordering it before that op would be a cycle
     ("nodes in a cycle" when TensorFlow runs the function)."""
-    values = check_ok(run_workers(SIZE, "workers_tf_graph:first_batch_broadcast", [threads], timeout=120))
+    values = check_ok(runs[threads]["first_batch_broadcast"])
     assert values[0]["initial"] != values[1]["initial"]  # the broadcast has something to do
     for v in values:
         if threads:
