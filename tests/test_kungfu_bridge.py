@@ -3,14 +3,23 @@ the distributed optimizers, the initializers, Keras fit, and clear elastic error
 import numpy as np
 import pytest
 
-from harness import check_ok, run_workers
+from harness import check_ok, run_cases, run_workers
 
 tf = pytest.importorskip("tensorflow")
 
 
 @pytest.fixture(scope="module")
-def ops2():
-    return check_ok(run_workers(2, "workers_kungfu:ops_check", timeout=180))
+def runs():
+    """One 2-rank launch for every test here but the pair-averaging timing one: the ops, the
+    optimizers, Keras fit, the elastic errors, then finalize and init again (last: it ends sdp)."""
+    return run_cases(2, [(k, f"workers_kungfu:{k}", []) for k in
+                         ("ops_check", "optimizers_all", "keras_check", "elastic_errors", "finalize_check")],
+                     timeout=300)
+
+
+@pytest.fixture(scope="module")
+def ops2(runs):
+    return check_ok(runs["ops_check"])
 
 
 def _x(r):
@@ -95,8 +104,8 @@ def test_session_minimize_with_wrapped_v1_optimizers(ops2):
 
 
 @pytest.fixture(scope="module")
-def optim2():
-    return check_ok(run_workers(2, "workers_kungfu:optimizers_all", timeout=180))
+def optim2(runs):
+    return check_ok(runs["optimizers_all"])
 
 
 def _linear_grads(w, b, x, y):
@@ -146,8 +155,8 @@ def test_pair_averaging_does_not_wait_for_a_slow_peer_and_converges():
     assert np.linalg.norm(final[0] - final[1]) < 0.1 * np.linalg.norm(init[0] - init[1])
 
 
-def test_keras_fit_with_wrapped_optimizers_and_broadcast_callback():
-    values = check_ok(run_workers(2, "workers_kungfu:keras_check", timeout=180))
+def test_keras_fit_with_wrapped_optimizers_and_broadcast_callback(runs):
+    values = check_ok(runs["keras_check"])
     for v in values:
         assert v["SynchronousSGDOptimizer"] == {"same": True, "iterations": 6}
         assert v["SynchronousAveragingOptimizer"]["iterations"] == 6
@@ -155,8 +164,8 @@ def test_keras_fit_with_wrapped_optimizers_and_broadcast_callback():
         assert gns["same"] and gns["iterations"] == 6 and np.isfinite(gns["noise_scale"])
 
 
-def test_elastic_errors_without_watch_mode():
-    values = check_ok(run_workers(2, "workers_kungfu:elastic_errors", timeout=60))
+def test_elastic_errors_without_watch_mode(runs):
+    values = check_ok(runs["elastic_errors"])
     for v in values:
         assert v["same_size"] == [False, False]
         assert v["no_server"][0] == "ResizeError" and "sdprun -w" in v["no_server"][1]
@@ -166,8 +175,8 @@ def test_elastic_errors_without_watch_mode():
         assert v["size_after"] == 2 and v["detached"] is False
 
 
-def test_finalize_then_init():
-    values = check_ok(run_workers(2, "workers_kungfu:finalize_check", timeout=60))
+def test_finalize_then_init(runs):
+    values = check_ok(runs["finalize_check"])
     for r, v in enumerate(values):
         assert (v["rank_after"], v["size_after"]) == (r, 2)
         assert "finalize()" in v["barrier"] and v["max"] == 1
