@@ -93,7 +93,7 @@ def test_horovod_style_function_under_compat(cluster):
         sdp.compat.uninstall("horovod")
 
 
-def lose_peer():
+def lose_peer(ready_dir):
     import time
     import sdp
     from sdp.common.errors import PeerLostError
@@ -102,21 +102,26 @@ def lose_peer():
     try:
         while time.monotonic() < deadline:
             sdp.allreduce(np.ones(100, np.float32), op=sdp.Sum, name="step")
+            if not os.path.exists(os.path.join(ready_dir, str(sdp.rank()))):  # the job has formed, runs steps
+                open(os.path.join(ready_dir, str(sdp.rank())), "w").close()
             time.sleep(0.01)
     except PeerLostError as e:
         return ("LOST", e.rank, time.time())
     return ("NOT LOST", None, time.time())
 
 
-def test_dead_actor_gives_peer_lost(cluster):
+def test_dead_actor_gives_peer_lost(cluster, tmp_path):
     """ray.kill of rank 3's actor: ranks 0-2 return PeerLostError naming rank 3 within 10 s, rank 3's
     result raises RayActorError, and after shutdown no actor process is left."""
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=4)
     executor.start()
     pids = executor.run(os.getpid)
     try:
-        refs = executor.run_remote(lose_peer)
-        time.sleep(2.0)  # the job has formed and runs steps
+        refs = executor.run_remote(lose_peer, args=[str(tmp_path)])
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 4:  # every rank has done a step
+            assert time.monotonic() < deadline, f"ranks with a step done: {os.listdir(tmp_path)}"
+            time.sleep(0.02)
         t0 = time.time()
         ray.kill(executor.workers[3])
         survivors = ray.get(refs[:3], timeout=30)
