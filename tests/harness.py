@@ -156,3 +156,31 @@ def _cases(cases):
             out.append({"ok": False, "type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()})
         print(f"case {key!r} done in {time.monotonic() - t0:.2f} s", flush=True)
     return out
+
+
+class _Outcomes(dict):
+    """{key: results}; a key whose job raised raises that exception when read."""
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        if isinstance(value, BaseException):
+            raise AssertionError(f"job {key!r} failed: {value}") from value
+        return value
+
+
+def run_concurrently(jobs: dict) -> dict:
+    """Several :func:`run_workers` jobs at once: ``jobs`` is ``{key: kwargs of run_workers}``;
+    returns ``{key: [WorkerResult per rank]}`` (reading a key whose job raised raises it).  For
+    jobs that mostly wait by design (a rank stopped for 10 s, a peer timeout) and have nothing
+    to do with each other: each has its own rendezvous, job id and secret, so they overlap
+    their waits instead of adding them up."""
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {key: pool.submit(run_workers, **kw) for key, kw in jobs.items()}
+        out = _Outcomes()
+        for key, f in futures.items():
+            try:
+                out[key] = f.result()
+            except BaseException as e:  # noqa: BLE001  (raised when that key is read)
+                out[key] = e
+        return out

@@ -5,19 +5,35 @@ import os
 import pytest
 
 
-from harness import run_workers
+from harness import run_concurrently, run_workers
+
+
+def _hosts(tcp):
+    return (lambda r: {"SDP_HOSTNAME": f"host{r}"}) if tcp else None
+
+
+@pytest.fixture(scope="module")
+def stopped_runs():
+    """The four jobs below at once (each waits ~10 s on a stopped rank by design; separate jobs,
+    so the waits overlap instead of adding up): {(test, tcp): [WorkerResult per rank]}."""
+    jobs = {}
+    for tcp in (False, True):
+        jobs["not_dead", tcp] = dict(n=2, target="workers_faults:stop_peer", args=[10.5], timeout=60,
+                                     per_rank_env=_hosts(tcp))
+        jobs["silent", tcp] = dict(n=2, target="workers_faults:stop_peer", args=[10.0], timeout=60,
+                                   env={"SDP_PEER_TIMEOUT": "2"}, per_rank_env=_hosts(tcp))
+    return run_concurrently(jobs)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tcp", [False, True])
-def test_a_rank_stopped_for_10_s_is_not_declared_dead(tcp):
+def test_a_rank_stopped_for_10_s_is_not_declared_dead(tcp, stopped_runs):
     """SIGSTOP for 10.5 s (a long GC pause, swapping; the issue measured 8 s): the collective
     waits and completes.  (Was "lost connection to rank 1: connection closed (process died?)"
     on every run: the fixed heartbeat timeout of 8 s after a PING sent within 2 s of the stop.)
     tcp: a host name per rank, as between hosts: the stopped rank's kernel still acknowledges
     every byte, so the 5 s cut-link timeout (TCP_USER_TIMEOUT) does not fire either."""
-    hosts = (lambda r: {"SDP_HOSTNAME": f"host{r}"}) if tcp else None
-    results = run_workers(2, "workers_faults:stop_peer", [10.5], timeout=60, per_rank_env=hosts)
+    results = stopped_runs["not_dead", tcp]
     for r in results:
         assert r.ok, (r.rank, r.error, r.stderr[-2000:])
         etype, msg, seconds, out = r.value
@@ -26,13 +42,11 @@ def test_a_rank_stopped_for_10_s_is_not_declared_dead(tcp):
 
 
 @pytest.mark.parametrize("tcp", [False, True])
-def test_a_silent_rank_is_lost_after_sdp_peer_timeout_with_what_was_seen(tcp):
+def test_a_silent_rank_is_lost_after_sdp_peer_timeout_with_what_was_seen(tcp, stopped_runs):
     """SDP_PEER_TIMEOUT=2: rank 1 stopped for 10 s is lost on rank 0 after ~2-4 s, and the
     message says what was seen (alive but silent), not that the process died: on the same host
     from /proc (state T), over TCP from its host still accepting a new connection."""
-    hosts = (lambda r: {"SDP_HOSTNAME": f"host{r}"}) if tcp else None
-    results = run_workers(2, "workers_faults:stop_peer", [10.0], timeout=60, env={"SDP_PEER_TIMEOUT": "2"},
-                          per_rank_env=hosts)
+    results = stopped_runs["silent", tcp]
     etype, msg, seconds, _ = results[0].value
     assert etype == "PeerLostError", (etype, msg, results[0].stderr[-2000:])
     assert "no message from rank 1 for 2 s: stopped, hung or unreachable" in msg, msg
