@@ -213,7 +213,7 @@ LATE_RANK_1 = """
 import os, sys, time
 import numpy as np
 if os.environ["SDP_RANK"] == "1":
-    time.sleep(5)
+    time.sleep(float(sys.argv[2]))  # late by this many seconds
 import sdp
 sdp.init()
 print("sum", float(sdp.allreduce(np.ones(4), name="x", op=sdp.Sum)[0]), flush=True)
@@ -235,7 +235,8 @@ def test_nothing_of_a_job_remains_after_an_abnormal_end(tmp_path, kill):
     script = tmp_path / "late.py"
     script.write_text(LATE_RANK_1)
     import psutil
-    proc = subprocess.Popen([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, str(script), "60"],
+    late = "5" if kill == "sdprun" else "0"  # (only the sdprun case kills before the ranks met)
+    proc = subprocess.Popen([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, str(script), "60", late],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     job = "?"
     try:
