@@ -103,11 +103,7 @@ def init(config: Optional[Config] = None) -> None:
             from sdp.engine import timeline
             timeline.start(_runtime, cfg.timeline)
         _counters.clear()
-        #: mean bytes per array up to which grouped_allreduce_async flattens host arrays into one request
-#: (packing them costs the caller a copy the engine would make anyway; above it, the engine's own
-#: fusion packs straight into shared memory, which saves a pass over the bytes)
-GROUP_MEAN_BYTES = 64 << 10
-_set_ids = itertools.count(1)
+        _set_ids = itertools.count(1)
 
 
 def shutdown() -> None:

@@ -107,3 +107,9 @@ def test_a_rank_outside_a_set_may_leave_while_the_set_runs():
     assert values[1] is None
     for r in (0, 2):
         assert values[r] == [[2.0] * 4, {"from": 2}], (r, values[r])
+
+
+def test_process_set_ids_restart_after_reinit():
+    values = check_ok(run_workers(3, "workers_process_sets:ids_after_reinit", []))
+    for rank, (before, after, got) in enumerate(values):
+        assert before == after == 1 and got == ([2.0, 2.0] if rank < 2 else None), (rank, before, after, got)

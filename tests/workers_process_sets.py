@@ -230,3 +230,18 @@ def outsider_leaves_first():
     got = sdp.allreduce(np.full(4, sdp.rank(), np.float32), name="after", op=sdp.Sum, process_set=ps)
     obj = sdp.broadcast_object({"from": sdp.rank()}, root_rank=2, process_set=ps)
     return [got.tolist(), obj]
+
+
+def ids_after_reinit():
+    """Process set ids count from 1 again after shutdown() and init() (every rank alike);
+    returns the ids before and after and the set's allreduce after re-init."""
+    import sdp
+    before = sdp.api.add_process_sets([[0, 1]])[0]
+    sdp.shutdown()
+    sdp.init()
+    after = sdp.api.add_process_sets([[0, 1]])[0]
+    got = None
+    if sdp.rank() < 2:
+        got = sdp.allreduce(np.ones(2, np.float32), name="re", op=sdp.Sum, process_set=after).tolist()
+    sdp.barrier()
+    return [before, after, got]
