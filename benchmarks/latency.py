@@ -18,9 +18,14 @@ Called by ``benchmarks/allreduce.py`` (its 1 KB latency section, and alone with
   one by one (``allreduce_async`` each, then wait all), against the memory time of its bytes
   (one ``np.copyto`` of 400 KB, timed here).
 
+Everything but the floor is measured twice in the same run: as sdp runs (small allreduces in the
+fast lane, :mod:`sdp.engine.lane`, when every rank is on one host) and with the lane set aside
+(:func:`lane_off`: the engine thread and rank 0's coordinator, as before the lane).
+
 Targets (2 ranks, one host; issue 30): engine 1 KB <= 1.5 RTT back to back and <= 2 RTT isolated;
 64 KB <= 2 RTT back to back; the 100-tensor step <= 5 RTT + its memory time, one by one <= 3x that.
 """
+import contextlib
 import os
 import statistics
 import subprocess
@@ -138,12 +143,37 @@ def step_times(iters: int, warmup: int = 10):
                  (("g", g), ("o", o), ("m", m)))
 
 
+@contextlib.contextmanager
+def lane_off():
+    """Run the body with the fast lane set aside on every rank (between two barriers, so no
+    rank posts to it meanwhile): small allreduces take the engine thread and rank 0."""
+    rt = sdp.api.runtime()
+    sdp.barrier()
+    saved, rt.lane = rt.lane, None
+    try:
+        yield
+    finally:
+        sdp.barrier()
+        rt.lane = saved
+
+
 def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 30) -> dict:
-    """Every latency of the module docstring (seconds), the same on every rank."""
+    """Every latency of the module docstring (seconds), the same on every rank: ``res[key]``
+    as sdp runs, ``res["off"][key]`` with the fast lane set aside."""
     sdp.barrier()
     rtt = pipe_rtt() if sdp.rank() == 0 else 0.0  # (the other ranks wait in the barrier below)
     rtt = max_over_ranks(rtt, "lat.rtt")
     res = {"rtt": rtt}
+    with lane_off():
+        res["off"] = _latencies(iters, isolated_iters, step_iters)
+    res.update(_latencies(iters, isolated_iters, step_iters))
+    res["rtt_after"] = max_over_ranks(pipe_rtt() if sdp.rank() == 0 else 0.0, "lat.rtt2")
+    res["rtt_idle"] = max_over_ranks(pipe_rtt(isolated_iters, 10, IDLE_S) if sdp.rank() == 0 else 0.0, "lat.rtt3")
+    return res
+
+
+def _latencies(iters: int, isolated_iters: int, step_iters: int) -> dict:
+    res = {}
     for nbytes in (1024, 65536):
         buf, out = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
         name = f"lat.iso.{nbytes}"
@@ -151,8 +181,6 @@ def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 30) -
         res[f"iso_{nbytes}"] = isolated(lambda: sdp.allreduce(buf, name=name, op=sdp.Sum, out=out),
                                         isolated_iters, name)
     res["step_grouped"], res["step_one_by_one"], res["step_memory"] = step_times(step_iters)
-    res["rtt_after"] = max_over_ranks(pipe_rtt() if sdp.rank() == 0 else 0.0, "lat.rtt2")
-    res["rtt_idle"] = max_over_ranks(pipe_rtt(isolated_iters, 10, IDLE_S) if sdp.rank() == 0 else 0.0, "lat.rtt3")
     return res
 
 
@@ -164,13 +192,13 @@ def report(res: dict) -> list:
     lines = [f"latency floor: pipe ping-pong round trip between two processes (RTT) {us(rtt)} "
              f"(again after the latency runs: {us(res['rtt_after'])}; each after {IDLE_S * 1e3:g} ms idle: "
              f"{us(res['rtt_idle'])})",
-             f"{'':<44} {'time':>11} {'':>9}"]
-    rows = [("1 KB back to back", res["b2b_1024"]), ("1 KB isolated (barrier, 1 ms idle)", res["iso_1024"]),
-            ("64 KB back to back", res["b2b_65536"]), ("64 KB isolated", res["iso_65536"]),
-            (f"step of {STEP_COUNT} x {STEP_BYTES // 1024} KB: grouped_allreduce", res["step_grouped"]),
-            (f"step of {STEP_COUNT} x {STEP_BYTES // 1024} KB: one by one (async)", res["step_one_by_one"]),
-            (f"memory time of the step's bytes (one copy)", res["step_memory"])]
-    lines += [f"{label:<44} {us(t)} {x(t)}" for label, t in rows]
+             f"{'':<44} {'sdp':>11} {'':>9}   {'lane off':>11} {'':>9}"]
+    rows = [("1 KB back to back", "b2b_1024"), ("1 KB isolated (barrier, 1 ms idle)", "iso_1024"),
+            ("64 KB back to back", "b2b_65536"), ("64 KB isolated", "iso_65536"),
+            (f"step of {STEP_COUNT} x {STEP_BYTES // 1024} KB: grouped_allreduce", "step_grouped"),
+            (f"step of {STEP_COUNT} x {STEP_BYTES // 1024} KB: one by one (async)", "step_one_by_one"),
+            ("memory time of the step's bytes (one copy)", "step_memory")]
+    lines += [f"{label:<44} {us(res[k])} {x(res[k])}   {us(res['off'][k])} {x(res['off'][k])}" for label, k in rows]
     step_bound = TARGET_STEP_RTT * rtt + res["step_memory"]
     checks = [(f"1 KB back to back <= {TARGET_1K_B2B_RTT} RTT", res["b2b_1024"], TARGET_1K_B2B_RTT * rtt),
               (f"1 KB isolated <= {TARGET_1K_ISOLATED_RTT} RTT", res["iso_1024"], TARGET_1K_ISOLATED_RTT * rtt),
@@ -191,7 +219,13 @@ def breakdown(iters: int = 300, idle: bool = False) -> list:
     engine changes): submit (caller), engine awake (first ``pump`` return with the request
     queued), request sent, rank 0 holding every rank's request (its ``_coordinate``), response
     executed (start / end of ``_execute``), caller back.  Returns lines for rank 0: the median
-    of each interval, per rank.  ``idle``: each collective after a barrier and 1 ms idle."""
+    of each interval, per rank.  ``idle``: each collective after a barrier and 1 ms idle.  The
+    engine path: with the fast lane set aside (:func:`lane_off`)."""
+    with lane_off():
+        return _breakdown(iters, idle)
+
+
+def _breakdown(iters: int, idle: bool) -> list:
     rt = sdp.api.runtime()
     now = time.perf_counter
     stamps = {}

@@ -7,6 +7,7 @@ from harness import check_ok, run_workers
 
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
 INTS = ["int8", "int16", "int32", "int64", "uint8"]
+ENGINE = {"SDP_FAST_LANE": "0"}  # the engine path itself (small allreduces take the lane otherwise)
 
 
 def make_cases(seed=1234):
@@ -34,11 +35,13 @@ def make_cases(seed=1234):
     return cases
 
 
-@pytest.mark.parametrize("n, slab", [(1, None), (2, None), (3, None), (4, None), (2, "0"), (3, "0")])
+@pytest.mark.parametrize("n, slab", [(1, None), (2, None), (3, None), (4, None), (2, "0"), (3, "0"), (3, "engine")])
 def test_every_collective_dtype_and_op(n, slab):
-    """Shared memory where the ranks share a host, and (slab 0) ZeroMQ only, as between hosts."""
+    """Shared memory where the ranks share a host (small allreduces in the fast lane, or with
+    the lane off in the engine's shared-memory collectives), and (slab 0) ZeroMQ only, as
+    between hosts."""
     cases = make_cases()
-    env = None if slab is None else {"SDP_SHM_SLAB_BYTES": slab}
+    env = None if slab is None else ENGINE if slab == "engine" else {"SDP_SHM_SLAB_BYTES": slab}
     values = check_ok(run_workers(n, "workers_collectives:every_collective", [cases], timeout=180, env=env))
     for rank, oks in enumerate(values):
         bad = [c for c, ok in zip(cases, oks) if not ok]
@@ -90,7 +93,7 @@ def test_fused_buckets(n, slab):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_steady_state_lists_through_the_batch_cache(n):
-    for ok, batches in check_ok(run_workers(n, "workers_collectives:steady_state_lists", [12])):
+    for ok, batches in check_ok(run_workers(n, "workers_collectives:steady_state_lists", [12], env=ENGINE)):
         assert ok and batches >= 1, (ok, batches)
 
 
@@ -106,7 +109,7 @@ def test_every_kind_through_the_shared_memory_control_path(n):
 def test_response_cache_capacity(capacity, batches):
     """HOROVOD_CACHE_CAPACITY: 0 (no cache: every request in full, no batch cache), fewer
     entries than the list's 5 tensors (the rest negotiated in full every step), exactly 5."""
-    env = {"HOROVOD_CACHE_CAPACITY": capacity}
+    env = {"HOROVOD_CACHE_CAPACITY": capacity, **ENGINE}
     for ok, known in check_ok(run_workers(2, "workers_collectives:steady_state_lists", [9], env=env)):
         assert ok and (known >= 1 if batches else known == 0), (ok, known)
 
@@ -127,5 +130,5 @@ def test_results_held_by_one_rank_stay_exact(pool):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_grouped_allreduce_of_small_arrays_is_one_request_per_dtype(n):
-    for checks in check_ok(run_workers(n, "workers_collectives:flattened_groups", [])):
+    for checks in check_ok(run_workers(n, "workers_collectives:flattened_groups", [], env=ENGINE)):
         assert all(ok for _, ok in checks), checks

@@ -125,7 +125,7 @@ def test_foreign_messages_are_dropped_and_logged():
 
 
 def test_malformed_control_messages_are_dropped_and_logged():
-    results = run_workers(2, "workers_errors:malformed_control", [])
+    results = run_workers(2, "workers_errors:malformed_control", [], env={"SDP_FAST_LANE": "0"})  # (engine path)
     assert check_ok(results) == [[2.0, 4.0, 6.0]] * 2
     err = results[0].stderr
     for why in ("bad or missing 'k'", "unknown dtype 'float99'", "bad or missing 'o': 99"):

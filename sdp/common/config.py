@@ -30,6 +30,9 @@
 | SDP_GPU_IPC               | auto         | device arrays: auto/1 reduce through CUDA IPC when every   |
 |                           |              | rank is on one host; 0: stage through host memory (see     |
 |                           |              | sdp.engine.device_path)                                    |
+| SDP_FAST_LANE             | 1            | 1: small allreduces of ranks all on one host skip the      |
+|                           |              | coordinator (see sdp.engine.lane); 0: every collective     |
+|                           |              | goes through the engine thread and rank 0                  |
 | SDP_DEVICE_BACKEND        | cuda         | cuda (PyCUDA) or numpy (host memory standing in for a      |
 |                           |              | device: runs the device path without a GPU, for tests)     |
 
@@ -107,6 +110,7 @@ SETTINGS = (
     Setting("timeline", ("SDP_TIMELINE", "HOROVOD_TIMELINE"), str, "a file path"),
     Setting("encrypt", ("SDP_ENCRYPT",), lambda v: flag(v), _FLAG),
     Setting("gpu_ipc", ("SDP_GPU_IPC",), lambda v: flag(v), _FLAG),
+    Setting("fast_lane", ("SDP_FAST_LANE",), lambda v: flag(v), _FLAG),
     Setting(None, ("SDP_LOG_LEVEL",), _level, "DEBUG, INFO, WARNING, ERROR or CRITICAL (any case), or a number"),
     Setting(None, ("SDP_DEVICE_BACKEND",), lambda v: _choice(v, ("cuda", "numpy")), "cuda or numpy"),
 )
@@ -175,6 +179,7 @@ class Config:
     timeline: Optional[str] = None
     encrypt: bool = False  # SDP_ENCRYPT
     gpu_ipc: Optional[bool] = None  # SDP_GPU_IPC: None automatic (one host), False host-staged
+    fast_lane: bool = True  # SDP_FAST_LANE: small allreduces of one host skip the coordinator
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":

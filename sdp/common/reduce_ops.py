@@ -4,6 +4,8 @@ Mirrors ``horovod.tensorflow.{Average,Sum,Adasum,Min,Max,Product}`` and
 ``smdistributed.dataparallel.tensorflow.ReduceOp.{AVERAGE,SUM,MIN,MAX}``.
 """
 import enum
+import functools
+from typing import Optional
 
 import numpy as np
 
@@ -86,3 +88,12 @@ def check_dtype(kind: str, name: str, dtype, op: ReduceOp = ReduceOp.SUM, presca
         raise ValueError(f"{kind} of '{name}': bool tensors take SUM/MAX (logical or) or MIN/PRODUCT "
                          f"(logical and) without scale factors; got {ReduceOp(op).name}, "
                          f"prescale {prescale:g}, postscale {postscale:g}")
+
+
+@functools.lru_cache(maxsize=None)
+def accumulation_dtype(dtype: np.dtype) -> Optional[np.dtype]:
+    """float32 for 16-bit floats (float16, bfloat16): sums never overflow or lose small terms
+    in the 16-bit format while they are being accumulated."""
+    if dtype.kind == "f" and dtype.itemsize == 2 or dtype.name == "bfloat16":
+        return np.dtype(np.float32)
+    return None

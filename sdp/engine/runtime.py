@@ -17,8 +17,8 @@ import numpy as np
 
 from sdp.common import errors
 from sdp.common.config import Config
-from sdp.common.reduce_ops import UFUNCS, ReduceOp, check_dtype, scale_in_place
-from sdp.engine import collectives, fusion, groups, process_sets, timeline
+from sdp.common.reduce_ops import UFUNCS, ReduceOp, accumulation_dtype, check_dtype, scale_in_place
+from sdp.engine import collectives, fusion, groups, lane, process_sets, timeline
 from sdp.engine.coordinator import JOIN, KINDS, Coordinator, wire_dtype
 from sdp.engine.device_arrays import DeviceTensor
 from sdp.transport.zmq_mesh import Mesh
@@ -36,19 +36,10 @@ RESPONSE_SPIN_S = 0.002
 POOL_MIN_BYTES = 64 << 10
 
 
-@functools.lru_cache(maxsize=None)
-def accumulation_dtype(dtype: np.dtype) -> Optional[np.dtype]:
-    """float32 for 16-bit floats (float16, bfloat16): sums never overflow or lose small terms
-    in the 16-bit format while they are being accumulated."""
-    if dtype.kind == "f" and dtype.itemsize == 2 or dtype.name == "bfloat16":
-        return np.dtype(np.float32)
-    return None
-
-
 class Handle:
     """The pending result of one submitted collective."""
 
-    __slots__ = ("name", "_lock", "_is_done", "_result", "_error")
+    __slots__ = ("name", "_lock", "_is_done", "_result", "_error", "_lane")
 
     def __init__(self, name: str):
         self.name = name
@@ -59,6 +50,7 @@ class Handle:
         self._is_done = False
         self._result = None
         self._error: Optional[BaseException] = None
+        self._lane = None  # the sdp.engine.lane.Lane holding this collective, if one does
 
     def _set(self, result=None, error=None):
         if self._is_done:
@@ -79,6 +71,9 @@ class Handle:
 
         Raises the collective's error (e.g. :class:`TensorMismatchError`, :class:`PeerLostError`),
         or :class:`CollectiveTimeoutError` if ``timeout`` seconds pass first."""
+        lane = self._lane
+        if lane is not None and not self._is_done:
+            lane.drive(self)  # run the fast lane here for a moment rather than sleep at once
         if not self._is_done:
             if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
                 raise errors.CollectiveTimeoutError(f"'{self.name}' did not complete within {timeout} s")
@@ -223,6 +218,12 @@ class Runtime:
         self._spin_s = RESPONSE_SPIN_S if topology.local_size <= cores else 0.0
         self.timeline = None  # set by sdp.engine.timeline when enabled
         self._device = None  # sdp.engine.device_path.DevicePath, made when a device array first runs
+        ctrl = self.mesh.ctrl
+        #: sdp.engine.lane.Lane: small allreduces when every rank is on this host (None: off)
+        self.lane = (lane.Lane(self.mesh, self._enqueue, self._wake, self._result_array, self._float_scale,
+                               self._int_scale, self.config.timeout_s)
+                     if self.config.fast_lane and ctrl is not None and ctrl.bells and self.mesh.shm.lane_bytes
+                     and all(ctrl.senders.values()) else None)
         self._thread = threading.Thread(target=self._run, name=f"sdp-engine-{self.rank}", daemon=True)
         self._thread.start()
 
@@ -240,12 +241,24 @@ class Runtime:
             raise self._failed
         if self._stop.is_set():
             raise errors.NotInitializedError(f"'{reqs[0].name}' ({reqs[0].kind}) after shutdown()")
+        handles = [r.handle for r in reqs]
+        if self.lane is not None:
+            reqs = self.lane.post(reqs)  # the fast lane keeps what it may run (sdp.engine.lane)
+        if reqs:
+            self._enqueue(reqs)
+        return handles
+
+    def _enqueue(self, reqs: List[Request]) -> None:
+        """Queue ``reqs`` for the engine thread (any thread) and wake it."""
         with self._queue_lock:
             wake = not self._queue  # else the engine has been woken and not yet taken the queue
             self._queue.extend(reqs)
         if wake:
-            os.write(self._wake_w, b"x")
-        return [r.handle for r in reqs]
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wake the engine thread (any thread)."""
+        os.write(self._wake_w, b"x")
 
     def shutdown(self) -> None:
         """Stop the thread, fail whatever is still pending, and close the sockets (says BYE)."""
@@ -287,6 +300,9 @@ class Runtime:
                 and time.monotonic() - self._last_request_at < self._spin_s)
         if spin:
             wait_ms = 0.0
+        lane_s = self.lane.engine_turn() if self.lane is not None else None
+        if lane_s is not None:
+            wait_ms = min(wait_ms, lane_s * 1000)
         self.mesh.pump(wait_ms)
         if spin:
             os.sched_yield()
@@ -296,7 +312,7 @@ class Runtime:
         except BlockingIOError:
             pass
         self._handle_control()  # first: answers that arrived before a peer left still count
-        if self.mesh.lost and (self._pending or self._queue) and self._waits_on_lost():
+        if self.mesh.lost and (self._pending or self._queue or lane_s is not None) and self._waits_on_lost():
             raise self.mesh.peer_error()
         if self._queue and time.monotonic() >= self._last_request_at + cycle_s:
             self._send_requests()
@@ -309,7 +325,7 @@ class Runtime:
         (A rank outside a set may finish and leave while the set's members still run its
         collectives.)"""
         lost = self.mesh.lost
-        if 0 in lost:
+        if 0 in lost or self.lane is not None and self.lane.held:
             return True
         with self._queue_lock:
             reqs = list(self._queue)
@@ -754,3 +770,5 @@ class Runtime:
         for req in list(self._pending.values()):
             req.handle._set(error=err)
         self._pending.clear()
+        if self.lane is not None:
+            self.lane.fail_all(err)

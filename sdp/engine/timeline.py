@@ -89,10 +89,14 @@ def start(runtime, path: str) -> None:
         path = f"{path}.rank{rank}"
     stop(runtime)
     runtime.timeline = Timeline(path, rank)
+    if runtime.lane is not None:
+        runtime.lane.enabled = False  # (the timeline shows the engine's phases; the lane has none)
 
 
 def stop(runtime) -> None:
     """Finish and close ``runtime``'s timeline, if any."""
     tl, runtime.timeline = runtime.timeline, None
+    if runtime.lane is not None:
+        runtime.lane.enabled = True
     if tl is not None:
         tl.close()

@@ -17,8 +17,9 @@ segments' last page where the CPU allows it (:mod:`sdp.engine.barrier`).
 Layout of a segment: two staging halves of ``slab_bytes`` (used alternately, so one barrier per
 slab is enough between reuse), then a :class:`ResultPool` of ``pool_bytes``: result arrays that
 peers write reduced chunks into directly, handed to the caller without a copy-out; then, when
-made with ``rings``, one control ring per rank of the job (:mod:`sdp.transport.shm_ctrl`); then
-one page of barrier flags (:meth:`SharedSegments.flags`) and ring positions.
+made with ``rings``, one control ring per rank of the job (:mod:`sdp.transport.shm_ctrl`) and the
+fast lane's region of :data:`shm_ctrl.LANE_BYTES` (:mod:`sdp.engine.lane`); then one page of
+barrier flags (:meth:`SharedSegments.flags`), ring positions and the lane's counters.
 """
 import bisect
 import glob
@@ -173,10 +174,11 @@ class SharedSegments:
         ``pool_bytes`` (dropped, with a warning, if /dev/shm has no room for it) and ``rings``
         control rings of :data:`shm_ctrl.RING_BYTES` (one per rank of the job, or 0).  Raises
         ``OSError`` (e.g. ENOSPC when /dev/shm is small) if even the halves do not fit."""
-        from sdp.transport.shm_ctrl import RING_BYTES
+        from sdp.transport.shm_ctrl import LANE_BYTES, RING_BYTES
         self.slab_bytes = slab_bytes
         self.rings = rings
-        self._rings_bytes = rings * RING_BYTES
+        self.lane_bytes = LANE_BYTES if rings else 0  # the fast lane's region (sdp.engine.lane)
+        self._rings_bytes = rings * RING_BYTES + self.lane_bytes
         self._fd = None  # the memfd, open until every peer has opened it (unlink())
         memfd = _memfd_usable()
         self.path = None if memfd else os.path.join(SHM_DIR, f"sdp-{job}-{rank}-{os.getpid()}")
@@ -245,6 +247,10 @@ class SharedSegments:
         """Byte offset, in any rank's segment, of that rank's control ring to rank ``dst``."""
         from sdp.transport.shm_ctrl import RING_BYTES
         return self.nbytes - FLAGS_BYTES - self._rings_bytes + dst * RING_BYTES
+
+    def lane_offset(self) -> int:
+        """Byte offset, in any rank's segment, of that rank's fast-lane region (``lane_bytes``)."""
+        return self.nbytes - FLAGS_BYTES - self.lane_bytes
 
     def flags(self, rank: int) -> np.ndarray:
         """``rank``'s barrier flags: 8 int64 slots in its segment's last page, written only by

@@ -14,7 +14,7 @@ doorbell is a pipe.  Fault detection is unchanged: the engine thread waits in th
 ``poll`` as before, which still sees the ZeroMQ monitors of every peer.
 
 Layout: in the last page of every segment (the barrier-flag page; barrier flags use its first 8
-slots), int64 slot ``WPOS + dst`` is how many bytes this rank has written into its ring to
+slots, the fast lane slots 8-11), int64 slot ``WPOS + dst`` is how many bytes this rank has written into its ring to
 ``dst`` (written only by the sender), ``RPOS + src`` how many bytes this rank has read from
 ``src``'s ring to it (written only by the receiver), ``MODE`` is 1 once this rank sends its
 control messages through the rings.  A record is ``u32 length, u32 k`` then the body, padded to
@@ -36,6 +36,9 @@ import numpy as np
 log = logging.getLogger("sdp.transport")
 
 RING_BYTES = 64 << 10  # per ordered pair of ranks
+#: bytes of every segment with rings for the fast lane (:mod:`sdp.engine.lane`): its records,
+#: decisions and data ring
+LANE_BYTES = (2 << 20) + (16 << 10)
 MAX_RANKS = 64  # jobs of more ranks on one host keep ZeroMQ for control (64 x 64 KiB per segment)
 STORES_ORDERED = platform.machine().lower() in ("x86_64", "amd64")
 WPOS, RPOS, MODE = 64, 64 + MAX_RANKS, 63  # int64 slots of the flag page (module docstring)

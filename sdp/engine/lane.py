@@ -1,0 +1,402 @@
+"""The fast lane: small allreduces between the ranks of one host without the coordinator's round
+trip or the engine thread's wake-ups.
+
+When every rank is on this host and the mesh keeps its control in shared memory
+(:mod:`sdp.transport.shm_ctrl`), every collective of all ranks (process set 0) a caller submits
+is first **posted** to the lane, in the caller's thread: position ``p`` (this rank's count of
+posts) gets a record in this rank's lane region: a signature, and, for an allreduce the lane can
+run (*eligible*: host array, SUM/AVERAGE/MIN/MAX/PRODUCT, no prescale, its bytes times
+``size - 1`` at most :data:`READ_BYTES`), a copy of the input in this rank's data ring.  The
+signature is a 62-bit hash of everything ranks must agree on (:meth:`Request.key`: name, kind,
+dtype, shape, op, scales, a group's shapes); 0 marks a collective the lane does not run, which
+goes to the engine at once.
+
+**Rank 0 decides** each position, in order, alone (so every rank sees one outcome):
+
+* FAST when every rank posted it with the same non-zero signature: the same collective
+  everywhere.  Every rank then reduces the posted copies itself, in rank order (the same
+  operations on every rank, so results are bit-identical), into a new array: no barrier, no
+  message, no engine.
+* SLOW as soon as one record is 0 or two differ (another collective, another order, a
+  mismatch), or when a position waited :data:`ESCALATE_S` for a rank that has not posted it
+  (a rank busy elsewhere, or waiting for something that needs this decision first): an eligible
+  request then goes to the engine like any other, which negotiates, reports mismatches and
+  stalls on every rank as before.  A SLOW decision costs speed, never correctness.
+* OFF once any rank posted ``join()``: the lane stays off for the rest of the job (a joined rank
+  posts nothing more, so positions could never fill).
+
+Who runs the lane: the caller waiting on a lane handle (:meth:`drive`: it polls for up to
+:data:`SPIN_S` seconds, yielding the core between polls, then sleeps on the handle), else the
+engine thread, which a **doorbell** wakes (:func:`shm_ctrl.ring_bell`): a post rings rank 0, a
+decision rings the ranks that posted it, unless their ``AWAKE`` flag says a caller is polling
+(Dekker's pattern: flag or count stored, then a full fence, a locked instruction, then the other
+side read, so one side always sees the other).
+
+Shared memory (per rank, in its segment's lane region of :data:`shm_ctrl.LANE_BYTES`): records
+``(signature, data offset, bytes)`` for :data:`DEPTH` positions, rank 0's decisions for
+:data:`DEPTH` positions, then a data ring of :data:`DATA_BYTES`.  In the flag page: ``POSTED``
+(positions posted), ``DONE`` (positions consumed: a decision read and, if FAST, the peers' copies
+reduced), ``DECIDED`` (rank 0: positions decided), ``AWAKE`` (callers polling now).  A rank posts
+``p`` only when every rank has consumed ``p - DEPTH`` (so records, decisions and data are reused
+only after every reader is done), and frees its copy of ``p`` once every rank consumed ``p``.
+Stores become visible in order on x86-64 (as for the barrier flags, :mod:`sdp.engine.barrier`):
+a record is written before its count.
+"""
+import collections
+import hashlib
+import os
+import threading
+import time
+from typing import List, Optional
+
+import numpy as np
+
+from sdp.common import errors
+from sdp.common.reduce_ops import UFUNCS, accumulation_dtype
+from sdp.engine import fusion
+from sdp.engine.coordinator import JOIN
+from sdp.transport.shm_ctrl import LANE_BYTES, ring_bell
+
+DEPTH = 256  # positions a rank may run ahead of the slowest rank's consumption
+_REC = 3  # int64 per record: signature, data offset, bytes
+DATA_BYTES = LANE_BYTES - DEPTH * 8 * (_REC + 1)  # each rank's data ring (records, decisions before)
+READ_BYTES = 512 << 10  # eligible: bytes x (size - 1) at most this (every rank reads every copy)
+ESCALATE_S = 0.005  # seconds a position waits for a rank that has not posted it, then SLOW
+SPIN_S = 200e-6  # seconds a waiting caller polls the lane before it sleeps on the handle
+GRACE_S = 200e-6  # seconds after a post during which the engine thread leaves the lane to the caller
+POSTED, DONE, DECIDED, AWAKE, RUNG = 8, 9, 10, 11, 12  # int64 slots of the flag page
+FAST, SLOW, OFF = 1, 2, 3  # decisions
+JOIN_SIG = -1  # the signature of a join() record
+_TICK_S = 0.001  # the engine thread's shortest sleep (a poll's timeout is whole milliseconds; never spin:
+# a spinning engine thread holds the GIL the caller needs back after every numpy call)
+_ALIGN = 64  # bytes: every copy in the data ring starts on a cache line
+_SIGS_MAX = 4096  # signatures remembered (by Request.key())
+
+_fence_lock = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory fence: a lock's atomic instruction (x86-64: locked instructions order every
+    earlier store before every later load)."""
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+class Lane:
+    """The fast lane of one rank (see the module docstring).  ``mesh`` has shared segments and
+    control rings with doorbells; ``to_engine(reqs)`` queues requests for the engine and
+    ``wake_engine()`` wakes its thread (any thread); ``result_array(dtype, count)`` gives a new
+    1-D result array; ``float_scale(req, dtype)`` and ``int_scale(buf, req)`` finish a reduction
+    as the engine does (AVERAGE, postscale)."""
+
+    def __init__(self, mesh, to_engine, wake_engine, result_array, float_scale, int_scale, timeout_s: float):
+        seg, ctrl = mesh.shm, mesh.ctrl
+        self.rank, self.size = mesh.rank, mesh.size
+        self.page, self.bells = ctrl.page, ctrl.bells
+        self._to_engine, self._wake_engine = to_engine, wake_engine
+        self._result_array, self._float_scale, self._int_scale = result_array, float_scale, int_scale
+        self.timeout_s = timeout_s
+        base = seg.lane_offset()
+        self.rec = {q: memoryview(seg.at(q, base, np.int64, DEPTH * _REC)).cast("B").cast("q") for q in seg.peers}
+        self.dec = memoryview(seg.at(0, base + DEPTH * _REC * 8, np.int64, DEPTH)).cast("B").cast("q")
+        self.data = {q: seg.at(q, base + DEPTH * (_REC + 1) * 8, np.uint8, DATA_BYTES) for q in seg.peers}
+        self.lock = threading.Lock()
+        self.held = {}  # name -> Request this lane holds (posted eligible, not yet decided)
+        self.off = False  # a join() was decided: everything goes to the engine from now on
+        self.enabled = True  # False: this rank posts nothing eligible (a timeline is being written)
+        self.failed: Optional[BaseException] = None
+        self._posted = 0
+        self._out = collections.deque()  # (position, Request or None) posted here, not consumed
+        self._w = self._tail = 0  # data ring: bytes written, bytes freed (monotonic)
+        self._extents = collections.deque()  # (position, data ring write count after its copy)
+        self._awake = 0
+        self._active_until = 0.0  # (monotonic) a caller runs the lane until then: the engine waits
+        #: this rank's eligible requests the lane ran ("fast") or handed to the engine ("slow")
+        self.counts = {"fast": 0, "slow": 0}
+        self._sigs = {}
+        self._handoff: List = []  # requests for the engine, handed over once the lock is released
+        self._decided = 0  # rank 0
+        self._closing = False  # rank 0: a join() was seen, every later decision is OFF
+        self._first_seen = None  # rank 0: (position, when) of the first position left waiting
+
+    # -- caller side ----------------------------------------------------------------------------
+    def post(self, reqs) -> list:
+        """Post ``reqs`` (one submission, in order); returns those the engine must run now (not
+        eligible, another process set, or the lane is off).  Raises
+        :class:`CollectiveTimeoutError` if a peer has not consumed a position for ``timeout_s``
+        while this rank is :data:`DEPTH` positions ahead."""
+        engine = []
+        with self.lock:
+            if self.failed is not None:
+                raise self.failed
+            self._active_until = time.monotonic() + GRACE_S  # (the caller usually waits next)
+            for req in reqs:
+                if req.ps or self.off:
+                    engine.append(req)
+                    continue
+                sig = self._signature(req)
+                if sig > 0 and req.name in self.held:
+                    sig = 0  # (the engine reports the duplicate name)
+                p = self._posted
+                if p - DEPTH >= self._min_done():
+                    self._wait_room(p)
+                off = nbytes = 0
+                if sig > 0:
+                    nbytes = req.array.nbytes
+                    off = self._alloc(nbytes, p)
+                    if off is None:
+                        sig = 0
+                    else:
+                        np.copyto(self.data[self.rank][off:off + nbytes].view(req.array.dtype), req.array.reshape(-1))
+                i = (p % DEPTH) * _REC
+                rec = self.rec[self.rank]
+                rec[i], rec[i + 1], rec[i + 2] = sig, off or 0, nbytes
+                self._posted = p + 1
+                self.page[self.rank][POSTED] = p + 1  # last: the record is visible before its count
+                if sig > 0:
+                    self.held[req.name] = req
+                    req.handle._lane = self
+                    self._out.append((p, req))
+                else:
+                    self._out.append((p, None))
+                    engine.append(req)
+            self._progress()
+            engine += self._take_handoff()
+        if self.rank != 0:
+            _fence()
+            self._ring(0)
+        return engine
+
+    def drive(self, handle) -> None:
+        """Run the lane from a caller waiting on ``handle`` (held by this lane) for up to
+        :data:`SPIN_S` seconds, yielding the core between polls; it returns when the handle is
+        done or handed to the engine, or the time is up (the engine thread takes over)."""
+        end = time.perf_counter() + SPIN_S
+        self._set_awake(1)
+        self._active_until = float("inf")
+        try:
+            while handle._lane is self and time.perf_counter() < end:
+                if self.lock.acquire(blocking=False):
+                    try:
+                        self._progress()
+                        engine = self._take_handoff()
+                    finally:
+                        self.lock.release()
+                    if engine:
+                        self._to_engine(engine)
+                    if handle._lane is not self:
+                        break
+                os.sched_yield()
+        finally:
+            self._active_until = 0.0
+            self._set_awake(-1)
+            self.page[self.rank][RUNG] = 0
+            _fence()  # then look once more: a doorbell skipped while we were awake is not lost
+            self.progress()
+            if handle._lane is self:
+                self._wake_engine()  # the engine thread takes over (and times rank 0's escalations)
+
+    def _ring(self, q: int) -> None:
+        """Ring rank ``q``'s doorbell unless a caller of it polls the lane or it was rung and
+        has not looked yet (call after a fence that follows the stores it must see)."""
+        page = self.page[q]
+        if not page[AWAKE] and not page[RUNG]:
+            page[RUNG] = 1
+            ring_bell(self.bells[q])
+
+    def _set_awake(self, delta: int) -> None:
+        with self.lock:
+            self._awake += delta
+            self.page[self.rank][AWAKE] = self._awake
+
+    # -- any thread -----------------------------------------------------------------------------
+    def busy(self) -> bool:
+        """Whether this rank has posted positions not yet consumed, or (rank 0) undecided ones."""
+        if self._out:
+            return True
+        return self.rank == 0 and any(self.page[q][POSTED] > self._decided for q in range(self.size))
+
+    def engine_turn(self) -> Optional[float]:
+        """The engine thread's turn: run the lane unless a caller runs it (it posted within
+        :data:`GRACE_S` or polls now).  Returns the seconds after which to look again (a
+        doorbell may end the wait earlier), or None when the lane has nothing to do."""
+        if not self.busy():
+            return None
+        left = self._active_until - time.monotonic()
+        if left > 0:  # (drive() wakes the engine if it stops before its handle is done)
+            return max(min(left, 1.0), _TICK_S)
+        self.page[self.rank][RUNG] = 0  # rings from now on wake us again
+        _fence()
+        self.progress()
+        if not self.busy():
+            return None
+        seen = self._first_seen  # rank 0: the next escalation
+        return 0.1 if seen is None else max(_TICK_S, seen[1] + ESCALATE_S - time.monotonic())
+
+    def progress(self) -> None:
+        """Decide (rank 0) and consume what can be; requests the lane gives up go to the engine."""
+        with self.lock:
+            self._progress()
+            engine = self._take_handoff()
+        if engine:
+            self._to_engine(engine)
+
+    def fail_all(self, err: BaseException) -> None:
+        """Fail every request the lane holds with ``err``; later posts raise it."""
+        with self.lock:
+            self.failed = err
+            held, self.held = list(self.held.values()), {}
+        for req in held:
+            req.handle._lane = None
+            req.handle._set(error=err)
+
+    # -- inside the lock ------------------------------------------------------------------------
+    def _take_handoff(self) -> list:
+        engine, self._handoff = self._handoff, []
+        return engine
+
+    def _min_done(self) -> int:
+        page = self.page
+        return min(page[q][DONE] for q in range(self.size))
+
+    def _signature(self, req) -> int:
+        """Positive for an eligible allreduce, :data:`JOIN_SIG` for ``join()``, else 0."""
+        a = req.array
+        if (not self.enabled or req.kind != "allreduce" or req.device is not None or req.prescale != 1.0 or req.op not in UFUNCS
+                or not (a.dtype.kind in "fiu" or a.dtype.name == "bfloat16")
+                or not 0 < a.nbytes * (self.size - 1) <= READ_BYTES):
+            return JOIN_SIG if req.name == JOIN else 0
+        key = req.key()
+        sig = self._sigs.get(key)
+        if sig is None:
+            if len(self._sigs) >= _SIGS_MAX:
+                self._sigs.clear()
+            digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+            sig = self._sigs[key] = (int.from_bytes(digest, "little") >> 2) | 1
+        return sig
+
+    def _wait_room(self, p: int) -> None:
+        """Wait (running the lane) until every rank has consumed position ``p - DEPTH``."""
+        deadline = time.monotonic() + self.timeout_s
+        while p - DEPTH >= self._min_done():
+            self._progress()
+            if self.failed is not None:
+                raise self.failed
+            if time.monotonic() > deadline:
+                late = [q for q in range(self.size) if self.page[q][DONE] <= p - DEPTH]
+                raise errors.CollectiveTimeoutError(
+                    f"rank {self.rank}: ranks {late} did not run the fast lane's position {p - DEPTH} "
+                    f"within {self.timeout_s:g} s")
+            self.lock.release()
+            try:
+                time.sleep(50e-6)
+            finally:
+                self.lock.acquire()
+
+    def _alloc(self, nbytes: int, p: int) -> Optional[int]:
+        """Offset in this rank's data ring for ``nbytes`` of position ``p``, or None (full)."""
+        done = self._min_done()
+        ext = self._extents
+        while ext and ext[0][0] < done:
+            self._tail = ext.popleft()[1]
+        need = -(-nbytes // _ALIGN) * _ALIGN
+        w = self._w
+        off = w % DATA_BYTES
+        if off + need > DATA_BYTES:
+            w, off = w + DATA_BYTES - off, 0
+        if w + need - self._tail > DATA_BYTES:
+            return None
+        self._w = w + need
+        ext.append((p, self._w))
+        return off
+
+    def _progress(self) -> None:
+        if self.rank == 0:
+            self._decide()
+        decided = self.page[0][DECIDED]
+        out = self._out
+        while out and out[0][0] < decided:
+            p, req = out.popleft()
+            verdict = self.dec[p % DEPTH]
+            if req is not None and self.held.pop(req.name, None) is req:
+                self.counts["fast" if verdict == FAST else "slow"] += 1
+                if verdict == FAST:
+                    try:
+                        result = self._reduce(p, req)
+                    except Exception as e:  # noqa: BLE001 - this request fails, not the lane
+                        req.handle._lane = None
+                        req.handle._set(error=e)
+                    else:
+                        req.handle._lane = None
+                        req.handle._set(result=result)
+                else:
+                    req.handle._lane = None
+                    self._handoff.append(req)
+            if verdict == OFF:
+                self.off = True
+            self.page[self.rank][DONE] = p + 1
+
+    def _decide(self) -> None:
+        """Rank 0: decide every position that can be, in order; ring the ranks that posted them."""
+        n, page, k = self.size, self.page, self._decided
+        posts = [page[q][POSTED] for q in range(n)]
+        top = min(max(posts), self._min_done() + DEPTH)  # (a decision's slot is free for reuse)
+        start = k
+        while k < top:
+            i = (k % DEPTH) * _REC
+            sigs = [self.rec[q][i] for q in range(n) if posts[q] > k]
+            if self._closing or JOIN_SIG in sigs:
+                self._closing = True
+                verdict = OFF
+            elif min(sigs) <= 0 or sigs.count(sigs[0]) != len(sigs):
+                verdict = SLOW
+            elif len(sigs) == n:
+                verdict = FAST
+            else:
+                now = time.monotonic()
+                if self._first_seen is None or self._first_seen[0] != k:
+                    self._first_seen = (k, now)
+                    break
+                if now - self._first_seen[1] < ESCALATE_S:
+                    break
+                verdict = SLOW
+            self.dec[k % DEPTH] = verdict
+            k += 1
+        if k == start:
+            return
+        self._first_seen = None
+        self._decided = k
+        page[0][DECIDED] = k  # last: the decisions are visible before their count
+        _fence()
+        for q in range(1, n):
+            if posts[q] > start:
+                self._ring(q)
+
+    def _reduce(self, p: int, req):
+        """Position ``p`` was decided FAST: reduce every rank's copy, in rank order, into a new
+        array (``req.out`` if given); returns the request's result."""
+        a = req.array
+        dtype, nbytes, i = a.dtype, a.nbytes, (p % DEPTH) * _REC
+        views = []
+        for q in range(self.size):
+            off, got = self.rec[q][i + 1], self.rec[q][i + 2]
+            if got != nbytes or not 0 <= off <= DATA_BYTES - nbytes:
+                raise errors.ProtocolError(f"rank {self.rank}: rank {q}'s fast-lane record for '{req.name}' "
+                                           f"is malformed (offset {off}, {got} bytes, expected {nbytes})")
+            views.append(self.data[q][off:off + nbytes].view(dtype))
+        out = self._result_array(dtype, a.size) if req.out is None else req.out.reshape(-1)
+        acc = accumulation_dtype(dtype)
+        t = out if acc is None else np.empty(a.size, acc)
+        ufunc = UFUNCS[req.op]
+        ufunc(views[0], views[1], out=t, dtype=acc)
+        for v in views[2:]:
+            ufunc(t, v, out=t, dtype=acc)
+        scale = self._float_scale(req, dtype)
+        if scale is not None:
+            np.multiply(t, scale, out=t, casting="unsafe")
+        if acc is not None:
+            out[...] = t
+        self._int_scale(out, req)
+        if req.parts is not None:
+            return fusion.unflatten(out, req.parts)
+        return out.reshape(a.shape) if req.out is None else req.out

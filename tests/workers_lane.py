@@ -1,0 +1,157 @@
+"""Worker functions for the fast lane (sdp.engine.lane), run inside real rank processes."""
+import hashlib
+import os
+import random
+
+import numpy as np
+
+import sdp
+from sdp.common.reduce_ops import UFUNCS, ReduceOp, accumulation_dtype
+
+try:
+    import ml_dtypes
+    BF16 = [ml_dtypes.bfloat16]
+except ImportError:  # pragma: no cover - ml_dtypes comes with tensorflow
+    BF16 = []
+DTYPES = [np.float16, *BF16, np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8]
+OPS = [ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT]
+
+
+def _data(q, dtype, shape, seed):
+    rng = np.random.default_rng(seed * 1000 + q)
+    dt = np.dtype(dtype)
+    if dt.kind == "f" or dt.name == "bfloat16":
+        return rng.standard_normal(shape).astype(dt)
+    return rng.integers(0 if dt.kind == "u" else -3, 4, shape).astype(dt)
+
+
+def _expected(op, arrays, post, n):
+    """Horovod's arithmetic: in rank order, 16-bit floats in float32 rounded once, the float
+    factor (postscale, / n for AVERAGE) applied before rounding, integer AVERAGE floor-divided."""
+    dtype = arrays[0].dtype
+    acc = accumulation_dtype(dtype) or dtype
+    t = arrays[0].astype(acc)
+    for a in arrays[1:]:
+        t = UFUNCS[op](t, a.astype(acc))
+    t = np.array(t, dtype=acc)  # (a 0-d result comes back as a scalar)
+    if dtype.kind in "iu":
+        if op == ReduceOp.AVERAGE:
+            t = t // n
+        if post != 1.0:
+            t = np.multiply(t, post, casting="unsafe").astype(dtype)
+        return t.astype(dtype)
+    factor = post / (n if op == ReduceOp.AVERAGE else 1)
+    if factor != 1.0:
+        t = np.multiply(t, factor, out=t, casting="unsafe")
+    return t.astype(dtype)
+
+
+def matrix(seed):
+    """Every op x dtype x postscale, shapes from scalars to 64 KB, through the lane; returns
+    (the cases that were not exact, a digest of every result, lane counts)."""
+    n, r = sdp.size(), sdp.rank()
+    rng = random.Random(seed)
+    bad, digest, cases = [], hashlib.sha256(), 0
+    for dtype in DTYPES:
+        for op in OPS:
+            for post in (1.0, 0.5):
+                if post != 1.0 and np.dtype(dtype).kind in "iu" and op != ReduceOp.SUM:
+                    continue
+                shape = rng.choice([(), (1,), (7, 3), (rng.randint(100, 16000 // np.dtype(dtype).itemsize),)])
+                if op == ReduceOp.PRODUCT:
+                    shape = (5,)
+                s = rng.randint(1, 10**6)
+                mine = _data(r, dtype, shape, s)
+                got = sdp.allreduce(mine, name=f"m{cases}", op=op, postscale_factor=post)
+                want = _expected(op, [_data(q, dtype, shape, s) for q in range(n)], post, n)
+                cases += 1
+                if got.shape != want.shape or got.dtype != want.dtype or got.tobytes() != want.tobytes():
+                    bad.append([np.dtype(dtype).name, op.name, post, list(shape)])
+                digest.update(got.tobytes())
+    return [bad, digest.hexdigest(), cases, sdp.api.runtime().lane.counts]
+
+
+def orders(steps):
+    """Small allreduces submitted asynchronously in a per-rank random order, mixed with a large
+    allreduce, a broadcast and an allgather, step after step; returns (all exact, lane counts)."""
+    n, r = sdp.size(), sdp.rank()
+    rng = random.Random(r)
+    ok = True
+    for step in range(steps):
+        names = [f"s{i}" for i in range(12)] + ["big", "bc", "ag"]
+        rng.shuffle(names)
+        hs = {}
+        for name in names:
+            if name == "big":
+                hs[name] = sdp.allreduce_async(np.full(300_000, float(step + r), np.float32), name=name, op=sdp.Sum)
+            elif name == "bc":
+                hs[name] = sdp.broadcast_async(np.full(4, float(r + 7)), root_rank=1, name=name)
+            elif name == "ag":
+                hs[name] = sdp.allgather_async(np.full((1, 2), r, np.int32), name=name)
+            else:
+                hs[name] = sdp.allreduce_async(np.full(64, float(step * r + int(name[1:]))), name=name, op=sdp.Sum)
+        for name, h in hs.items():
+            got = h.wait()
+            if name == "big":
+                ok = ok and bool(np.all(got == sum(step + q for q in range(n))))
+            elif name == "bc":
+                ok = ok and bool(np.all(got == 8.0))
+            elif name == "ag":
+                ok = ok and got.tolist() == [[q, q] for q in range(n)]
+            else:
+                ok = ok and bool(np.all(got == sum(step * q + int(name[1:]) for q in range(n))))
+    return [ok, sdp.api.runtime().lane.counts]
+
+
+def far_ahead(count, late_s):
+    """Rank 0 submits 24 allreduces of 256 KB (more than its data ring holds) and ``count`` small
+    ones (more than the lane's DEPTH) without waiting; the other ranks start ``late_s`` later.  Returns
+    (all exact, lane counts)."""
+    import time
+    n, r = sdp.size(), sdp.rank()
+    if r:
+        time.sleep(late_s)  # (the scenario: a late rank, not a wait for an event)
+    big = [sdp.allreduce_async(np.full(65536, float(i * r), np.float32), name=f"b{i}", op=sdp.Sum) for i in range(24)]
+    hs = [sdp.allreduce_async(np.full(32, float(i + r), np.float32), name=f"f{i}", op=sdp.Sum) for i in range(count)]
+    ok = all(bool(np.all(h.wait() == sum(i + q for q in range(n)))) for i, h in enumerate(hs))
+    ok = ok and all(bool(np.all(h.wait() == sum(i * q for q in range(n)))) for i, h in enumerate(big))
+    return [ok, sdp.api.runtime().lane.counts]
+
+
+def joined(rounds):
+    """The last rank joins at once; the others run ``rounds`` allreduces (the joined rank adds
+    zeros), then join.  Returns (results, the lane is off)."""
+    n, r = sdp.size(), sdp.rank()
+    got = []
+    if r != n - 1:
+        for i in range(rounds):
+            got.append(float(sdp.allreduce(np.full(3, 1.0 + i), name=f"j{i}", op=sdp.Sum)[0]))
+    last = sdp.join()
+    after = float(sdp.allreduce(np.ones(2), name="after", op=sdp.Sum)[0])
+    return [got, last, after, sdp.api.runtime().lane.off]
+
+
+def mismatch():
+    """One name, other shapes on each rank: the lane gives it to the engine, which names them."""
+    r = sdp.rank()
+    try:
+        sdp.allreduce(np.ones(2 + r, np.float32), name="shape_case", op=sdp.Sum)
+    except sdp.errors.TensorMismatchError as e:
+        return [str(e), sdp.api.runtime().lane.counts]
+    return ["no error", sdp.api.runtime().lane.counts]
+
+
+def killed_while_waiting():
+    """Rank 1 dies while rank 0 waits on a lane allreduce rank 1 never posts; returns the error
+    rank 0 sees and the seconds it took."""
+    import time
+    r = sdp.rank()
+    sdp.allreduce(np.ones(4), name="warm", op=sdp.Sum)
+    if r == 1:
+        os._exit(3)
+    t = time.monotonic()
+    try:
+        sdp.allreduce(np.ones(4), name="orphan", op=sdp.Sum)
+    except sdp.errors.SdpError as e:
+        return [type(e).__name__, str(e)[:200], time.monotonic() - t]
+    return ["no error", "", time.monotonic() - t]
