@@ -89,9 +89,10 @@ def test_both_directions_at_once_never_block(pair):
 def test_segment_layout_keeps_the_pool_and_flags_clear_of_the_rings():
     seg = shm.SharedSegments(f"t{os.getpid()}", 0, 4096, 8192, rings=3)
     try:
-        assert seg.nbytes == 2 * 4096 + 8192 + 3 * shm_ctrl.RING_BYTES + shm.FLAGS_BYTES
+        assert seg.nbytes == 2 * 4096 + 8192 + 3 * shm_ctrl.RING_BYTES + shm_ctrl.LANE_BYTES + shm.FLAGS_BYTES
+        # halves, pool, rings, the fast lane's region, flags
         assert seg.ring_offset(0) == 2 * 4096 + 8192 and seg.ring_offset(2) + shm_ctrl.RING_BYTES == \
-            seg.nbytes - shm.FLAGS_BYTES
+            seg.lane_offset() and seg.lane_offset() + shm_ctrl.LANE_BYTES == seg.nbytes - shm.FLAGS_BYTES
         off, arr = seg.pool.alloc("uint8", 8192)
         assert seg.pool_offset(arr) == off and off + 8192 <= seg.ring_offset(0)
     finally:

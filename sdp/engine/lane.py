@@ -115,6 +115,7 @@ class Lane:
         self.counts = {"fast": 0, "slow": 0}
         self._sigs = {}
         self._handoff: List = []  # requests for the engine, handed over once the lock is released
+        self._floor = 0  # positions every rank had consumed when last looked (_min_done)
         self._decided = 0  # rank 0
         self._closing = False  # rank 0: a join() was seen, every later decision is OFF
         self._first_seen = None  # rank 0: (position, when) of the first position left waiting
@@ -138,7 +139,7 @@ class Lane:
                 if sig > 0 and req.name in self.held:
                     sig = 0  # (the engine reports the duplicate name)
                 p = self._posted
-                if p - DEPTH >= self._min_done():
+                if p - DEPTH >= self._floor and p - DEPTH >= self._min_done():
                     self._wait_room(p)
                 off = nbytes = 0
                 if sig > 0:
@@ -147,7 +148,11 @@ class Lane:
                     if off is None:
                         sig = 0
                     else:
-                        np.copyto(self.data[self.rank][off:off + nbytes].view(req.array.dtype), req.array.reshape(-1))
+                        mine = self.data[self.rank]
+                        np.copyto(mine[off:off + nbytes].view(req.array.dtype), req.array.reshape(-1))
+                        pad = -nbytes % _ALIGN
+                        if pad:  # zeros: a fused run reduces the padding too (no NaN or overflow)
+                            mine[off + nbytes:off + nbytes + pad] = 0
                 i = (p % DEPTH) * _REC
                 rec = self.rec[self.rank]
                 rec[i], rec[i + 1], rec[i + 2] = sig, off or 0, nbytes
@@ -160,7 +165,8 @@ class Lane:
                 else:
                     self._out.append((p, None))
                     engine.append(req)
-            self._progress()
+            if self.rank == 0:
+                self._decide()  # (consuming waits for drive(): what is decided by then is one run)
             engine += self._take_handoff()
         if self.rank != 0:
             _fence()
@@ -176,16 +182,9 @@ class Lane:
         self._active_until = float("inf")
         try:
             while handle._lane is self and time.perf_counter() < end:
-                if self.lock.acquire(blocking=False):
-                    try:
-                        self._progress()
-                        engine = self._take_handoff()
-                    finally:
-                        self.lock.release()
-                    if engine:
-                        self._to_engine(engine)
-                    if handle._lane is not self:
-                        break
+                self.try_progress()
+                if handle._lane is not self:
+                    break
                 os.sched_yield()
         finally:
             self._active_until = 0.0
@@ -241,6 +240,17 @@ class Lane:
         if engine:
             self._to_engine(engine)
 
+    def try_progress(self) -> None:
+        """:meth:`progress` unless another thread is running the lane (never blocks)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self._progress()
+                engine = self._take_handoff()
+            finally:
+                self.lock.release()
+            if engine:
+                self._to_engine(engine)
+
     def fail_all(self, err: BaseException) -> None:
         """Fail every request the lane holds with ``err``; later posts raise it."""
         with self.lock:
@@ -256,8 +266,10 @@ class Lane:
         return engine
 
     def _min_done(self) -> int:
+        """Positions every rank has consumed (also kept as ``_floor``)."""
         page = self.page
-        return min(page[q][DONE] for q in range(self.size))
+        self._floor = floor = min(page[q][DONE] for q in range(self.size))
+        return floor
 
     def _signature(self, req) -> int:
         """Positive for an eligible allreduce, :data:`JOIN_SIG` for ``join()``, else 0."""
@@ -295,17 +307,18 @@ class Lane:
 
     def _alloc(self, nbytes: int, p: int) -> Optional[int]:
         """Offset in this rank's data ring for ``nbytes`` of position ``p``, or None (full)."""
-        done = self._min_done()
-        ext = self._extents
-        while ext and ext[0][0] < done:
-            self._tail = ext.popleft()[1]
         need = -(-nbytes // _ALIGN) * _ALIGN
         w = self._w
         off = w % DATA_BYTES
         if off + need > DATA_BYTES:
             w, off = w + DATA_BYTES - off, 0
-        if w + need - self._tail > DATA_BYTES:
-            return None
+        ext = self._extents
+        if w + need - self._tail > DATA_BYTES or len(ext) > DEPTH // 4:
+            done = self._min_done()  # free the copies every rank has consumed
+            while ext and ext[0][0] < done:
+                self._tail = ext.popleft()[1]
+            if w + need - self._tail > DATA_BYTES:
+                return None
         self._w = w + need
         ext.append((p, self._w))
         return off
@@ -314,27 +327,31 @@ class Lane:
         if self.rank == 0:
             self._decide()
         decided = self.page[0][DECIDED]
-        out = self._out
+        out, mine = self._out, self.page[self.rank]
+        run, last = [], -1  # run: consecutive FAST requests reduced as one span (_joins)
         while out and out[0][0] < decided:
-            p, req = out.popleft()
+            p, req = out[0]
             verdict = self.dec[p % DEPTH]
+            if run and (req is not None and verdict == FAST and not self._joins(run[-1], p, req)):
+                self._finish(run)
+                run = []
+                mine[DONE] = last + 1
+            out.popleft()
             if req is not None and self.held.pop(req.name, None) is req:
                 self.counts["fast" if verdict == FAST else "slow"] += 1
+                req.handle._lane = None
                 if verdict == FAST:
-                    try:
-                        result = self._reduce(p, req)
-                    except Exception as e:  # noqa: BLE001 - this request fails, not the lane
-                        req.handle._lane = None
-                        req.handle._set(error=e)
-                    else:
-                        req.handle._lane = None
-                        req.handle._set(result=result)
+                    run.append((p, req))
                 else:
-                    req.handle._lane = None
                     self._handoff.append(req)
             if verdict == OFF:
                 self.off = True
-            self.page[self.rank][DONE] = p + 1
+            last = p
+            if not run:
+                mine[DONE] = p + 1  # (after a run's reduction read the peers' copies)
+        if run:
+            self._finish(run)
+            mine[DONE] = last + 1
 
     def _decide(self) -> None:
         """Rank 0: decide every position that can be, in order; ring the ranks that posted them."""
@@ -372,31 +389,66 @@ class Lane:
             if posts[q] > start:
                 self._ring(q)
 
-    def _reduce(self, p: int, req):
-        """Position ``p`` was decided FAST: reduce every rank's copy, in rank order, into a new
-        array (``req.out`` if given); returns the request's result."""
-        a = req.array
-        dtype, nbytes, i = a.dtype, a.nbytes, (p % DEPTH) * _REC
-        views = []
+    def _joins(self, prev, p: int, req) -> bool:
+        """Whether FAST ``req`` at ``p`` extends the run ending with ``prev``: the same dtype, op
+        and scale, no ``out=``, and its copy right after ``prev``'s in every rank's data ring."""
+        pp, preq = prev
+        a, b = preq.array, req.array
+        if (a.dtype != b.dtype or preq.op != req.op or preq.postscale != req.postscale
+                or preq.out is not None or req.out is not None):
+            return False
+        i, j, step = (pp % DEPTH) * _REC + 1, (p % DEPTH) * _REC + 1, -(-a.nbytes // _ALIGN) * _ALIGN
+        return all(rec[j] == rec[i] + step for rec in self.rec.values())
+
+    def _finish(self, run) -> None:
+        """Reduce a run of FAST requests (:meth:`_joins`) as one span and complete them; a
+        failure (a malformed record) fails the run's requests."""
+        try:
+            results = self._reduce(run)
+        except Exception as e:  # noqa: BLE001 - these requests fail, not the lane
+            for _, req in run:
+                req.handle._set(error=e)
+            return
+        for (_, req), result in zip(run, results):
+            req.handle._set(result=result)
+
+    def _reduce(self, run) -> list:
+        """Reduce every rank's copies of ``run`` (one span of its data ring), in rank order,
+        into one new array (``out=`` for a lone request); returns each request's result (views)."""
+        (p0, first), (p1, last) = run[0], run[-1]
+        dtype = first.array.dtype
+        i, j = (p0 % DEPTH) * _REC, (p1 % DEPTH) * _REC
+        views, span = [], None
         for q in range(self.size):
-            off, got = self.rec[q][i + 1], self.rec[q][i + 2]
-            if got != nbytes or not 0 <= off <= DATA_BYTES - nbytes:
-                raise errors.ProtocolError(f"rank {self.rank}: rank {q}'s fast-lane record for '{req.name}' "
-                                           f"is malformed (offset {off}, {got} bytes, expected {nbytes})")
-            views.append(self.data[q][off:off + nbytes].view(dtype))
-        out = self._result_array(dtype, a.size) if req.out is None else req.out.reshape(-1)
+            rec = self.rec[q]
+            start, end = rec[i + 1], rec[j + 1] + rec[j + 2]
+            nbytes = end - start
+            if span is None:
+                span = nbytes
+            if rec[j + 2] != last.array.nbytes or nbytes != span or not 0 <= start <= end <= DATA_BYTES:
+                raise errors.ProtocolError(f"rank {self.rank}: rank {q}'s fast-lane records for '{first.name}' "
+                                           f"are malformed (bytes {start} to {end}, expected {span})")
+            views.append(self.data[q][start:end].view(dtype))
+        count = span // dtype.itemsize
+        out = self._result_array(dtype, count) if first.out is None else first.out.reshape(-1)
         acc = accumulation_dtype(dtype)
-        t = out if acc is None else np.empty(a.size, acc)
-        ufunc = UFUNCS[req.op]
+        t = out if acc is None else np.empty(count, acc)
+        ufunc = UFUNCS[first.op]
         ufunc(views[0], views[1], out=t, dtype=acc)
         for v in views[2:]:
             ufunc(t, v, out=t, dtype=acc)
-        scale = self._float_scale(req, dtype)
+        scale = self._float_scale(first, dtype)
         if scale is not None:
             np.multiply(t, scale, out=t, casting="unsafe")
         if acc is not None:
             out[...] = t
-        self._int_scale(out, req)
-        if req.parts is not None:
-            return fusion.unflatten(out, req.parts)
-        return out.reshape(a.shape) if req.out is None else req.out
+        self._int_scale(out, first)
+        if first.out is not None:
+            return [first.out]
+        mine, results = self.rec[self.rank], []
+        base = mine[i + 1]
+        for p, req in run:
+            lo = (mine[(p % DEPTH) * _REC + 1] - base) // dtype.itemsize
+            res = out[lo:lo + req.array.size]
+            results.append(res.reshape(req.array.shape) if req.parts is None else fusion.unflatten(res, req.parts))
+        return results

@@ -63,7 +63,11 @@ class Handle:
             pass
 
     def done(self) -> bool:
-        """True once the result (or error) is available; never blocks."""
+        """True once the result (or error) is available; never blocks (a collective in the fast
+        lane is moved on once if no other thread is running the lane)."""
+        lane = self._lane
+        if lane is not None and not self._is_done:
+            lane.try_progress()
         return self._is_done
 
     def wait(self, timeout: Optional[float] = None):
