@@ -105,6 +105,21 @@ def orders(steps):
     return [ok, sdp.api.runtime().lane.counts]
 
 
+def broadcasts():
+    """Broadcasts of every kind of array from root 1 (strings, bool, bfloat16, a 0-d array) and
+    broadcast_object (two broadcasts); returns (all exact, lane counts)."""
+    r = sdp.rank()
+    cases = [np.array(["ab", "c"]), np.array([True, False, True]), np.arange(7, dtype=np.int64).reshape(7, 1),
+             np.array(3.5), np.arange(1000, dtype=np.float32)] + [np.arange(5).astype(d) for d in BF16]
+    ok = True
+    for i, want in enumerate(cases):
+        mine = want if r == 1 else np.zeros_like(want)
+        got = sdp.broadcast(mine, root_rank=1, name=f"bc{i}")
+        ok = ok and got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+    obj = sdp.broadcast_object({"from": r, "list": [1, 2]} if r == 1 else None, root_rank=1, name="obj")
+    return [ok and obj == {"from": 1, "list": [1, 2]}, sdp.api.runtime().lane.counts]
+
+
 def far_ahead(count, late_s):
     """Rank 0 submits 24 allreduces of 256 KB (more than its data ring holds) and ``count`` small
     ones (more than the lane's DEPTH) without waiting; the other ranks start ``late_s`` later.  Returns

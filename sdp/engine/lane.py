@@ -1,12 +1,13 @@
-"""The fast lane: small allreduces between the ranks of one host without the coordinator's round
-trip or the engine thread's wake-ups.
+"""The fast lane: small allreduces and broadcasts between the ranks of one host without the
+coordinator's round trip or the engine thread's wake-ups.
 
 When every rank is on this host and the mesh keeps its control in shared memory
 (:mod:`sdp.transport.shm_ctrl`), every collective of all ranks (process set 0) a caller submits
 is first **posted** to the lane, in the caller's thread: position ``p`` (this rank's count of
-posts) gets a record in this rank's lane region: a signature, and, for an allreduce the lane can
-run (*eligible*: host array, SUM/AVERAGE/MIN/MAX/PRODUCT, no prescale, its bytes times
-``size - 1`` at most :data:`READ_BYTES`), a copy of the input in this rank's data ring.  The
+posts) gets a record in this rank's lane region: a signature, and, for a collective the lane can
+run (*eligible*: an allreduce of a host array, SUM/AVERAGE/MIN/MAX/PRODUCT, no prescale, its bytes
+times ``size - 1`` at most :data:`READ_BYTES`; a broadcast of at most :data:`READ_BYTES`), a copy
+of the input in this rank's data ring (a broadcast: the root's only).  The
 signature is a 62-bit hash of everything ranks must agree on (:meth:`Request.key`: name, kind,
 dtype, shape, op, scales, a group's shapes); 0 marks a collective the lane does not run, which
 goes to the engine at once.
@@ -15,8 +16,9 @@ goes to the engine at once.
 
 * FAST when every rank posted it with the same non-zero signature: the same collective
   everywhere.  Every rank then reduces the posted copies itself, in rank order (the same
-  operations on every rank, so results are bit-identical), into a new array: no barrier, no
-  message, no engine.
+  operations on every rank, so results are bit-identical), into a new array (a broadcast:
+  copies the root's): no barrier, no message, no engine.  Consecutive FAST allreduces whose
+  copies lie end to end in every rank's ring are reduced as one span.
 * SLOW as soon as one record is 0 or two differ (another collective, another order, a
   mismatch), or when a position waited :data:`ESCALATE_S` for a rank that has not posted it
   (a rank busy elsewhere, or waiting for something that needs this decision first): an eligible
@@ -142,7 +144,7 @@ class Lane:
                 if p - DEPTH >= self._floor and p - DEPTH >= self._min_done():
                     self._wait_room(p)
                 off = nbytes = 0
-                if sig > 0:
+                if sig > 0 and (req.kind == "allreduce" or req.root == self.rank):  # (a broadcast: the root's)
                     nbytes = req.array.nbytes
                     off = self._alloc(nbytes, p)
                     if off is None:
@@ -272,11 +274,12 @@ class Lane:
         return floor
 
     def _signature(self, req) -> int:
-        """Positive for an eligible allreduce, :data:`JOIN_SIG` for ``join()``, else 0."""
-        a = req.array
-        if (not self.enabled or req.kind != "allreduce" or req.device is not None or req.prescale != 1.0 or req.op not in UFUNCS
-                or not (a.dtype.kind in "fiu" or a.dtype.name == "bfloat16")
-                or not 0 < a.nbytes * (self.size - 1) <= READ_BYTES):
+        """Positive for an eligible allreduce or broadcast, :data:`JOIN_SIG` for ``join()``, else 0."""
+        a, kind = req.array, req.kind
+        if not self.enabled or req.device is not None or not (
+                kind == "allreduce" and req.prescale == 1.0 and req.op in UFUNCS
+                and (a.dtype.kind in "fiu" or a.dtype.name == "bfloat16") and 0 < a.nbytes * (self.size - 1) <= READ_BYTES
+                or kind == "broadcast" and 0 < a.nbytes <= READ_BYTES):
             return JOIN_SIG if req.name == JOIN else 0
         key = req.key()
         sig = self._sigs.get(key)
@@ -394,8 +397,8 @@ class Lane:
         and scale, no ``out=``, and its copy right after ``prev``'s in every rank's data ring."""
         pp, preq = prev
         a, b = preq.array, req.array
-        if (a.dtype != b.dtype or preq.op != req.op or preq.postscale != req.postscale
-                or preq.out is not None or req.out is not None):
+        if (a.dtype != b.dtype or preq.op != req.op or preq.postscale != req.postscale or req.kind != "allreduce"
+                or preq.kind != "allreduce" or preq.out is not None or req.out is not None):
             return False
         i, j, step = (pp % DEPTH) * _REC + 1, (p % DEPTH) * _REC + 1, -(-a.nbytes // _ALIGN) * _ALIGN
         return all(rec[j] == rec[i] + step for rec in self.rec.values())
@@ -412,10 +415,24 @@ class Lane:
         for (_, req), result in zip(run, results):
             req.handle._set(result=result)
 
+    def _broadcast(self, p: int, req):
+        """Position ``p``, a broadcast, was decided FAST: a copy of the root's."""
+        a = req.array
+        i = (p % DEPTH) * _REC
+        off, got = self.rec[req.root][i + 1], self.rec[req.root][i + 2]
+        if got != a.nbytes or not 0 <= off <= DATA_BYTES - got:
+            raise errors.ProtocolError(f"rank {self.rank}: rank {req.root}'s fast-lane record for '{req.name}' "
+                                       f"is malformed (offset {off}, {got} bytes, expected {a.nbytes})")
+        out = fusion.aligned_empty(a.dtype, a.size)  # (aligned: the TF face wraps it without a copy)
+        np.copyto(out, self.data[req.root][off:off + got].view(a.dtype))
+        return out.reshape(a.shape)
+
     def _reduce(self, run) -> list:
         """Reduce every rank's copies of ``run`` (one span of its data ring), in rank order,
         into one new array (``out=`` for a lone request); returns each request's result (views)."""
         (p0, first), (p1, last) = run[0], run[-1]
+        if first.kind == "broadcast":
+            return [self._broadcast(p0, first)]
         dtype = first.array.dtype
         i, j = (p0 % DEPTH) * _REC, (p1 % DEPTH) * _REC
         views, span = [], None
