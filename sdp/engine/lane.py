@@ -28,7 +28,8 @@ goes to the engine at once.
   posts nothing more, so positions could never fill).
 
 Who runs the lane: the caller waiting on a lane handle (:meth:`drive`: it polls for up to
-:data:`SPIN_S` seconds, yielding the core between polls, then sleeps on the handle), else the
+:data:`SPIN_S` seconds, yielding the core between polls, then sleeps on the handle; it does not
+poll when this host has fewer cores than local ranks, as for the engine's spin), else the
 engine thread, which a **doorbell** wakes (:func:`shm_ctrl.ring_bell`): a post rings rank 0, a
 decision rings the ranks that posted it, unless their ``AWAKE`` flag says a caller is polling
 (Dekker's pattern: flag or count stored, then a full fence, a locked instruction, then the other
@@ -89,15 +90,17 @@ class Lane:
     control rings with doorbells; ``to_engine(reqs)`` queues requests for the engine and
     ``wake_engine()`` wakes its thread (any thread); ``result_array(dtype, count)`` gives a new
     1-D result array; ``float_scale(req, dtype)`` and ``int_scale(buf, req)`` finish a reduction
-    as the engine does (AVERAGE, postscale)."""
+    as the engine does (AVERAGE, postscale); ``spin_s``: how long :meth:`drive` polls."""
 
-    def __init__(self, mesh, to_engine, wake_engine, result_array, float_scale, int_scale, timeout_s: float):
+    def __init__(self, mesh, to_engine, wake_engine, result_array, float_scale, int_scale, timeout_s: float,
+                 spin_s: float = SPIN_S):
         seg, ctrl = mesh.shm, mesh.ctrl
         self.rank, self.size = mesh.rank, mesh.size
         self.page, self.bells = ctrl.page, ctrl.bells
         self._to_engine, self._wake_engine = to_engine, wake_engine
         self._result_array, self._float_scale, self._int_scale = result_array, float_scale, int_scale
         self.timeout_s = timeout_s
+        self.spin_s = spin_s  # (0 with more ranks than cores here: a polling caller takes a peer's core)
         base = seg.lane_offset()
         self.rec = {q: memoryview(seg.at(q, base, np.int64, DEPTH * _REC)).cast("B").cast("q") for q in seg.peers}
         self.dec = memoryview(seg.at(0, base + DEPTH * _REC * 8, np.int64, DEPTH)).cast("B").cast("q")
@@ -179,7 +182,7 @@ class Lane:
         """Run the lane from a caller waiting on ``handle`` (held by this lane) for up to
         :data:`SPIN_S` seconds, yielding the core between polls; it returns when the handle is
         done or handed to the engine, or the time is up (the engine thread takes over)."""
-        end = time.perf_counter() + SPIN_S
+        end = time.perf_counter() + self.spin_s
         self._set_awake(1)
         self._active_until = float("inf")
         try:

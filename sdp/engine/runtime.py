@@ -225,7 +225,7 @@ class Runtime:
         ctrl = self.mesh.ctrl
         #: sdp.engine.lane.Lane: small allreduces when every rank is on this host (None: off)
         self.lane = (lane.Lane(self.mesh, self._enqueue, self._wake, self._result_array, self._float_scale,
-                               self._int_scale, self.config.timeout_s)
+                               self._int_scale, self.config.timeout_s, lane.SPIN_S if self._spin_s else 0.0)
                      if self.config.fast_lane and ctrl is not None and ctrl.bells and self.mesh.shm.lane_bytes
                      and all(ctrl.senders.values()) else None)
         self._thread = threading.Thread(target=self._run, name=f"sdp-engine-{self.rank}", daemon=True)
