@@ -89,7 +89,7 @@ def orders(steps):
             elif name == "ag":
                 hs[name] = sdp.allgather_async(np.full((1, 2), r, np.int32), name=name)
             else:
-                i = int(name[1:])  # (odd sizes: copies padded to 64 bytes, runs reduced across the padding)
+                i = int(name[1:])  # (odd sizes: copies padded to 64 bytes in the data ring)
                 hs[name] = sdp.allreduce_async(np.full(3 + 7 * i, float(step * r + i), np.float32 if i % 2 else np.float64),
                                                name=name, op=sdp.Sum)
         for name, h in hs.items():

@@ -67,7 +67,7 @@ class Handle:
         lane is moved on once if no other thread is running the lane)."""
         lane = self._lane
         if lane is not None and not self._is_done:
-            lane.try_progress()
+            lane.poll(self)
         return self._is_done
 
     def wait(self, timeout: Optional[float] = None):
@@ -76,12 +76,17 @@ class Handle:
         Raises the collective's error (e.g. :class:`TensorMismatchError`, :class:`PeerLostError`),
         or :class:`CollectiveTimeoutError` if ``timeout`` seconds pass first."""
         lane = self._lane
-        if lane is not None and not self._is_done:
-            lane.drive(self)  # run the fast lane here for a moment rather than sleep at once
+        waits = lane is not None and not self._is_done and lane.drive(self)  # (the fast lane runs here first)
         if not self._is_done:
-            if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
-                raise errors.CollectiveTimeoutError(f"'{self.name}' did not complete within {timeout} s")
+            try:
+                if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+                    raise errors.CollectiveTimeoutError(f"'{self.name}' did not complete within {timeout} s")
+            finally:
+                if waits:
+                    lane.unwait()
             self._lock.release()  # let other waiters of this handle through too
+        elif waits:
+            lane.unwait()
         if self._error is not None:
             raise self._error
         return self._result
@@ -225,7 +230,8 @@ class Runtime:
         ctrl = self.mesh.ctrl
         #: sdp.engine.lane.Lane: small allreduces when every rank is on this host (None: off)
         self.lane = (lane.Lane(self.mesh, self._enqueue, self._wake, self._result_array, self._float_scale,
-                               self._int_scale, self.config.timeout_s, lane.SPIN_S if self._spin_s else 0.0)
+                               self._int_scale, self.config.timeout_s, lane.SPIN_S if self._spin_s else 0.0,
+                               lambda: not self._pending and not self._queue)
                      if self.config.fast_lane and ctrl is not None and ctrl.bells and self.mesh.shm.lane_bytes
                      and all(ctrl.senders.values()) else None)
         self._thread = threading.Thread(target=self._run, name=f"sdp-engine-{self.rank}", daemon=True)
