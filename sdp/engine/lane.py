@@ -322,7 +322,8 @@ class Lane:
         if not self.enabled or req.device is not None or not (
                 kind == "allreduce" and req.prescale == 1.0 and req.op in UFUNCS
                 and (a.dtype.kind in "fiu" or a.dtype.name == "bfloat16") and 0 < a.nbytes * (self.size - 1) <= READ_BYTES
-                or kind == "broadcast" and 0 < a.nbytes <= READ_BYTES):
+                or kind == "broadcast" and 0 < a.nbytes <= READ_BYTES and req.root in self.rec):  # (a bad root:
+            # the engine's error)
             return JOIN_SIG if req.name == JOIN else 0
         key = req.key()
         sig = self._sigs.get(key)
