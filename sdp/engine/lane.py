@@ -142,7 +142,7 @@ class Lane:
         eligible, another process set, or the lane is off).  Raises
         :class:`CollectiveTimeoutError` if a peer has not consumed a position for ``timeout_s``
         while this rank is :data:`DEPTH` positions ahead."""
-        engine = []
+        engine, eligible = [], False
         with self.lock:
             if self.failed is not None:
                 raise self.failed
@@ -171,16 +171,17 @@ class Lane:
                 self._posted = p + 1
                 self.page[self.rank][POSTED] = p + 1  # last: the record is visible before its count
                 if sig > 0:
+                    eligible = True
                     self.held[req.name] = req
                     req.handle._lane = self
                     self._out.append((p, req))
                 else:
                     self._out.append((p, None))
                     engine.append(req)
-            if self.rank == 0:
-                self._decide()
+            if self.rank == 0 and eligible:
+                self._decide()  # (positions only the engine runs are decided when next looked at)
             engine += self._take_handoff()
-        if self.rank != 0:
+        if self.rank != 0 and eligible:
             _fence()
             if self.page[0][WAITING]:  # (else rank 0 decides when it posts or waits itself)
                 self._ring(0)
