@@ -126,6 +126,7 @@ class Lane:
         self._extents = collections.deque()  # (position, data ring write count after its copy)
         self._awake = 0
         self._waiting = 0  # callers asleep on lane handles (drive() returned True)
+        self._state = None  # what engine_turn() last saw (it runs the lane again when it changes)
         self._active_until = 0.0  # (monotonic) a caller runs the lane until then: the engine waits
         #: this rank's eligible requests the lane ran ("fast") or handed to the engine ("slow")
         self.counts = {"fast": 0, "slow": 0}
@@ -264,10 +265,15 @@ class Lane:
         mine = self.page[self.rank]
         mine[RUNG] = 0  # rings from now on wake us again
         _fence()
-        self.progress()
+        seen = self._first_seen  # rank 0: the next escalation
+        state = (self.page[0][DECIDED], self._posted, tuple(self.page[q][POSTED] for q in range(self.size))
+                 if self.rank == 0 else None)
+        if state != self._state or seen is not None and time.monotonic() >= seen[1] + ESCALATE_S:
+            self.progress()  # (not while nothing changed: the engine thread comes here every cycle)
+            self._state = state
         if not self.busy():
             return None
-        seen = self._first_seen  # rank 0: the next escalation
+        seen = self._first_seen
         return 0.1 if seen is None else max(_TICK_S, seen[1] + ESCALATE_S - time.monotonic())
 
     def progress(self) -> None:
@@ -347,6 +353,7 @@ class Lane:
             for q in late:  # their engines consume what no caller of theirs waits on
                 if q != self.rank:
                     self._ring(q)
+            self._call_rank0()  # (and rank 0 decides what we wait on)
             if time.monotonic() > deadline:
                 raise errors.CollectiveTimeoutError(
                     f"rank {self.rank}: ranks {late} did not run the fast lane's position {p - DEPTH} "
