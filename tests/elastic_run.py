@@ -34,6 +34,7 @@ class Run:
     """``argv`` started with ``popen(argv, **kw)`` (stdout and stderr merged), read by a thread."""
 
     def __init__(self, popen: Callable, argv: List[str], **kw):
+        self.stop_file = (kw.get("env") or {}).get("STOP_FILE")  # tests/workers_elastic.py's
         self.proc = popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
         self.lines: List[str] = []
         self.mark = 0  # index after the line the last wait matched
@@ -93,6 +94,13 @@ class Run:
                 self.proc.wait()
             self._reader.join(timeout=10)
         return self.proc.returncode
+
+    def stop(self) -> None:
+        """The workers (tests/workers_elastic.py, started with ``STOP_FILE`` in ``env``) end
+        together after their next step: what the test checks has happened, the rest of
+        ``STEPS`` would prove nothing more."""
+        assert self.stop_file, "started without STOP_FILE"
+        Path(self.stop_file).write_text("")
 
     def kill(self) -> None:
         """Kill sdprun if it still runs (a failed test's clean-up; sdprun's workers end with it)."""

@@ -83,6 +83,7 @@ def _add_then_drop(run, disc, a, b, c, while_dropped=lambda: None):
         later = run.progress(lambda d: d["size"] == 4, start=run.mark)
         assert later["host"] != b
         while_dropped()
+        run.stop()
         assert run.finish() == 0, run.text()[-6000:]
     finally:
         run.kill()
@@ -101,7 +102,7 @@ def test_fake_hosts_added_then_removed(tmp_path):
                                                      "--host-discovery-script", str(disc.script), sys.executable,
                                                      WORKER),
                           cwd=REPO, env=_env(SDP_LAUNCHER_ALLOW_FAKE_HOSTS=1, PROGRESS=1, STEPS=60, COMMIT=4,
-                                             STEP_S=0.1))
+                                             STEP_S=0.1, STOP_FILE=tmp_path / "stop"))
     _add_then_drop(run, disc, "hA", "hB", "hC")
 
 
@@ -115,7 +116,7 @@ def test_fake_host_stopped_is_blacklisted_then_reused(tmp_path):
                                                      "--host-discovery-script", str(disc.script), sys.executable,
                                                      WORKER),
                           cwd=REPO, env=_env(SDP_LAUNCHER_ALLOW_FAKE_HOSTS=1, PROGRESS=1, STEPS=100, COMMIT=4,
-                                             STEP_S=0.1, SDP_PEER_TIMEOUT=5))
+                                             STEP_S=0.1, SDP_PEER_TIMEOUT=5, STOP_FILE=tmp_path / "stop"))
     try:
         seen = {}
         run.progress(lambda d: seen.setdefault(d["rank"], d) and len(seen) == 4 and d["step"] >= 8)
@@ -126,6 +127,7 @@ def test_fake_host_stopped_is_blacklisted_then_reused(tmp_path):
         run.wait_for(lambda x: "host hB blacklisted for" in x)
         run.progress(lambda d: d["size"] == 2, start=run.mark)
         run.progress(lambda d: d["size"] == 4 and d["host"] == "hB", start=run.mark)
+        run.stop()
         assert run.finish() == 0, run.text()[-6000:]
     finally:
         run.kill()
@@ -158,7 +160,7 @@ needs_hosts = pytest.mark.skipif(emulated_hosts.unavailable_reason() is not None
 
 
 #: the numpy worker's settings (tests/workers_elastic.py); remote workers get them through -x
-WORKER_SETTINGS = ("PROGRESS", "STEPS", "COMMIT", "STEP_S")
+WORKER_SETTINGS = ("PROGRESS", "STEPS", "COMMIT", "STEP_S", "STOP_FILE")
 
 
 def _start(hosts, tmp_path, discovered, *extra, **env):
@@ -169,7 +171,8 @@ def _start(hosts, tmp_path, discovered, *extra, **env):
     argv = _sdprun("-np", "4", "--min-np", "2", "--max-np", "8", "--host-discovery-script", str(disc.script),
                    *exports, *extra, sys.executable, WORKER)
     run = elastic_run.Run(lambda a, **kw: hosts.popen("h1", a, **kw), argv, cwd=REPO,
-                          env=_env(PROGRESS=1, **{"STEPS": 120, "COMMIT": 4, "STEP_S": 0.1, **env}))
+                          env=_env(PROGRESS=1, **{"STEPS": 120, "COMMIT": 4, "STEP_S": 0.1,
+                                                  "STOP_FILE": tmp_path / "stop", **env}))
     return disc, run
 
 
@@ -224,6 +227,7 @@ def test_dead_link_rolls_back_blacklists_and_reuses_host(hosts, tmp_path):
         finally:
             hosts.link("h2", up=True)
         run.progress(lambda d: d["size"] == 4 and d["host"] == "h2", start=run.mark)
+        run.stop()
         assert run.finish() == 0, run.text()[-6000:]
     finally:
         run.kill()
@@ -250,6 +254,7 @@ def test_kill9_on_hosts(hosts, tmp_path, victim):
             os.kill(pid, signal.SIGKILL)  # one file system and pid space: h2's processes are visible here
         size = 2 if victim == "host_h2" else 3
         run.progress(lambda d: d["size"] == size, start=run.mark)
+        run.stop()
         assert run.finish() == 0, run.text()[-6000:]
     finally:
         run.kill()
@@ -310,12 +315,12 @@ def test_kungfu_watch_grows_onto_and_shrinks_off_hosts(hosts):
 MNIST_DIR = os.environ.get("SDP_MNIST_DIR") or os.path.join(os.path.dirname(REPO), "shared", "data", "mnist")
 
 
-def _tf_run(hosts, tmp_path, discovered, *argv, np_="2", compat=True):
+def _tf_run(hosts, tmp_path, discovered, *argv, np_="2", compat=True, env=None):
     pytest.importorskip("tensorflow")
     disc = elastic_run.Discovery(tmp_path, discovered)
     args = _sdprun(*(["--compat", "horovod"] if compat else []), "-np", np_, "--min-np", "2", "--max-np", "8",
                    "--host-discovery-script", str(disc.script), sys.executable, *argv)
-    return disc, elastic_run.Run(lambda a, **kw: hosts.popen("h1", a, **kw), args, cwd=REPO, env=_env())
+    return disc, elastic_run.Run(lambda a, **kw: hosts.popen("h1", a, **kw), args, cwd=REPO, env=_env(**(env or {})))
 
 
 @needs_hosts
@@ -326,7 +331,8 @@ def test_horovod_tf2_gradient_tape_pattern_across_hosts(hosts, tmp_path):
     h1:1,h2:1; h3:1 added mid-run: 3 workers at the next commit, the one on h3 from rank 0's
     state; the same weights on every rank at the end."""
     disc, run = _tf_run(hosts, tmp_path, "h1:1,h2:1", os.path.join(REPO, "tests", "horovod_user",
-                                                                   "tensorflow2_mnist_elastic.py"))
+                                                                   "tensorflow2_mnist_elastic.py"),
+                        env={"SDP_TEST_STOP_AT_SIZE": 3})  # 10 batches after the growth
     try:
         run.wait_for(lambda x: "Step #10" in x, timeout_s=240)
         disc.set("h1:1,h2:1,h3:1")

@@ -179,12 +179,13 @@ def _kill_worker(proc, worker: str) -> None:
 def test_horovod_tf2_elastic_pattern_grows_under_compat(tmp_path):
     """Horovod's own elastic TF2 example pattern (hvd.elastic.run, TensorFlowKerasState, commit per
     batch, a reset callback) under --compat horovod: a slot added mid-run grows the job to 3 at the
-    next commit; the newcomer starts from rank 0's state (same weights on every rank at the end)."""
+    next commit; the newcomer starts from rank 0's state (same weights on every rank at the end,
+    10 batches after the growth: SDP_TEST_STOP_AT_SIZE)."""
     pytest.importorskip("tensorflow")
     script, hosts = _discovery(tmp_path, 2)
     rc, out, fired = _run_until(["--compat", "horovod", "-np", "2", "--min-np", "2", "--max-np", "3",
                                  "--host-discovery-script", script, sys.executable, HOROVOD_PATTERN],
-                                _env(), "Step #10", lambda _p: hosts.write_text("localhost:3\n"))
+                                _env(SDP_TEST_STOP_AT_SIZE=3), "Step #10", lambda _p: hosts.write_text("localhost:3\n"))
     assert fired and rc == 0, out[-5000:]
     assert "epoch 1 with 3 workers" in out, out[-5000:]
     done = re.findall(r"DONE rank (\d) size (\d) weights (\w+)", out)

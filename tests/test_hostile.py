@@ -29,18 +29,23 @@ print("checksum", total, "open fds", len(os.listdir("/proc/self/fd")), flush=Tru
 """
 
 ATTACKER = """
-import socket, sys, time, resource
+import selectors, socket, sys, time, resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (16384, 16384))
 targets = [(h, int(p)) for h, p in (t.rsplit(":", 1) for t in sys.argv[2].split(","))]
 n = int(sys.argv[1])  # to each target
-socks = []
+socks, pending = [], selectors.DefaultSelector()
 for i in range(n * len(targets)):
     s = socket.socket()
     s.setblocking(False)
     s.connect_ex(targets[i % len(targets)])
     socks.append(s)
-time.sleep(3)  # SYNs dropped while an accept queue was full are retried after 1 s
-print("opened", n, flush=True)
+    pending.register(s, selectors.EVENT_WRITE)
+# until every handshake is done (SYNs dropped while an accept queue was full are retried after 1 s)
+deadline = time.monotonic() + 30
+while pending.get_map() and time.monotonic() < deadline:
+    for key, _ in pending.select(timeout=1):
+        pending.unregister(key.fileobj)
+print("opened", n, "pending", len(pending.get_map()), flush=True)
 sys.stdin.read()  # hold them (never a byte sent) until the test ends
 """
 

@@ -254,6 +254,11 @@ class RecordingProxy:
             s.close()
         return bytes(answer)
 
+    def wait_closed(self, timeout_s):
+        """Wait until the proxied connection ended (the client closed it)."""
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "the proxied connection did not end"
+
     def close(self):
         self.listener.close()
         self._thread.join(5)
@@ -283,9 +288,8 @@ def test_replayed_traffic_is_refused(mechanism):
         client.send_multipart([b"ABORT", b"stop the job"])
         assert server.poll(5000), "the legit client's message did not arrive"
         assert server.recv_multipart()[1:] == [b"ABORT", b"stop the job"]
-        time.sleep(0.2)
         client.close(linger=0)
-        time.sleep(0.3)
+        proxy.wait_closed(5)  # the client's side of the connection ended: the recording is whole
         assert len(proxy.sent) > 64
         if mechanism == "curve":
             assert b"stop the job" not in proxy.sent  # encrypted on the wire

@@ -72,7 +72,10 @@ def die_or_wait(victim, fused=False):
 def stall(_):
     if sdp.rank() == 0:
         return _expect(lambda: sdp.allreduce(np.ones(2), name="lonely"))
-    time.sleep(float(os.environ.get("STALL_SLEEP", "4")))
+    # late past rank 0's stall shutdown: until its abort is here (at most STALL_SLEEP seconds)
+    mesh, deadline = sdp.api.runtime().mesh, time.monotonic() + float(os.environ.get("STALL_SLEEP", "4"))
+    while not mesh.aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
     return _expect(lambda: sdp.allreduce(np.ones(2), name="late"))
 
 

@@ -4,9 +4,11 @@
 #     sdprun --compat horovod -np 2 --min-np 2 --max-np 3 --host-discovery-script ... python <this file>
 # Changes from Horovod's file: synthetic MNIST-shaped data instead of a download (no network here),
 # opt.learning_rate instead of Keras 2's opt.lr, 4000 batches (not 10000; 600 let a 2-core box finish
-# in ~1.5 s, before a slot added at batch 10 could be noticed), and a last line printing a weights
-# checksum per rank.
+# in ~1.5 s, before a slot added at batch 10 could be noticed), a last line printing a weights
+# checksum per rank, and SDP_TEST_STOP_AT_SIZE=N: stop 10 committed batches after the job reached N
+# workers (what the tests check has happened by then; the rest of the 4000 batches took ~20 s).
 import hashlib
+import os
 
 import numpy as np
 import tensorflow as tf
@@ -33,6 +35,8 @@ mnist_model = tf.keras.Sequential([
     tf.keras.layers.Dense(10, activation='softmax')
 ])
 loss = tf.losses.SparseCategoricalCrossentropy()
+
+STOP_AT_SIZE = int(os.environ.get("SDP_TEST_STOP_AT_SIZE", "0"))
 
 # Horovod: adjust learning rate based on number of GPUs.
 lr = 0.001
@@ -73,6 +77,8 @@ def train(state):
 
         # Horovod: commit state at the end of each batch
         state.commit()
+        if STOP_AT_SIZE and hvd.size() >= STOP_AT_SIZE and batch_idx >= 10:
+            break  # (the same batch on every rank: all started this run from one commit)
 
 
 def on_state_reset():
