@@ -61,7 +61,7 @@ import numpy as np
 
 from sdp.common import errors
 from sdp.common.reduce_ops import UFUNCS, accumulation_dtype
-from sdp.engine import fusion
+from sdp.engine import collectives, fusion
 from sdp.engine.coordinator import JOIN
 from sdp.transport.shm_ctrl import LANE_BYTES, ring_bell
 
@@ -467,17 +467,9 @@ class Lane:
                                            f"is malformed (offset {off}, {got} bytes, expected {nbytes})")
             views.append(self.data[q][off:off + nbytes].view(dtype))
         out = self._result_array(dtype, a.size) if req.out is None else req.out.reshape(-1)
-        acc = accumulation_dtype(dtype)
-        t = out if acc is None else np.empty(a.size, acc)
-        ufunc = UFUNCS[req.op]
-        ufunc(views[0], views[1], out=t, dtype=acc)
-        for v in views[2:]:
-            ufunc(t, v, out=t, dtype=acc)
-        scale = self._float_scale(req, dtype)
-        if scale is not None:
-            np.multiply(t, scale, out=t, casting="unsafe")
-        if acc is not None:
-            out[...] = t
+        # (the shared-memory collective's chunk reduction: rank 0's copy, then the others in order)
+        collectives._reduce_chunk(UFUNCS[req.op], [(0, views[0])], 0, views, range(1, self.size), out, [],
+                                  accumulation_dtype(dtype), self._float_scale(req, dtype))
         self._int_scale(out, req)
         if req.parts is not None:
             return fusion.unflatten(out, req.parts)

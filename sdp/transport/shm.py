@@ -178,12 +178,12 @@ class SharedSegments:
         self.slab_bytes = slab_bytes
         self.rings = rings
         self.lane_bytes = LANE_BYTES if rings else 0  # the fast lane's region (sdp.engine.lane)
-        self._rings_bytes = rings * RING_BYTES + self.lane_bytes
+        self._tail_bytes = rings * RING_BYTES + self.lane_bytes  # (after the pool)
         self._fd = None  # the memfd, open until every peer has opened it (unlink())
         memfd = _memfd_usable()
         self.path = None if memfd else os.path.join(SHM_DIR, f"sdp-{job}-{rank}-{os.getpid()}")
         for pool in ((pool_bytes, 0) if pool_bytes > 0 else (0,)):
-            self.nbytes = 2 * slab_bytes + pool + self._rings_bytes + FLAGS_BYTES
+            self.nbytes = 2 * slab_bytes + pool + self._tail_bytes + FLAGS_BYTES
             try:
                 if memfd:
                     self._fd, self.mine = _create_memfd(f"sdp-{job}-{rank}", self.nbytes)
@@ -240,13 +240,13 @@ class SharedSegments:
         if self.pool is None:
             return None
         off = arr.__array_interface__["data"][0] - self.mine.__array_interface__["data"][0]
-        end = self.nbytes - FLAGS_BYTES - self._rings_bytes
+        end = self.nbytes - FLAGS_BYTES - self._tail_bytes
         return off if 2 * self.slab_bytes <= off and off + arr.nbytes <= end else None
 
     def ring_offset(self, dst: int) -> int:
         """Byte offset, in any rank's segment, of that rank's control ring to rank ``dst``."""
         from sdp.transport.shm_ctrl import RING_BYTES
-        return self.nbytes - FLAGS_BYTES - self._rings_bytes + dst * RING_BYTES
+        return self.nbytes - FLAGS_BYTES - self._tail_bytes + dst * RING_BYTES
 
     def lane_offset(self) -> int:
         """Byte offset, in any rank's segment, of that rank's fast-lane region (``lane_bytes``)."""
