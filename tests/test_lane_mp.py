@@ -31,7 +31,7 @@ def test_random_orders_mixed_with_engine_collectives(n):
     values = check_ok(run_workers(n, "workers_lane:orders", [6], timeout=180))
     for ok, counts in values:
         assert ok, counts
-        # (a rank holding a lane request sends the next ones to the engine: lane.BURST)
+        # (a rank holding a lane request sends the next ones to the engine: a burst)
         assert 0 < counts["fast"] + counts["slow"] <= 6 * 13, counts
 
 
@@ -64,3 +64,21 @@ def test_a_peer_killed_while_a_rank_waits_in_the_lane():
     kind, msg, took = results[0].value
     assert kind == "PeerLostError" and "rank 1" in msg, (kind, msg)
     assert took < 1.0, took  # (issue 30: within 1 s; 0.11 s measured)
+
+
+def test_a_burst_goes_to_the_engine_and_its_first_name_is_learnt():
+    values = check_ok(run_workers(2, "workers_lane:bursts", [6], timeout=180))
+    for rank, (ok, after_bursts, end) in enumerate(values):
+        assert ok, (rank, after_bursts, end)
+        # the first step's first request may take the lane (and be decided SLOW once the burst
+        # shows); from then on its name is learnt and whole bursts take the engine
+        assert after_bursts["fast"] + after_bursts["slow"] <= 2 and after_bursts["fast"] <= 1, (rank, after_bursts)
+        # waited alone, the name is forgotten: back in the lane after the first synchronous call
+        assert end["fast"] >= after_bursts["fast"] + 3, (rank, after_bursts, end)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_join_after_a_burst(n):
+    for rank, (ok, more, after, off) in enumerate(check_ok(run_workers(n, "workers_lane:join_after_burst", [60]))):
+        assert ok and after == n and off, (rank, ok, after, off)
+        assert more == ([] if rank == n - 1 else [float(n - 1)] * 3), (rank, more)

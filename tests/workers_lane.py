@@ -172,3 +172,37 @@ def killed_while_waiting():
     except sdp.errors.SdpError as e:
         return [type(e).__name__, str(e)[:200], time.monotonic() - t]
     return ["no error", "", time.monotonic() - t]
+
+
+def bursts(steps):
+    """``steps`` training-like steps of 40 small allreduces submitted one by one, asynchronously
+    (a burst), then waited; then the burst's first name alone, synchronously, 5 times.  Returns
+    (all exact, lane counts after the bursts, lane counts at the end)."""
+    n, r = sdp.size(), sdp.rank()
+    ok = True
+    for step in range(steps):
+        hs = [sdp.allreduce_async(np.full(64, float(step * r + i), np.float32), name=f"burst{i}", op=sdp.Sum)
+              for i in range(40)]
+        ok = ok and all(bool(np.all(h.wait() == sum(step * q + i for q in range(n)))) for i, h in enumerate(hs))
+    after_bursts = dict(sdp.api.runtime().lane.counts)
+    for i in range(5):
+        ok = ok and bool(np.all(sdp.allreduce(np.full(8, float(r + i)), name="burst0", op=sdp.Sum)
+                                == sum(q + i for q in range(n))))
+    return [ok, after_bursts, sdp.api.runtime().lane.counts]
+
+
+def join_after_burst(count):
+    """Every rank submits ``count`` small allreduces without waiting; the last rank then joins at
+    once, the others wait theirs, run 3 more (the joined rank adds zeros) and join; then one
+    more by all.  Returns (the burst exact, the 3 results, the last one, the lane is off)."""
+    n, r = sdp.size(), sdp.rank()
+    hs = [sdp.allreduce_async(np.full(16, float(i + r), np.float32), name=f"jb{i}", op=sdp.Sum) for i in range(count)]
+    more = []
+    if r == n - 1:
+        sdp.join()
+    ok = all(bool(np.all(h.wait() == sum(i + q for q in range(n)))) for i, h in enumerate(hs))
+    if r != n - 1:
+        more = [float(sdp.allreduce(np.full(4, 1.0), name=f"jm{i}", op=sdp.Sum)[0]) for i in range(3)]
+        sdp.join()
+    after = float(sdp.allreduce(np.ones(2), name="after", op=sdp.Sum)[0])
+    return [ok, more, after, sdp.api.runtime().lane.off]

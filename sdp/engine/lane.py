@@ -10,8 +10,13 @@ times ``size - 1`` at most :data:`READ_BYTES`; a broadcast of at most :data:`REA
 of the input in this rank's data ring (a broadcast: the root's only).  The
 signature is a 62-bit hash of everything ranks must agree on (:meth:`Request.key`: name, kind,
 dtype, shape, op, scales, a group's shapes); 0 marks a collective the lane does not run, which
-goes to the engine at once, as does everything a rank submits while it holds :data:`BURST`
-lane requests already (a burst of asynchronous submissions: the engine batches it).
+goes to the engine at once.  So does a **burst** (asynchronous submissions, which the engine
+batches: one negotiation, fused buckets; request by request the lane was slower): everything a
+rank submits while its engine thread has work or the lane holds a request of it, and a name that
+came first in a burst the last time it was submitted (learnt per rank and name, so a training
+step's burst goes to the engine whole).  While the lane holds a request, what goes to the engine
+waits until that request is decided (waiting on it runs the lane), so a request decided SLOW
+reaches the engine before what was submitted after it and is batched with it.
 
 **Rank 0 decides** each position, in order, alone (so every rank sees one outcome):
 
@@ -20,7 +25,8 @@ lane requests already (a burst of asynchronous submissions: the engine batches i
   operations on every rank, so results are bit-identical), into a new array (a broadcast:
   copies the root's): no barrier, no message, no engine.
 * SLOW as soon as one record is 0 or two differ (another collective, another order, a
-  mismatch), or when a position waited :data:`ESCALATE_S` for a rank that has not posted it
+  mismatch), as soon as some rank posted a later position (it did not wait for this one: a
+  burst), or when a position waited :data:`ESCALATE_S` for a rank that has not posted it
   (a rank busy elsewhere, or waiting for something that needs this decision first): an eligible
   request then goes to the engine like any other, which negotiates, reports mismatches and
   stalls on every rank as before.  A SLOW decision costs speed, never correctness.
@@ -44,7 +50,10 @@ Shared memory (per rank, in its segment's lane region of :data:`shm_ctrl.LANE_BY
 :data:`DEPTH` positions, then a data ring of :data:`DATA_BYTES`.  In the flag page: ``POSTED``
 (positions posted), ``DONE`` (positions consumed: a decision read and, if FAST, the peers' copies
 reduced), ``DECIDED`` (rank 0: positions decided), ``AWAKE`` (callers polling now), ``RUNG``,
-``WAITING`` (callers asleep on lane handles).  A rank posts
+``WAITING`` (callers asleep on lane handles), ``LATEST`` and ``JOINED`` (1 + the position of
+this rank's latest lane request or ``join()``, and of its ``join()``).  Rank 0 decides at once
+what a rank holds a request at (``LATEST``); positions only the engine runs are decided, and
+consumed, lazily, :data:`_BACKLOG` at a time, and a burst's all at once.  A rank posts
 ``p`` only when every rank has consumed ``p - DEPTH`` (so records, decisions and data are reused
 only after every reader is done), and frees its copy of ``p`` once every rank consumed ``p``.
 Stores become visible in order on x86-64 (as for the barrier flags, :mod:`sdp.engine.barrier`):
@@ -71,17 +80,15 @@ DATA_BYTES = LANE_BYTES - DEPTH * 8 * (_REC + 1)  # each rank's data ring (recor
 READ_BYTES = 512 << 10  # eligible: bytes x (size - 1) at most this (every rank reads every copy)
 ESCALATE_S = 0.005  # seconds a position waits for a rank that has not posted it, then SLOW
 SPIN_S = 200e-6  # seconds a waiting caller polls the lane before it sleeps on the handle
-BURST = 1  # a rank holding this many lane requests sends the next ones to the engine, which
-# batches them (one negotiation, fused buckets): 100 x 4 KB submitted one by one took 2.2-3.1 ms
-# in the lane, request by request, against 1.4-2.0 ms in the engine
 GRACE_S = 200e-6  # seconds after a post during which the engine thread leaves the lane to the caller
-POSTED, DONE, DECIDED, AWAKE, RUNG, WAITING = 8, 9, 10, 11, 12, 13  # int64 slots of the flag page
+POSTED, DONE, DECIDED, AWAKE, RUNG, WAITING, LATEST, JOINED = range(8, 16)  # int64 slots of the flag page
 FAST, SLOW, OFF = 1, 2, 3  # decisions
 JOIN_SIG = -1  # the signature of a join() record
 _TICK_S = 0.001  # the engine thread's shortest sleep (a poll's timeout is whole milliseconds; never spin:
 # a spinning engine thread holds the GIL the caller needs back after every numpy call)
 _ALIGN = 64  # bytes: every copy in the data ring starts on a cache line
 _SIGS_MAX = 4096  # signatures remembered (by Request.key())
+_BACKLOG = DEPTH // 4  # positions only the engine runs that are decided (consumed) in bulk, lazily
 
 _fence_lock = threading.Lock()
 
@@ -114,6 +121,7 @@ class Lane:
         base = seg.lane_offset()
         self.rec = {q: memoryview(seg.at(q, base, np.int64, DEPTH * _REC)).cast("B").cast("q") for q in seg.peers}
         self.dec = memoryview(seg.at(0, base + DEPTH * _REC * 8, np.int64, DEPTH)).cast("B").cast("q")
+        self._dec_np = seg.at(0, base + DEPTH * _REC * 8, np.int64, DEPTH)
         self.data = {q: seg.at(q, base + DEPTH * (_REC + 1) * 8, np.uint8, DATA_BYTES) for q in seg.peers}
         self.lock = threading.Lock()
         self.held = {}  # name -> Request this lane holds (posted eligible, not yet decided)
@@ -121,7 +129,8 @@ class Lane:
         self.enabled = True  # False: this rank posts nothing eligible (a timeline is being written)
         self.failed: Optional[BaseException] = None
         self._posted = 0
-        self._out = collections.deque()  # (position, Request or None) posted here, not consumed
+        self._done = 0  # positions this rank has consumed (its DONE)
+        self._out = collections.deque()  # (position, Request) this lane holds, in order
         self._w = self._tail = 0  # data ring: bytes written, bytes freed (monotonic)
         self._extents = collections.deque()  # (position, data ring write count after its copy)
         self._awake = 0
@@ -132,6 +141,9 @@ class Lane:
         self.counts = {"fast": 0, "slow": 0}
         self._sigs = {}
         self._handoff: List = []  # requests for the engine, handed over once the lock is released
+        self._deferred: List = []  # requests for the engine submitted while this lane held some
+        self._heads = set()  # names that last time came first in a burst: they go to the engine
+        self._head = None  # (name, handle) of the last submission's first request (to learn _heads)
         self._floor = 0  # positions every rank had consumed when last looked (_min_done)
         self._decided = 0  # rank 0
         self._closing = False  # rank 0: a join() was seen, every later decision is OFF
@@ -140,53 +152,90 @@ class Lane:
     # -- caller side ----------------------------------------------------------------------------
     def post(self, reqs) -> list:
         """Post ``reqs`` (one submission, in order); returns those the engine must run now (not
-        eligible, another process set, or the lane is off).  Raises
+        eligible, another process set, the lane is off, or a burst).  Raises
         :class:`CollectiveTimeoutError` if a peer has not consumed a position for ``timeout_s``
         while this rank is :data:`DEPTH` positions ahead."""
         engine, eligible = [], False
+        page, rec = self.page[self.rank], self.rec[self.rank]
         with self.lock:
             if self.failed is not None:
                 raise self.failed
-            self._active_until = time.monotonic() + GRACE_S  # (the caller usually waits next)
+            if self.page[0][DECIDED] > self._done:
+                self._progress()  # (positions only the engine ran: an OFF among them turns the lane off)
+            burst = bool(self.held) or not self._engine_idle()  # (asynchronous submissions: the engine
+            # batches them, and rank 0 decides a request held here SLOW once this rank posts past it)
+            if self._head is not None:  # learn whether the last first-of-a-submission was a burst's
+                name, handle = self._head
+                self._head = None
+                if handle._is_done:
+                    self._heads.discard(name)
+                elif len(self._heads) < _SIGS_MAX:
+                    self._heads.add(name)
             for req in reqs:
                 if req.ps or self.off:
                     engine.append(req)
                     continue
-                sig = self._signature(req) if len(self.held) < BURST else 0
-                if sig > 0 and req.name in self.held:
-                    sig = 0  # (the engine reports the duplicate name)
                 p = self._posted
                 if p - DEPTH >= self._floor and p - DEPTH >= self._min_done():
                     self._wait_room(p)
+                if req.name == JOIN:
+                    sig = JOIN_SIG
+                elif burst:  # (held: a burst, so a duplicate name goes to the engine, which reports it)
+                    sig = 0
+                elif req.name in self._heads:  # (learnt: a burst follows it)
+                    sig, burst, self._head = 0, True, (req.name, req.handle)
+                else:
+                    sig = self._signature(req)
+                    if sig > 0:
+                        self._head = (req.name, req.handle)
                 off = nbytes = 0
                 if sig > 0 and (req.kind == "allreduce" or req.root == self.rank):  # (a broadcast: the root's)
                     nbytes = req.array.nbytes
                     off = self._alloc(nbytes, p)
                     if off is None:
-                        sig = 0
+                        sig = nbytes = 0
                     else:
                         np.copyto(self.data[self.rank][off:off + nbytes].view(req.array.dtype), req.array.reshape(-1))
                 i = (p % DEPTH) * _REC
-                rec = self.rec[self.rank]
-                rec[i], rec[i + 1], rec[i + 2] = sig, off or 0, nbytes
+                rec[i], rec[i + 1], rec[i + 2] = sig, off, nbytes
                 self._posted = p + 1
-                self.page[self.rank][POSTED] = p + 1  # last: the record is visible before its count
-                if sig > 0:
-                    eligible = True
-                    self.held[req.name] = req
-                    req.handle._lane = self
-                    self._out.append((p, req))
-                else:
-                    self._out.append((p, None))
-                    engine.append(req)
-            if self.rank == 0 and eligible:
-                self._decide()  # (positions only the engine runs are decided when next looked at)
-            engine += self._take_handoff()
+                page[POSTED] = p + 1  # last: the record is visible before its count
+                if sig == JOIN_SIG:  # (this rank posts nothing more; rank 0 turns the others off)
+                    page[JOINED] = page[LATEST] = p + 1
+                    self.off = True
+                if sig <= 0:
+                    self._to_engine_after_held(req, engine)
+                    continue
+                page[LATEST] = p + 1  # (rank 0 decides what a rank waits on at once, bursts lazily)
+                eligible = burst = True  # (what follows in this submission is a burst)
+                self.held[req.name] = req
+                req.handle._lane = self
+                self._out.append((p, req))
+            if eligible:
+                self._active_until = time.monotonic() + GRACE_S  # (the caller usually waits next)
+            if self.held:
+                if self.rank == 0:
+                    self._decide()
+                if self.page[0][DECIDED] > self._out[0][0]:
+                    self._progress()  # (a request decided SLOW goes to the engine before what follows it)
+            if self._handoff:
+                engine = self._take_handoff() + engine
         if self.rank != 0 and eligible:
             _fence()
             if self.page[0][WAITING]:  # (else rank 0 decides when it posts or waits itself)
                 self._ring(0)
         return engine
+
+    def _to_engine_after_held(self, req, engine: list) -> None:
+        """``req`` goes to the engine: now (into ``engine``) if this lane holds nothing, else
+        after what it holds is decided (a request decided SLOW reaches the engine before what
+        was submitted after it, so the engine batches them together; waiting on ``req`` meanwhile
+        runs the lane)."""
+        if self.held:
+            req.handle._lane = self
+            self._deferred.append(req)
+        else:
+            engine.append(req)
 
     def drive(self, handle) -> bool:
         """Run the lane from a caller waiting on ``handle`` (held by this lane) for up to
@@ -248,10 +297,14 @@ class Lane:
 
     # -- any thread -----------------------------------------------------------------------------
     def busy(self) -> bool:
-        """Whether this rank has posted positions not yet consumed, or (rank 0) undecided ones."""
-        if self._out:
+        """Whether the engine thread has lane work: requests held here, a doorbell, (rank 0) a
+        position some rank holds a request at (or a join) to decide, or :data:`_BACKLOG`
+        positions only the engine runs to decide or consume (a burst's, done lazily)."""
+        page, decided = self.page, self.page[0][DECIDED]
+        if self._out or page[self.rank][RUNG] or decided - self._done >= _BACKLOG:
             return True
-        return self.rank == 0 and any(self.page[q][POSTED] > self._decided for q in range(self.size))
+        return self.rank == 0 and any(page[q][LATEST] > decided or page[q][POSTED] - decided >= _BACKLOG
+                                      for q in range(self.size))
 
     def engine_turn(self) -> Optional[float]:
         """The engine thread's turn: run the lane unless a caller runs it (it posted within
@@ -307,7 +360,8 @@ class Lane:
         """Fail every request the lane holds with ``err``; later posts raise it."""
         with self.lock:
             self.failed = err
-            held, self.held = list(self.held.values()), {}
+            held, self.held = list(self.held.values()) + self._deferred, {}
+            self._deferred = []
         for req in held:
             req.handle._lane = None
             req.handle._set(error=err)
@@ -324,14 +378,14 @@ class Lane:
         return floor
 
     def _signature(self, req) -> int:
-        """Positive for an eligible allreduce or broadcast, :data:`JOIN_SIG` for ``join()``, else 0."""
+        """Positive for an eligible allreduce or broadcast, else 0."""
         a, kind = req.array, req.kind
         if not self.enabled or req.device is not None or not (
                 kind == "allreduce" and req.prescale == 1.0 and req.op in UFUNCS
                 and (a.dtype.kind in "fiu" or a.dtype.name == "bfloat16") and 0 < a.nbytes * (self.size - 1) <= READ_BYTES
                 or kind == "broadcast" and 0 < a.nbytes <= READ_BYTES and req.root in self.rec):  # (a bad root:
             # the engine's error)
-            return JOIN_SIG if req.name == JOIN else 0
+            return 0
         key = req.key()
         sig = self._sigs.get(key)
         if sig is None:
@@ -385,40 +439,57 @@ class Lane:
     def _progress(self) -> None:
         if self.rank == 0:
             self._decide()
-        decided = self.page[0][DECIDED]
-        out, mine = self._out, self.page[self.rank]
-        while out and out[0][0] < decided:
+        done = min(self.page[0][DECIDED], self._posted)  # (positions only the engine runs need no work)
+        if done <= self._done:
+            return
+        out = self._out
+        while out and out[0][0] < done:
             p, req = out.popleft()
+            if self.held.pop(req.name, None) is not req:
+                continue
             verdict = self.dec[p % DEPTH]
-            if req is not None and self.held.pop(req.name, None) is req:
-                self.counts["fast" if verdict == FAST else "slow"] += 1
+            self.counts["fast" if verdict == FAST else "slow"] += 1
+            req.handle._lane = None
+            if verdict != FAST:
+                self._handoff.append(req)
+                continue
+            try:
+                result = self._broadcast(p, req) if req.kind == "broadcast" else self._reduce(p, req)
+            except Exception as e:  # noqa: BLE001 - this request fails, not the lane
+                req.handle._set(error=e)
+            else:
+                req.handle._set(result=result)
+        if self._deferred and not self.held:
+            for req in self._deferred:
                 req.handle._lane = None
-                if verdict != FAST:
-                    self._handoff.append(req)
-                else:
-                    try:
-                        result = self._broadcast(p, req) if req.kind == "broadcast" else self._reduce(p, req)
-                    except Exception as e:  # noqa: BLE001 - this request fails, not the lane
-                        req.handle._set(error=e)
-                    else:
-                        req.handle._set(result=result)
-            if verdict == OFF:
-                self.off = True
-            mine[DONE] = p + 1  # (after the reduction read the peers' copies)
+            self._handoff += self._deferred
+            self._deferred = []
+        if self.dec[(done - 1) % DEPTH] == OFF:  # (OFF is for good: the last position tells)
+            self.off = True
+        self._done = done
+        self.page[self.rank][DONE] = done  # (after the reductions read the peers' copies)
 
     def _decide(self) -> None:
         """Rank 0: decide every position that can be, in order; ring the ranks that posted them."""
         n, page, k = self.size, self.page, self._decided
         posts = [page[q][POSTED] for q in range(n)]
-        top = min(max(posts), self._min_done() + DEPTH)  # (a decision's slot is free for reuse)
+        if not self._closing and any(page[q][JOINED] for q in range(n)):
+            self._closing = True  # (a joined rank posts nothing more: every position from now on is OFF)
+        last = max(posts)
+        top = min(last, self._min_done() + DEPTH)  # (a decision's slot is free for reuse)
         start = k
+        if min(last - 1, top) - k >= 2 and not self._closing:  # (a burst: SLOW at once)
+            a, b = k % DEPTH, k % DEPTH + min(last - 1, top) - k
+            self._dec_np[a:min(b, DEPTH)] = SLOW
+            self._dec_np[:max(0, b - DEPTH)] = SLOW
+            k = min(last - 1, top)
         while k < top:
             i = (k % DEPTH) * _REC
             sigs = [self.rec[q][i] for q in range(n) if posts[q] > k]
             if self._closing or JOIN_SIG in sigs:
                 self._closing = True
                 verdict = OFF
-            elif min(sigs) <= 0 or sigs.count(sigs[0]) != len(sigs):
+            elif k + 1 < last or min(sigs) <= 0 or sigs.count(sigs[0]) != len(sigs):
                 verdict = SLOW
             elif len(sigs) == n:
                 verdict = FAST
