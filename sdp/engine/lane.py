@@ -167,7 +167,7 @@ class Lane:
             if self._head is not None:  # learn whether the last first-of-a-submission was a burst's
                 name, handle = self._head
                 self._head = None
-                if handle._is_done:
+                if handle._waited:  # (waited on before this submission: not a burst)
                     self._heads.discard(name)
                 elif len(self._heads) < _SIGS_MAX:
                     self._heads.add(name)
@@ -244,6 +244,9 @@ class Lane:
         True when the caller is to sleep on the handle, counted in ``WAITING`` until it calls
         :meth:`unwait`."""
         waits = False
+        self.try_progress()  # (often decided already: then no flags, no fence)
+        if handle._lane is not self:
+            return False
         end = time.perf_counter() + (self.spin_s if self._engine_idle() else 0.0)  # (a polling caller
         # holds the GIL the engine thread needs for its own work)
         self._set_awake(1)
@@ -264,8 +267,9 @@ class Lane:
                 with self.lock:
                     self._waiting += 1
                     mine[WAITING] = self._waiting
-            _fence()  # then look once more: a doorbell skipped while we were awake is not lost
-            self.progress()
+            if waits or self.rank == 0 or self._waiting:  # then look once more: a doorbell skipped
+                _fence()  # while we were awake is not lost (rank 0: a peer's call to decide;
+                self.progress()  # others: a decision for a caller of ours asleep)
             if handle._lane is self:
                 self._call_rank0()
                 self._wake_engine()  # the engine thread takes over (and times rank 0's escalations)

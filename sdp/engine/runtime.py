@@ -39,7 +39,7 @@ POOL_MIN_BYTES = 64 << 10
 class Handle:
     """The pending result of one submitted collective."""
 
-    __slots__ = ("name", "_lock", "_is_done", "_result", "_error", "_lane")
+    __slots__ = ("name", "_lock", "_is_done", "_result", "_error", "_lane", "_waited")
 
     def __init__(self, name: str):
         self.name = name
@@ -51,6 +51,7 @@ class Handle:
         self._result = None
         self._error: Optional[BaseException] = None
         self._lane = None  # the sdp.engine.lane.Lane holding this collective, if one does
+        self._waited = False  # wait() was called (the lane learns which submissions start a burst)
 
     def _set(self, result=None, error=None):
         if self._is_done:
@@ -65,6 +66,7 @@ class Handle:
     def done(self) -> bool:
         """True once the result (or error) is available; never blocks (a collective in the fast
         lane is moved on once if no other thread is running the lane)."""
+        self._waited = True
         lane = self._lane
         if lane is not None and not self._is_done:
             lane.poll(self)
@@ -75,6 +77,7 @@ class Handle:
 
         Raises the collective's error (e.g. :class:`TensorMismatchError`, :class:`PeerLostError`),
         or :class:`CollectiveTimeoutError` if ``timeout`` seconds pass first."""
+        self._waited = True
         lane = self._lane
         waits = lane is not None and not self._is_done and lane.drive(self)  # (the fast lane runs here first)
         if not self._is_done:
