@@ -105,13 +105,16 @@ def test_every_kind_through_the_shared_memory_control_path(n):
         assert rings and sent > 0 and ok, (rings, sent, ok)
 
 
-@pytest.mark.parametrize("capacity, batches", [("0", 0), ("2", 0), ("5", 1)])
-def test_response_cache_capacity(capacity, batches):
+@pytest.mark.parametrize("capacity, longest", [("0", 0), ("2", 2), ("5", 5)])
+def test_response_cache_capacity(capacity, longest):
     """HOROVOD_CACHE_CAPACITY: 0 (no cache: every request in full, no batch cache), fewer
-    entries than the list's 5 tensors (the rest negotiated in full every step), exactly 5."""
+    entries than the list's 5 tensors (the rest negotiated in full every step: a batch holds
+    at most the 2 cached ones, when an engine happened to send just those), exactly 5 (the
+    whole list becomes a batch)."""
     env = {"HOROVOD_CACHE_CAPACITY": capacity, **ENGINE}
-    for ok, known in check_ok(run_workers(2, "workers_collectives:steady_state_lists", [9], env=env)):
-        assert ok and (known >= 1 if batches else known == 0), (ok, known)
+    for ok, known, most in check_ok(run_workers(2, "workers_collectives:steady_state_lists", [9], env=env)):
+        assert ok and most <= longest, (ok, known, most)
+        assert most == 5 if capacity == "5" else (known == 0 if capacity == "0" else True), (known, most)
 
 
 @pytest.mark.parametrize("pool", ["134217728", "2097152", "0"])

@@ -295,7 +295,7 @@ def steady_state_lists(steps):
     and, every third step, tensor by tensor in a per-rank random order (the normal path).
     (Tensor-by-tensor in-order lists may reach the engine split in two when it wakes mid-list,
     which takes the normal path, so the batch-cache steps use one submission.)
-    Returns (all exact, batches known)."""
+    Returns (all exact, batches known, the most tensors in one known batch)."""
     import random
     n, r = sdp.size(), sdp.rank()
     rng = random.Random(r)
@@ -312,7 +312,8 @@ def steady_state_lists(steps):
                                                                  names=[f"t{i}" for i in order], op=sdp.Sum)))
         for i, h in hs.items():
             ok = ok and bool(np.all(h.wait() == sum(step * 100 + i * 10 + q for q in range(n))))
-    return [ok, len(sdp.api.runtime()._batches)]
+    batches = sdp.api.runtime()._batches
+    return [ok, len(batches), max((len(items) for items in batches.values()), default=0)]
 
 
 def topology_values():
