@@ -339,25 +339,12 @@ def time_flat_and_hierarchical(buf, args):
 
 def link_bandwidth(seconds: float = 2.0, chunk: int = 4 << 20):
     """Raw TCP bandwidth between rank 0 and the first rank on another host, both directions at
-    once: two plain TCP sockets (rank 0 connects to that rank's data-interface address), one
-    sending each way for ``seconds``; each receiver counts bytes from its first byte to EOF.
-    The connections prove themselves with a token sent over sdp (authenticated); anything else
-    that connects is closed.  Returns ``(a_to_b, b_to_a, a, b)`` in bytes/s on rank 0, None elsewhere."""
+    once: two plain TCP sockets (:func:`latency.link_sockets`), one sending each way for
+    ``seconds``; each receiver counts bytes from its first byte to EOF.  Returns ``(a_to_b,
+    b_to_a, a, b)`` in bytes/s on rank 0, None elsewhere."""
     import threading
-    hosts = job_hosts()
-    b = next(r for r in range(sdp.size()) if hosts[r] != hosts[0])
+    socks, b = latency.link_sockets(2)
     rank = sdp.rank()
-    listener = None
-    if rank == b:
-        ip = sdp.api.runtime().mesh.endpoints["tcp"][len("tcp://"):].rsplit(":", 1)[0]
-        listener = socket.create_server((ip, 0), backlog=4)
-        listener.settimeout(30)
-        where = listener.getsockname()[:2]
-    else:
-        where = None
-    where = sdp.broadcast_object(where, b, name="link.where")
-    token = sdp.broadcast_object(os.urandom(16).hex() if rank == 0 else None, 0, name="link.token").encode()
-    result = None
 
     def send(sock):
         data = memoryview(bytearray(chunk))
@@ -376,43 +363,17 @@ def link_bandwidth(seconds: float = 2.0, chunk: int = 4 << 20):
                 first = time.perf_counter()
             got += k
 
-    if rank in (0, b):
-        if rank == 0:
-            socks = [socket.create_connection(tuple(where), timeout=30) for _ in range(2)]
-            for role, sk in enumerate(socks):
-                sk.sendall(token + bytes([role]))  # role 0: rank 0 sends on it; 1: rank b sends
-            out_sock, in_sock = socks
-        else:
-            by_role = {}
-            for _ in range(8):  # bounded: a stranger's connections are dropped
-                sk, _ = listener.accept()
-                sk.settimeout(30)
-                hello = b""
-                while len(hello) < len(token) + 1:
-                    piece = sk.recv(len(token) + 1 - len(hello))
-                    if not piece:
-                        break
-                    hello += piece
-                if hello[:-1] == token and hello[-1:] in (b"\0", b"\1"):
-                    by_role[hello[-1]] = sk
-                else:
-                    sk.close()
-                if len(by_role) == 2:
-                    break
-            listener.close()
-            out_sock, in_sock = by_role[1], by_role[0]
+    rate_in = None
+    if socks:
+        out_sock, in_sock = socks if rank == 0 else socks[::-1]  # (socket 0: rank 0 sends on it)
         sender = threading.Thread(target=send, args=(out_sock,))
         sender.start()
         rate_in = receive(in_sock)
         sender.join()
-        for sk in (out_sock, in_sock):
+        for sk in socks:
             sk.close()
-        rates = sdp.allgather_object(rate_in, name="link.rates")
-    else:
-        rates = sdp.allgather_object(None, name="link.rates")
-    if rank == 0:
-        result = (rates[b], rates[0], 0, b)
-    return result
+    rates = sdp.allgather_object(rate_in, name="link.rates")
+    return (rates[b], rates[0], 0, b) if rank == 0 else None
 
 
 def across_hosts(args, sizes, dtype):

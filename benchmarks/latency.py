@@ -22,11 +22,16 @@ Everything but the floor is measured twice in the same run: as sdp runs (small a
 fast lane, :mod:`sdp.engine.lane`, when every rank is on one host) and with the lane set aside
 (:func:`lane_off`: the engine thread and rank 0's coordinator, as before the lane).
 
+* across hosts, also the **link floor**: the round trip of 1 KB over a plain TCP connection
+  between rank 0 and the first rank on another host (:func:`tcp_rtt`).
+
 Targets (2 ranks, one host; issue 30): engine 1 KB <= 1.5 RTT back to back and <= 2 RTT isolated;
 64 KB <= 2 RTT back to back; the 100-tensor step <= 5 RTT + its memory time, one by one <= 3x that.
+Ranks on several hosts (2 x 2): 1 KB back to back <= 2 TCP round trips.
 """
 import contextlib
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +46,7 @@ TARGET_1K_ISOLATED_RTT = 2.0
 TARGET_64K_B2B_RTT = 2.0
 TARGET_STEP_RTT = 5.0        # + the memory time of the step's bytes
 TARGET_STEP_ONE_BY_ONE = 3.0  # x the grouped step's bound
+TARGET_1K_HOSTS_TCP_RTT = 2.0  # ranks on several hosts: x the TCP round trip between two of them
 STEP_COUNT, STEP_BYTES = 100, 4096
 IDLE_S = 0.001  # seconds without collectives before each isolated one
 
@@ -76,6 +82,82 @@ def pipe_rtt(iters: int = 2000, warmup: int = 200, idle_s: float = 0.0) -> float
         child.wait(timeout=10)
         child.stdout.close()
     return statistics.median(times)
+
+
+def link_sockets(count: int):
+    """``count`` plain TCP connections between rank 0 and the first rank on another host (rank
+    ``b``; rank 0 connects to that rank's data-interface address), in the same order on both
+    ends.  Each proves itself with a token handed out over sdp (authenticated); anything else
+    that connects is closed (at most ``count + 6`` connections are looked at).  Returns
+    ``(sockets, b)``: the sockets on ranks 0 and ``b``, ``[]`` elsewhere (every rank calls it)."""
+    hosts = [p["host"] for p in sdp.api.runtime().mesh.peers]
+    b = next(r for r in range(sdp.size()) if hosts[r] != hosts[0])
+    rank, listener, where = sdp.rank(), None, None
+    if rank == b:
+        ip = sdp.api.runtime().mesh.endpoints["tcp"][len("tcp://"):].rsplit(":", 1)[0]
+        listener = socket.create_server((ip, 0), backlog=count + 2)
+        listener.settimeout(30)
+        where = listener.getsockname()[:2]
+    where = sdp.broadcast_object(where, b, name="link.where")
+    token = sdp.broadcast_object(os.urandom(16).hex() if rank == 0 else None, 0, name="link.token").encode()
+    if rank == 0:
+        socks = [socket.create_connection(tuple(where), timeout=30) for _ in range(count)]
+        for i, sk in enumerate(socks):
+            sk.sendall(token + bytes([i]))
+        return socks, b
+    if rank != b:
+        return [], b
+    by_index = {}
+    for _ in range(count + 6):  # bounded: a stranger's connections are dropped
+        sk, _ = listener.accept()
+        sk.settimeout(30)
+        hello = b""
+        while len(hello) < len(token) + 1:
+            piece = sk.recv(len(token) + 1 - len(hello))
+            if not piece:
+                break
+            hello += piece
+        if hello[:-1] == token and hello[-1] < count:
+            by_index[hello[-1]] = sk
+        else:
+            sk.close()
+        if len(by_index) == count:
+            break
+    listener.close()
+    return [by_index[i] for i in range(count)], b
+
+
+def tcp_rtt(nbytes: int = 1024, iters: int = 2000, warmup: int = 200) -> float:
+    """Median seconds of one round trip of ``nbytes`` over a plain TCP connection (no Nagle)
+    between rank 0 and the first rank on another host (:func:`link_sockets`): the floor of a
+    collective between hosts.  Every rank calls it; the result is the same on every rank."""
+    socks, b = link_sockets(1)
+    times = []
+    if socks:
+        sk = socks[0]
+        sk.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        msg, buf = b"x" * nbytes, bytearray(nbytes)
+
+        def read_all():
+            got = 0
+            while got < nbytes:
+                k = sk.recv_into(memoryview(buf)[got:])
+                if not k:
+                    raise ConnectionError("the link's peer closed the connection")
+                got += k
+
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            if sdp.rank() == 0:
+                sk.sendall(msg)
+                read_all()
+            else:
+                read_all()
+                sk.sendall(msg)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        sk.close()
+    return max_over_ranks(statistics.median(times) if sdp.rank() == 0 else 0.0, "lat.tcp")
 
 
 def max_over_ranks(x: float, name: str) -> float:
@@ -164,6 +246,8 @@ def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 30) -
     rtt = pipe_rtt() if sdp.rank() == 0 else 0.0  # (the other ranks wait in the barrier below)
     rtt = max_over_ranks(rtt, "lat.rtt")
     res = {"rtt": rtt}
+    if len({p["host"] for p in sdp.api.runtime().mesh.peers}) > 1:
+        res["tcp_rtt"] = tcp_rtt()
     with lane_off():
         res["off"] = _latencies(iters, isolated_iters, step_iters)
     res.update(_latencies(iters, isolated_iters, step_iters))
@@ -206,7 +290,12 @@ def report(res: dict) -> list:
               (f"step grouped <= {TARGET_STEP_RTT:g} RTT + memory", res["step_grouped"], step_bound),
               (f"step one by one <= {TARGET_STEP_ONE_BY_ONE:g}x (grouped bound)", res["step_one_by_one"],
                TARGET_STEP_ONE_BY_ONE * step_bound)]
-    lines.append("latency targets (issue 30; 2 ranks on one host):")
+    if "tcp_rtt" in res:  # (ranks on several hosts: the one-host targets do not apply)
+        tcp = res["tcp_rtt"]
+        lines.append(f"link floor: TCP round trip of 1 KB between two hosts (no Nagle) {us(tcp)}")
+        checks = [(f"1 KB back to back across hosts <= {TARGET_1K_HOSTS_TCP_RTT:g} TCP RTT", res["b2b_1024"],
+                   TARGET_1K_HOSTS_TCP_RTT * tcp)]
+    lines.append(f"latency targets (issue 30; {'ranks on several hosts' if 'tcp_rtt' in res else '2 ranks on one host'}):")
     lines += [f"  {label}: {t * 1e6:.1f} us <= {bound * 1e6:.1f} us  {'PASS' if t <= bound else 'FAIL'}"
               for label, t, bound in checks]
     return lines

@@ -115,6 +115,10 @@ def test_benchmark_compares_flat_and_hierarchical_across_hosts():
     rows = re.findall(r"<stdout>:\s+(\d+) \|\s+[0-9.]+\s+([0-9.]+) \|\s+[0-9.]+\s+([0-9.]+) \|", out)
     assert [r[0] for r in rows] == ["1048576", "2097152"], out[-3000:]  # 1 MB and up
     assert all(float(f) > 0 and float(h) > 0 for _, f, h in rows), rows
+    # the latency section's floor between hosts, and issue 30's target against it
+    tcp = re.search(r"link floor: TCP round trip of 1 KB between two hosts \(no Nagle\)\s+([0-9.]+) us", out)
+    assert tcp and float(tcp.group(1)) > 0, out[-3000:]
+    assert re.search(r"1 KB back to back across hosts <= 2 TCP RTT: [0-9.]+ us <= ([0-9.]+) us", out), out[-3000:]
 
 
 @pytest.mark.parametrize("victim", [1, 2])
