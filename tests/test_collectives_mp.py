@@ -93,8 +93,8 @@ def test_fused_buckets(n, slab):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_steady_state_lists_through_the_batch_cache(n):
-    for ok, batches in check_ok(run_workers(n, "workers_collectives:steady_state_lists", [12], env=ENGINE)):
-        assert ok and batches >= 1, (ok, batches)
+    for ok, batches, most in check_ok(run_workers(n, "workers_collectives:steady_state_lists", [12], env=ENGINE)):
+        assert ok and batches >= 1 and most == 5, (ok, batches, most)  # (the whole list: one batch)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
