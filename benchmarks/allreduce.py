@@ -294,11 +294,6 @@ TARGET_HIER_VS_FLAT = 1.5          # hierarchical busbw / flat ring busbw at 64 
 HOSTS_MIN_BYTES = 1 << 20          # the across-hosts table covers the sizes from 1 MB up
 
 
-def job_hosts():
-    """Every rank's host name (index = rank), as registered at rendezvous."""
-    return [p["host"] for p in sdp.api.runtime().mesh.peers] or [platform.node()]
-
-
 def host_only(hier):
     """A copy of the engine's hierarchy whose cross groups hold this rank alone: the hierarchical
     allreduce then does all its host-local work (copies into shared memory, reductions, pushes
@@ -379,7 +374,7 @@ def link_bandwidth(seconds: float = 2.0, chunk: int = 4 << 20):
 def across_hosts(args, sizes, dtype):
     """The across-hosts table: flat vs hierarchical per size >= 1 MB, and the link bandwidth;
     returns ``(rows, link, hosts)`` (``link`` only on rank 0), or None when every rank is on one host."""
-    hosts = job_hosts()
+    hosts = latency.job_hosts()
     if len(set(hosts)) < 2:
         return None
     rows = []

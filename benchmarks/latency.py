@@ -31,6 +31,7 @@ Ranks on several hosts (2 x 2): 1 KB back to back <= 2 TCP round trips.
 """
 import contextlib
 import os
+import platform
 import socket
 import statistics
 import subprocess
@@ -84,13 +85,18 @@ def pipe_rtt(iters: int = 2000, warmup: int = 200, idle_s: float = 0.0) -> float
     return statistics.median(times)
 
 
+def job_hosts() -> list:
+    """Every rank's host name (index = rank), as registered at rendezvous."""
+    return [p["host"] for p in sdp.api.runtime().mesh.peers] or [platform.node()]
+
+
 def link_sockets(count: int):
     """``count`` plain TCP connections between rank 0 and the first rank on another host (rank
     ``b``; rank 0 connects to that rank's data-interface address), in the same order on both
     ends.  Each proves itself with a token handed out over sdp (authenticated); anything else
     that connects is closed (at most ``count + 6`` connections are looked at).  Returns
     ``(sockets, b)``: the sockets on ranks 0 and ``b``, ``[]`` elsewhere (every rank calls it)."""
-    hosts = [p["host"] for p in sdp.api.runtime().mesh.peers]
+    hosts = job_hosts()
     b = next(r for r in range(sdp.size()) if hosts[r] != hosts[0])
     rank, listener, where = sdp.rank(), None, None
     if rank == b:
@@ -246,7 +252,7 @@ def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 30) -
     rtt = pipe_rtt() if sdp.rank() == 0 else 0.0  # (the other ranks wait in the barrier below)
     rtt = max_over_ranks(rtt, "lat.rtt")
     res = {"rtt": rtt}
-    if len({p["host"] for p in sdp.api.runtime().mesh.peers}) > 1:
+    if len(set(job_hosts())) > 1:
         res["tcp_rtt"] = tcp_rtt()
     with lane_off():
         res["off"] = _latencies(iters, isolated_iters, step_iters)

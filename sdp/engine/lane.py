@@ -121,7 +121,8 @@ class Lane:
         base = seg.lane_offset()
         self.rec = {q: memoryview(seg.at(q, base, np.int64, DEPTH * _REC)).cast("B").cast("q") for q in seg.peers}
         self.dec = memoryview(seg.at(0, base + DEPTH * _REC * 8, np.int64, DEPTH)).cast("B").cast("q")
-        self._dec_np = seg.at(0, base + DEPTH * _REC * 8, np.int64, DEPTH)
+        self._dec_np = seg.at(0, base + DEPTH * _REC * 8, np.int64, DEPTH)  # (the same decisions: for
+        # a burst's slice assignment; ``dec`` is the faster one element at a time)
         self.data = {q: seg.at(q, base + DEPTH * (_REC + 1) * 8, np.uint8, DATA_BYTES) for q in seg.peers}
         self.lock = threading.Lock()
         self.held = {}  # name -> Request this lane holds (posted eligible, not yet decided)
