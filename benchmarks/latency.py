@@ -19,8 +19,9 @@ Called by ``benchmarks/allreduce.py`` (its 1 KB latency section, and alone with
   (one ``np.copyto`` of 400 KB, timed here).
 
 Everything but the floor is measured twice in the same run: as sdp runs (small allreduces in the
-fast lane, :mod:`sdp.engine.lane`, when every rank is on one host) and with the lane set aside
-(:func:`lane_off`: the engine thread and rank 0's coordinator, as before the lane).
+fast lane, :mod:`sdp.engine.lane`, when every rank is on one host; across hosts inline with the
+negotiation, :mod:`sdp.engine.inline`) and with both set aside (:func:`lane_off`: the engine
+thread, rank 0's coordinator and the collective, as before them).
 
 * across hosts, also the **link floor**: the round trip of 1 KB over a plain TCP connection
   between rank 0 and the first rank on another host (:func:`tcp_rtt`).
@@ -233,16 +234,18 @@ def step_times(iters: int, warmup: int = 10):
 
 @contextlib.contextmanager
 def lane_off():
-    """Run the body with the fast lane set aside on every rank (between two barriers, so no
-    rank posts to it meanwhile): small allreduces take the engine thread and rank 0."""
+    """Run the body with the fast lane and inline allreduces set aside on every rank (between
+    two barriers, so no rank posts to the lane meanwhile): small allreduces take the engine
+    thread, rank 0's coordinator and then the collective."""
     rt = sdp.api.runtime()
     sdp.barrier()
-    saved, rt.lane = rt.lane, None
+    saved = rt.lane, rt._inline
+    rt.lane, rt._inline = None, False
     try:
         yield
     finally:
         sdp.barrier()
-        rt.lane = saved
+        rt.lane, rt._inline = saved
 
 
 def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 30) -> dict:

@@ -26,14 +26,16 @@ def fake_hosts(counts):
 
 @pytest.mark.parametrize("counts, env, on", [
     ([2, 2], {}, True),  # automatic: several hosts, some with several ranks
+    ([2, 2], {"SDP_FAST_LANE": "0"}, True),  # small allreduces hierarchical too, not inline
     ([2, 2], {"SDP_HIERARCHICAL": "0"}, False),
     ([2, 1, 2], {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, True),
     ([2, 1, 2], {"SDP_HIERARCHICAL": "0"}, False),
 ])
 def test_every_collective_across_hosts(counts, env, on):
     """The whole collective matrix against numpy, and the path the allreduces and allgathers
-    took: with the hierarchy, each rank ran hierarchical ones, the ranks of a two-rank host met
-    at shared-memory barriers, and the cross groups are the owners of a part on every host."""
+    took: with the hierarchy, each rank ran hierarchical ones (or, small and global, inline with
+    the negotiation: sdp.engine.inline), the ranks of a two-rank host met at shared-memory
+    barriers, and the cross groups are the owners of a part on every host."""
     n, per_rank = fake_hosts(counts)
     cases = make_cases()
     values = check_ok(run_workers(n, "workers_hierarchical:matrix_and_path", [cases], timeout=180,
@@ -43,12 +45,15 @@ def test_every_collective_across_hosts(counts, env, on):
         assert not bad, f"rank {rank} wrong for {bad}"
     allreduces = sum(c[0].startswith("allreduce") for c in cases)
     allgathers = sum(c[0] == "allgather" for c in cases) + 3 * sum(c[0] == "grouped_allgather" for c in cases)
-    for rank, (_, (hier, barriers, parts, cross, host, gathers)) in enumerate(values):
+    inlined = env.get("SDP_FAST_LANE") != "0"
+    for rank, (_, (hier, barriers, parts, cross, host, gathers, inl)) in enumerate(values):
+        assert (inl > 0) == inlined, (rank, inl)
+        assert inl == values[0][1][6], (rank, inl)  # rank 0 decides for every rank
         if not on:
             assert (hier, barriers, gathers) == (0, 0, 0), rank
             continue
         assert gathers == allgathers, (rank, gathers)
-        assert hier >= allreduces - sum(c[0].startswith("allreduce") and c[3][0] == 0 for c in cases), rank
+        assert hier + inl >= allreduces - sum(c[0].startswith("allreduce") and c[3][0] == 0 for c in cases), rank
         if len(host) > 1:
             assert barriers >= 2 * hier, (rank, barriers, hier)
         else:

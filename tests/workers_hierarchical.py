@@ -9,15 +9,16 @@ from workers_collectives import every_collective
 
 def path_taken():
     """How this rank's collectives ran: [hierarchical allreduces, shared-memory barriers of its
-    host group, parts, cross-group job ranks by part, host-group job ranks, hierarchical allgathers]."""
+    host group, parts, cross-group job ranks by part, host-group job ranks, hierarchical
+    allgathers, allreduces completed inline (sdp.engine.inline)]."""
     rt = sdp.api.runtime()
     h = rt.hierarchy
     if h is None:
         seg = rt.mesh.host_shm
-        return [0, 0 if seg is None else seg.barriers, [], {}, [], 0]
+        return [0, 0 if seg is None else seg.barriers, [], {}, [], 0, rt.inline_allreduces]
     seg = rt.mesh.host_shm
     return [h.allreduces, 0 if seg is None else seg.barriers, h.parts,
-            {str(j): g.ranks for j, g in h.cross.items()}, h.host.ranks, h.allgathers]
+            {str(j): g.ranks for j, g in h.cross.items()}, h.host.ranks, h.allgathers, rt.inline_allreduces]
 
 
 def matrix_and_path(cases):
@@ -51,3 +52,38 @@ def digests(sizes, zmq_barriers=False):
     expect = [np.full(n, (sdp.size() - 1) / 2 + 0.25, np.float32) for n in sizes]
     return [[hashlib.sha1(o.tobytes()).hexdigest() for o in out],
             bool(close) and all(np.array_equal(f, e) for f, e in zip(fused, expect)), path_taken()[:2]]
+
+
+def inline_cases():
+    """Small allreduces of every op and several dtypes (AVERAGE, postscale, a flattened group,
+    ``out=``) against numpy: [all equal, SHA-1 of the results, allreduces completed inline,
+    the ranks this rank sent control messages to through shared-memory rings]."""
+    r, n = sdp.rank(), sdp.size()
+    rng = [np.random.default_rng(q) for q in range(n)]
+    base = [g.standard_normal(300) for g in rng]
+    ok, out = True, []
+    for dtype in (np.float32, np.float64, np.float16, np.int32):
+        xs = [(b * 100).astype(dtype) for b in base]
+        for op, ref in ((sdp.Sum, sum(x.astype(np.float64) for x in xs)), (sdp.Min, np.minimum.reduce(xs)),
+                        (sdp.Max, np.maximum.reduce(xs))):
+            got = sdp.allreduce(xs[r], name=f"in.{np.dtype(dtype).name}.{op}", op=op)
+            ok = ok and got.dtype == dtype and np.allclose(got.astype(np.float64), ref, rtol=2e-3, atol=1)
+            out.append(got)
+        avg = sdp.allreduce(xs[r], name=f"in.{np.dtype(dtype).name}.avg", op=sdp.Average)
+        want = (sum(x.astype(np.int64) for x in xs) // n if dtype == np.int32
+                else sum(x.astype(np.float64) for x in xs) / n)
+        # (float16 across hosts: partial sums travel rounded to 16 bits, see DESIGN.md step 5)
+        ok = ok and np.allclose(avg.astype(np.float64), want, rtol=2e-3, atol=0.25 if dtype == np.float16 else 1e-2)
+        out.append(avg)
+    scaled = sdp.allreduce(base[r].astype(np.float32), name="in.post", op=sdp.Sum, postscale_factor=0.5)
+    ok = ok and np.allclose(scaled, sum(base) * 0.5, rtol=1e-5, atol=1e-5)
+    buf = np.empty(300, np.float32)
+    got = sdp.allreduce(base[r].astype(np.float32), name="in.out", op=sdp.Sum, out=buf)
+    ok = ok and got is buf and np.allclose(buf, sum(base), rtol=1e-5, atol=1e-5)
+    parts = sdp.grouped_allreduce([np.full(7, r, np.float32), np.full((2, 3), r, np.float32)], op=sdp.Sum)
+    ok = ok and all(np.array_equal(p, np.full(p.shape, n * (n - 1) / 2, np.float32)) for p in parts)
+    out += [scaled, buf] + parts
+    rt = sdp.api.runtime()
+    ctrl = rt.mesh.ctrl
+    return [bool(ok), hashlib.sha1(b"".join(o.tobytes() for o in out)).hexdigest(), rt.inline_allreduces,
+            [] if ctrl is None else sorted(q for q, written in ctrl._wpos.items() if written)]

@@ -31,8 +31,9 @@
 |                           |              | rank is on one host; 0: stage through host memory (see     |
 |                           |              | sdp.engine.device_path)                                    |
 | SDP_FAST_LANE             | 1            | 1: small allreduces of ranks all on one host skip the      |
-|                           |              | coordinator (see sdp.engine.lane); 0: every collective     |
-|                           |              | goes through the engine thread and rank 0                  |
+|                           |              | coordinator (see sdp.engine.lane); across hosts they ride  |
+|                           |              | the negotiation (see sdp.engine.inline); 0: every          |
+|                           |              | collective goes through the engine thread and rank 0       |
 | SDP_DEVICE_BACKEND        | cuda         | cuda (PyCUDA) or numpy (host memory standing in for a      |
 |                           |              | device: runs the device path without a GPU, for tests)     |
 
@@ -179,7 +180,7 @@ class Config:
     timeline: Optional[str] = None
     encrypt: bool = False  # SDP_ENCRYPT
     gpu_ipc: Optional[bool] = None  # SDP_GPU_IPC: None automatic (one host), False host-staged
-    fast_lane: bool = True  # SDP_FAST_LANE: small allreduces of one host skip the coordinator
+    fast_lane: bool = True  # SDP_FAST_LANE: small allreduces skip the coordinator (one host) or ride it (hosts)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":

@@ -349,6 +349,13 @@ def _reduce_chunk(ufunc, pieces, lo, halves, peers, target, pushes, acc, scale):
             np.copyto(p[a:b], target[a:b])
 
 
+def reduce_copies(ufunc, copies, out, acc, scale) -> None:
+    """Reduce every rank's copy (``copies``, 1-D, in rank order) into ``out``, in rank order, as
+    the shared-memory chunk reduction does: the same bits wherever it runs (the fast lane on every
+    rank, rank 0 for :mod:`sdp.engine.inline`)."""
+    _reduce_chunk(ufunc, [(0, copies[0])], 0, copies, range(1, len(copies)), out, [], acc, scale)
+
+
 _BLOCK = 128 * 1024  # elements reduced (and pushed to the peers) at a time: stays in L2 cache
 
 

@@ -543,9 +543,7 @@ class Lane:
                                            f"is malformed (offset {off}, {got} bytes, expected {nbytes})")
             views.append(self.data[q][off:off + nbytes].view(dtype))
         out = self._result_array(dtype, a.size) if req.out is None else req.out.reshape(-1)
-        # (the shared-memory collective's chunk reduction: rank 0's copy, then the others in order)
-        collectives._reduce_chunk(UFUNCS[req.op], [(0, views[0])], 0, views, range(1, self.size), out, [],
-                                  accumulation_dtype(dtype), self._float_scale(req, dtype))
+        collectives.reduce_copies(UFUNCS[req.op], views, out, accumulation_dtype(dtype), self._float_scale(req, dtype))
         self._int_scale(out, req)
         if req.parts is not None:
             return fusion.unflatten(out, req.parts)

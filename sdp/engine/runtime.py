@@ -18,7 +18,7 @@ import numpy as np
 from sdp.common import errors
 from sdp.common.config import Config
 from sdp.common.reduce_ops import UFUNCS, ReduceOp, accumulation_dtype, check_dtype, scale_in_place
-from sdp.engine import collectives, fusion, groups, lane, process_sets, timeline
+from sdp.engine import collectives, fusion, groups, inline, lane, process_sets, timeline
 from sdp.engine.coordinator import JOIN, KINDS, Coordinator, wire_dtype
 from sdp.engine.device_arrays import DeviceTensor
 from sdp.transport.zmq_mesh import Mesh
@@ -235,8 +235,13 @@ class Runtime:
         self.lane = (lane.Lane(self.mesh, self._enqueue, self._wake, self._result_array, self._float_scale,
                                self._int_scale, self.config.timeout_s, lane.SPIN_S if self._spin_s else 0.0,
                                lambda: not self._pending and not self._queue)
-                     if self.config.fast_lane and ctrl is not None and ctrl.bells and self.mesh.shm.lane_bytes
+                     if self.config.fast_lane and ctrl is not None and ctrl.bells and self.mesh.shm is not None
+                     and self.mesh.shm.lane_bytes
                      and all(ctrl.senders.values()) else None)
+        #: small allreduces ride the negotiation across hosts (sdp.engine.inline); rank 0's stash
+        self._inline = self.config.fast_lane and self.size > 1 and self.mesh.shm is None
+        self._stash = inline.Stash(self.size) if self._inline and self._coord is not None else None
+        self.inline_allreduces = 0  # allreduces completed inline (for tests and benchmarks)
         self._thread = threading.Thread(target=self._run, name=f"sdp-engine-{self.rank}", daemon=True)
         self._thread.start()
 
@@ -348,7 +353,7 @@ class Runtime:
         return False
 
     def _send_requests(self) -> None:
-        new, ids = [], []
+        new, ids, inl, inl_bytes = [], [], [], 0
         with self._queue_lock:
             batch, self._queue = self._queue, collections.deque()
         for req in batch:
@@ -363,32 +368,40 @@ class Runtime:
                 ids.append(hit[1])
             else:
                 new.append(req.meta())
+            if (self._inline and self._coord is None and inline.eligible(req, self.size)
+                    and inl_bytes + req.array.nbytes <= inline.MESSAGE_BYTES):
+                inl.append(req)
+                inl_bytes += req.array.nbytes
             if self.timeline:
                 self.timeline.begin(req.name, "NEGOTIATE")
         self._last_request_at = time.monotonic()
         msg = {"t": "req", "new": new, "ids": ids}
         if self._coord is not None:
             self._coordinate(0, msg)
-        else:
-            self.mesh.send_ctrl(0, json.dumps(msg).encode())
+            return
+        if inl:  # (this rank's inputs, after the JSON: sdp.engine.inline)
+            msg["in"], msg["il"] = [r.name for r in inl], [r.array.nbytes for r in inl]
+        self.mesh.send_ctrl(0, inline.encode(msg, [r.array.reshape(-1) for r in inl]))
 
     def _handle_control(self) -> None:
         for src in range(self.size):
             for body in self.mesh.recv_ctrl(src):
                 try:
-                    msg = json.loads(body)
+                    msg, tail = inline.decode(body)
                     kind = msg["t"]
                 except (ValueError, KeyError, IndexError, TypeError):
                     log.warning("rank %d: dropping malformed control message from rank %d", self.rank, src)
                     continue
                 if kind == "req" and self._coord is not None:
+                    if self._stash is not None and src > 0:
+                        self._stash.add(src, msg, tail)
                     self._coordinate(src, msg)
                 elif kind == "resp" and src == 0:
                     items = self._response_items(msg)
                     if items is None:
                         log.warning("rank %d: dropping malformed response %.200r", self.rank, msg)
                         continue
-                    self._execute(items)
+                    self._execute(items, self._inline_in(msg, items, tail))
                 elif kind == "abort" and src == 0:
                     raise errors.StallError(str(msg.get("err", "rank 0 aborted the job")))
                 else:
@@ -410,8 +423,38 @@ class Runtime:
             self._batches[bid] = items
         return self._batches.get(bid)
 
-    def _broadcast_ctrl(self, msg: dict) -> None:
-        body = json.dumps(msg).encode()
+    def _inline_in(self, msg: dict, items: List[dict], tail: memoryview) -> Dict[str, memoryview]:
+        """The results rank 0 sent inline with response ``msg`` (``"st"``), by name; raises
+        :class:`ProtocolError` when they do not fit the items (sdp.engine.inline)."""
+        st = msg.get("st")
+        if st is None:
+            return {}
+        cut = inline.pieces(st, tail)
+        if cut is None or not all(type(i) is int and 0 <= i < len(items) for i, _ in st):
+            raise errors.ProtocolError(f"rank {self.rank}: rank 0's response carries malformed inline results")
+        return {items[i]["n"]: view for (i, _), view in zip(st, cut)}
+
+    def _inline_out(self, items: List[dict]) -> Dict[str, np.ndarray]:
+        """Rank 0: reduce the items every rank sent inline (sdp.engine.inline), by name."""
+        out, total = {}, 0
+        for it in items:
+            got = self._stash.take(it["n"])
+            req = self._pending.get(it["n"])
+            if (got is None or "err" in it or "jm" in it or it.get("ps") or self.timeline or req is None
+                    or not inline.eligible(req, self.size) or total + req.array.nbytes > inline.MESSAGE_BYTES
+                    or any(len(v) != req.array.nbytes for v in got.values())):
+                continue
+            a = req.array.reshape(-1)
+            res = fusion.aligned_empty(a.dtype, a.size) if req.out is None else req.out.reshape(-1)
+            collectives.reduce_copies(UFUNCS[req.op], [a] + [np.frombuffer(got[q], a.dtype) for q in range(1, self.size)],
+                                      res, accumulation_dtype(a.dtype), self._float_scale(req, a.dtype))
+            self._int_scale(res, req)
+            out[it["n"]] = res
+            total += a.nbytes
+        return out
+
+    def _broadcast_ctrl(self, msg: dict, arrays=()) -> None:
+        body = inline.encode(msg, list(arrays))
         lost = self.mesh.lost  # (a lost rank some pending collective needs fails it: _waits_on_lost)
         for r in range(1, self.size):
             if r not in lost:
@@ -425,14 +468,17 @@ class Runtime:
             items, bid = errs + items, None
         if not items:
             return
+        done = self._inline_out(items) if self._stash is not None else {}
+        extra = {"st": [[i, done[it["n"]].nbytes] for i, it in enumerate(items) if it["n"] in done]} if done else {}
+        arrays = [done[items[i]["n"]] for i, _ in extra["st"]] if done else ()
         if bid is None:
-            self._broadcast_ctrl({"t": "resp", "items": items})
+            self._broadcast_ctrl({"t": "resp", "items": items, **extra}, arrays)
         elif self._batches.get(bid) is items:  # (a forgotten batch's number is reused by a new one)
-            self._broadcast_ctrl({"t": "resp", "bid": bid})
+            self._broadcast_ctrl({"t": "resp", "bid": bid, **extra}, arrays)
         else:
             self._batches[bid] = items
-            self._broadcast_ctrl({"t": "resp", "bid": bid, "items": items})
-        self._execute(items)
+            self._broadcast_ctrl({"t": "resp", "bid": bid, "items": items, **extra}, arrays)
+        self._execute(items, done)
 
     def _check_stalls(self) -> None:
         warnings, fatal = self._coord.stalls()
@@ -443,12 +489,12 @@ class Runtime:
             raise errors.StallError(fatal)
 
     # -- execution ------------------------------------------------------------------------------
-    def _execute(self, items: List[dict]) -> None:
+    def _execute(self, items: List[dict], inl=None) -> None:
         device = [self._pending[i["n"]] for i in items
                   if "err" not in i and i["n"] in self._pending and self._pending[i["n"]].device is not None]
         joined = JOIN in self._pending and any(i.get("jm", {}).get("dev") for i in items if "err" not in i)
         if not device and not joined:
-            return self._execute_items(items)
+            return self._execute_items(items, inl)
         dp = self._device_path(device[0].device if device else None)
         with dp.backend:
             for req in device:  # (allreduces: in _allreduce_bucket, which may stage them directly)
@@ -473,7 +519,8 @@ class Runtime:
         return {**dp.backend.counters, "ipc": dp.ipc, "backend": dp.backend.name,
                 "hierarchical": dp.ipc and dp.hier is not None}
 
-    def _execute_items(self, items: List[dict]) -> None:
+    def _execute_items(self, items: List[dict], inl=None) -> None:
+        """Run response ``items`` in order; ``inl``: results that came inline, by name."""
         reduce_items = []
         for item in items:
             if "err" in item:
@@ -501,7 +548,9 @@ class Runtime:
                 self._cache[req.name] = (req.key(), item["id"])
             if self.timeline:
                 self._timeline_mark(req.name, "NEGOTIATE" if submitted else None, "QUEUE")
-            if req.kind == "allreduce":
+            if inl and req.name in inl:
+                self._complete_inline(req, inl[req.name])
+            elif req.kind == "allreduce":
                 reduce_items.append(item)
             else:
                 self._run_single(req, item)
@@ -510,6 +559,20 @@ class Runtime:
             buckets.setdefault(item["b"], []).append(self._pending[item["n"]])
         for bucket in buckets.values():
             self._allreduce_bucket(bucket)
+
+    def _complete_inline(self, req: Request, got) -> None:
+        """Complete ``req`` with its result from the response (bytes; rank 0: the array)."""
+        a = req.array
+        if not isinstance(got, np.ndarray):
+            if req.kind != "allreduce" or req.device is not None or len(got) != a.nbytes:
+                raise errors.ProtocolError(f"rank {self.rank}: rank 0 sent an inline result of {len(got)} bytes "
+                                           f"for '{req.name}' ({req.kind} of {a.nbytes} bytes here)")
+            out = fusion.aligned_empty(a.dtype, a.size) if req.out is None else req.out.reshape(-1)
+            np.copyto(out, np.frombuffer(got, a.dtype))
+            got = out
+        self._timeline_mark(req.name, "QUEUE", None)
+        self.inline_allreduces += 1
+        self._complete(req, got.reshape(a.shape) if req.out is None else req.out)
 
     def _timeline_mark(self, name: str, ends: Optional[str], begins: Optional[str]) -> None:
         """Timeline: phase ``ends`` of tensor ``name`` is over, phase ``begins`` starts."""

@@ -143,7 +143,8 @@ class Mesh:
         self.poller.register(self.router, zmq.POLLIN)
         self.shm = None  # SharedSegments when every rank is on this host
         self.host_shm = None  # else SharedSegments of this host's ranks, when it has several
-        #: shm_ctrl.ControlRings when every rank is on this host: control messages skip ZeroMQ
+        #: shm_ctrl.ControlRings when this host's ranks share memory: control messages between
+        #: them skip ZeroMQ
         self.ctrl: Optional[shm_ctrl.ControlRings] = None
         self._bell = bell  # (read fd, write fd) of the pipe the owner's thread polls (its doorbell)
         self._quiet_fds = {bell[0]} if bell is not None else set()  # ready: no socket to read
@@ -211,7 +212,7 @@ class Mesh:
                     if int(p["rank"]) != self.rank:
                         self.shm.attach(int(p["rank"]), p["shm"])
                 if self.shm.rings:
-                    self.ctrl = shm_ctrl.ControlRings(self.shm, self.rank, self._open_bells())
+                    self.ctrl = shm_ctrl.ControlRings(self.shm, self.rank, self._open_bells(self.peers))
                     self.ctrl.start()  # (before the HELLOs: a peer reads it once ours arrived)
             else:  # some rank elsewhere: segments of this host's ranks only (hierarchical collectives)
                 same = [p for p in self.peers if p["host"] == topology.hostname and int(p["rank"]) != self.rank]
@@ -219,6 +220,9 @@ class Mesh:
                     for p in same:
                         self.shm.attach(int(p["rank"]), p["shm"])
                     self.host_shm = self.shm
+                    if self.shm.rings:  # control between this host's ranks: rings too
+                        self.ctrl = shm_ctrl.ControlRings(self.shm, self.rank, self._open_bells(same))
+                        self.ctrl.start()
                 self.shm = None  # the world's collectives take ZeroMQ
         for r in self.dealers:  # HELLO from a peer also means it has mapped our segment
             self.send(r, HELLO)
@@ -228,12 +232,13 @@ class Mesh:
         if self.ctrl is not None:
             self.ctrl.ready()
 
-    def _open_bells(self) -> Dict[int, int]:
-        """Every peer's doorbell opened for writing, or {} (with a warning) if any cannot be:
-        this rank then sends its control messages over ZeroMQ (it still reads the rings)."""
+    def _open_bells(self, peers: List[dict]) -> Dict[int, int]:
+        """The doorbells of ``peers`` (same-host rendezvous entries) opened for writing, or {}
+        (with a warning) if any cannot be: this rank then sends its control messages over ZeroMQ
+        (it still reads the rings)."""
         bells = {}
         try:
-            for p in self.peers:
+            for p in peers:
                 if int(p["rank"]) != self.rank:
                     path = p.get("bell")
                     if not isinstance(path, str) or not path.startswith("/proc/"):
@@ -272,10 +277,10 @@ class Mesh:
         return sock.send(payload, copy=False, track=True)
 
     def send_ctrl(self, dst: int, body: bytes) -> None:
-        """Send a control message: through the shared-memory ring to ``dst`` when every rank is
-        on this host (:mod:`sdp.transport.shm_ctrl`), else (or when it does not fit) ZeroMQ."""
+        """Send a control message: through the shared-memory ring to ``dst`` when it is on this
+        host (:mod:`sdp.transport.shm_ctrl`), else (or when it does not fit) ZeroMQ."""
         seq = 0
-        if self.ctrl is not None and self.ctrl.bells:
+        if self.ctrl is not None and dst in self.ctrl.bells:
             if dst in self.lost:
                 raise PeerLostError(dst, self.lost[dst])
             seq = self.ctrl.send(dst, body)
