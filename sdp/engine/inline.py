@@ -10,8 +10,10 @@ trips instead of three, and every rank gets rank 0's bits (bit-identical results
 
 *Eligible* (:func:`eligible`, decided per rank): an allreduce of a host array, global (no
 process set), no prescale, an op in :data:`UFUNCS`, at most :data:`MAX_SPREAD` bytes x
-(size - 1) (rank 0 receives and sends that much per tensor); at most :data:`MESSAGE_BYTES`
-inline per request.  Rank 0 alone decides, per response item, whether it
+(size - 1) (rank 0 receives and sends that much per tensor), and alone in the request message
+(several requests at once are fused better by the collective: 100 x 4 KB submitted one by one
+took 10.1 ms inline against 7.7 ms fused on 2 x 2 emulated hosts).  A response carries at most
+:data:`MESSAGE_BYTES` of results.  Rank 0 alone decides, per response item, whether it
 runs inline: only when every rank sent its bytes with the name (and the length matches its own
 request), no rank has joined, and its own timeline is off; otherwise the item runs the
 collective as before, on every rank (the inputs are still there).  So a rank that sent no
@@ -41,7 +43,7 @@ log = logging.getLogger("sdp.engine")
 #: cores, 4 alternating rounds: 1 KB 1109 vs 1415 us, 16 KB 1130 vs 1438, 64 KB 1603 vs 1435
 #: (3 x 64 KB through rank 0 cost more than the hierarchical collective saved)
 MAX_SPREAD = 64 << 10
-MESSAGE_BYTES = 1 << 20  # inline bytes per request message
+MESSAGE_BYTES = 1 << 20  # inline result bytes per response
 STASH_BYTES = 4 << 20  # bytes of one rank rank 0 keeps waiting for the others
 _LEN = struct.Struct("<I")
 MARK = b"I"

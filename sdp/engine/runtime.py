@@ -353,7 +353,7 @@ class Runtime:
         return False
 
     def _send_requests(self) -> None:
-        new, ids, inl, inl_bytes = [], [], [], 0
+        new, ids, inl = [], [], []
         with self._queue_lock:
             batch, self._queue = self._queue, collections.deque()
         for req in batch:
@@ -368,10 +368,8 @@ class Runtime:
                 ids.append(hit[1])
             else:
                 new.append(req.meta())
-            if (self._inline and self._coord is None and inline.eligible(req, self.size)
-                    and inl_bytes + req.array.nbytes <= inline.MESSAGE_BYTES):
-                inl.append(req)
-                inl_bytes += req.array.nbytes
+            if self._inline and self._coord is None and len(batch) == 1 and inline.eligible(req, self.size):
+                inl.append(req)  # (a lone request: several are fused better by the collective)
             if self.timeline:
                 self.timeline.begin(req.name, "NEGOTIATE")
         self._last_request_at = time.monotonic()
