@@ -253,6 +253,8 @@ def _check_set(rt: Runtime, kind: str, name: Optional[str], process_set) -> int:
 def as_input(tensor):
     """``tensor`` as the engine takes it: a :class:`~sdp.engine.device_arrays.DeviceTensor` for
     CUDA memory (see the module docstring), else a numpy array."""
+    if type(tensor) is np.ndarray:  # (the common case, ~0.3 us instead of ~1.2 per tensor)
+        return tensor
     return device_tensor(tensor) or host_array(tensor)
 
 
