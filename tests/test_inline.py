@@ -5,6 +5,7 @@ import pytest
 
 from harness import check_ok, run_workers
 from sdp.engine import inline
+from test_errors_mp import MISMATCHES
 from test_hierarchical_mp import fake_hosts
 
 
@@ -67,3 +68,24 @@ def test_inline_results_and_who_decides(counts, off_rank):
         assert (count > 0) == (off_rank is None), (rank, count)
     if counts == [2, 2]:
         assert [v[3] for v in values] == [[1], [0], [], []]
+
+
+def test_malformed_inline_bytes_are_dropped_and_logged():
+    n, env = fake_hosts([1, 1])
+    results = run_workers(n, "workers_hierarchical:malformed_inline", [], per_rank_env=env, timeout=60)
+    assert check_ok(results) == [[[2.0, 4.0, 6.0], 3]] * 2
+    err = results[0].stderr
+    assert err.count("dropping malformed control message from rank 1") == 2, err[-3000:]
+    assert "dropping malformed inline bytes from rank 1" in err, err[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "op", "postscale"])
+def test_mismatches_across_hosts_raise_on_every_rank(kind):
+    """Small allreduces that would go inline still meet the coordinator's checks: every rank
+    raises the same TensorMismatchError as on one host, and the engine goes on."""
+    expect = dict(MISMATCHES)[kind]
+    n, env = fake_hosts([1, 1])
+    for rank, (etype, msg, seconds, still_works) in enumerate(
+            check_ok(run_workers(n, "workers_errors:mismatch", [kind], per_rank_env=env, timeout=60))):
+        assert (etype, msg) == ("TensorMismatchError", expect), rank
+        assert seconds < 5 and still_works, rank

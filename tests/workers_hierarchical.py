@@ -87,3 +87,26 @@ def inline_cases():
     ctrl = rt.mesh.ctrl
     return [bool(ok), hashlib.sha1(b"".join(o.tobytes() for o in out)).hexdigest(), rt.inline_allreduces,
             [] if ctrl is None else sorted(q for q, written in ctrl._wpos.items() if written)]
+
+
+def malformed_inline():
+    """Rank 1's engine thread sends rank 0 malformed inline bodies (over TCP: the hosts are fake)
+    before its real requests: rank 0 logs and drops them, and the allreduces that follow (inline
+    ones among them) are exact."""
+    import json
+    import struct
+    rt = sdp.api.runtime()
+    head = json.dumps({"t": "req", "new": [], "ids": [], "in": ["x"], "il": [99]}).encode()
+    bad = [b"I\x05\x00\x00\x00{}",  # a header longer than the body
+           b"I" + struct.pack("<I", len(head)) + head + b"abc",  # lengths that do not add up
+           b"I" + struct.pack("<I", 2) + b"{}"] if rt.rank == 1 else []  # (a request without "t")
+    inner = rt._send_requests
+
+    def send_bad_then_requests():
+        while bad:
+            rt.mesh.send_ctrl(0, bad.pop(0))
+        inner()
+
+    rt._send_requests = send_bad_then_requests
+    out = [float(sdp.allreduce(np.full(3, 1.0 + k), name=f"ok{k}", op=sdp.Sum)[0]) for k in range(3)]
+    return [out, rt.inline_allreduces]
