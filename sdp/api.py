@@ -44,6 +44,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from sdp.common import blas_threads
 from sdp.common import topology as _topology
 from sdp.common.config import Config
 from sdp.common.errors import AlreadyInitializedError, NotInitializedError
@@ -99,6 +100,7 @@ def init(config: Optional[Config] = None) -> None:
         _setup_logging()
         lifeline.watch_launcher()  # end with sdprun, however it ends
         _runtime = Runtime(_topology.from_env(), cfg)
+        blas_threads.share_cores(_runtime.topology.local_size)
         if cfg.timeline:
             from sdp.engine import timeline
             timeline.start(_runtime, cfg.timeline)

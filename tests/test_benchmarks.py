@@ -67,3 +67,15 @@ def test_latency_section_measures_its_floor_and_states_targets_as_round_trips():
         assert re.search(re.escape(label) + r": [0-9.]+ us <= [0-9.]+ us  (PASS|FAIL)", out), (label, out[-3000:])
     # the phase breakdown, back to back and isolated, one line per rank each
     assert len(re.findall(r"rank [01]: submit->engine awake [0-9.]+, awake->request sent", out)) == 4, out[-3000:]
+
+
+def test_blas_threads_benchmark_prints_both_modes():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, "benchmarks/blas_threads.py",
+                        "--rounds", "1", "--iters", "10", "--n", "64"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    cores = len(os.sched_getaffinity(0))
+    assert f"BLAS after init: [('openblas', {max(1, cores // 2)})]" in p.stdout, p.stdout[-2000:]
+    rows = re.findall(r"<stdout>:(share|all cores)\s+([0-9.]+)\s+([0-9.]+)", p.stdout)
+    assert [r[0] for r in rows] == ["share", "all cores"] and all(float(v) > 0 for r in rows for v in r[1:]), rows

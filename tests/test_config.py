@@ -179,3 +179,23 @@ def test_engine_honours_environment(monkeypatch, env, cap, threshold, per_list, 
         assert v["ok"], v
         assert v["threshold"] == threshold and v["cycle_ms"] == cycle_ms, v
         assert v["per_list"] == [per_list] * STEPS, v
+
+
+@pytest.mark.parametrize("n, env, capped", [(2, {}, True), (2, {"OMP_NUM_THREADS": "2"}, False),
+                                            (2, {"OPENBLAS_NUM_THREADS": "2"}, False)])
+def test_blas_threads_share_the_cores_unless_the_user_chose(n, env, capped):
+    """Several ranks on a host: init() caps numpy's BLAS at cores // local size threads
+    (sdp.common.blas_threads); a thread count set in the environment wins."""
+    for cores, share, counts in check_ok(run_workers(n, "workers_config:blas_threads", [], env=env)):
+        assert counts, "numpy's BLAS not found by threadpoolctl"
+        want = share if capped else min(2, cores)  # (OpenBLAS takes at most a thread per core)
+        assert counts == [want] * len(counts), (share, counts, env)
+
+
+def test_blas_threads_alone_on_a_host_keep_their_default():
+    from threadpoolctl import threadpool_info
+
+    from sdp.common import blas_threads
+    before = [i["num_threads"] for i in threadpool_info()]
+    assert blas_threads.share_cores(1) is None
+    assert [i["num_threads"] for i in threadpool_info()] == before

@@ -38,3 +38,13 @@ def lists(k, steps, bucket_cap_mb=None):
             ok = ok and np.array_equal(h.wait(), sum(_data(q, i, step) for q in range(n)))
     return {"threshold": sdp.api.fusion_threshold(), "cycle_ms": rt.config.cycle_time_ms,
             "per_list": per_list, "ok": bool(ok)}
+
+
+def blas_threads():
+    """[cores, this rank's share of them (cores // local size), numpy's BLAS thread counts]."""
+    import os
+
+    from threadpoolctl import threadpool_info
+    cores = len(os.sched_getaffinity(0))
+    return [cores, max(1, cores // sdp.local_size()),
+            [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]]
