@@ -6,7 +6,6 @@ returns the result array or raises the error every rank sees.
 """
 import collections
 import functools
-import json
 import logging
 import os
 import threading
