@@ -318,7 +318,7 @@ def breakdown(iters: int = 300, idle: bool = False) -> list:
     queued), request sent, rank 0 holding every rank's request (its ``_coordinate``), response
     executed (start / end of ``_execute``), caller back.  Returns lines for rank 0: the median
     of each interval, per rank.  ``idle``: each collective after a barrier and 1 ms idle.  The
-    engine path: with the fast lane set aside (:func:`lane_off`)."""
+    engine path: with the fast lane and inline allreduces set aside (:func:`lane_off`)."""
     with lane_off():
         return _breakdown(iters, idle)
 
