@@ -11,6 +11,7 @@ threadpoolctl, and rank 0 prints the median allreduce time and the median time o
 (the compute side) of each.
 """
 import argparse
+import os
 import statistics
 import time
 
@@ -18,7 +19,6 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import sdp
-import sdp.api
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=300)
     args = p.parse_args()
     sdp.init()
-    cores = len(__import__("os").sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0))
     a = np.ones((args.n, args.n), np.float32)
     buf, out = np.ones(256, np.float32), np.empty(256, np.float32)
     res = {"share": ([], []), "all cores": ([], [])}
