@@ -320,29 +320,59 @@ def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = 
     names = [f"{n}@ps{ps}" for n in names] if ps else list(names)
     op = resolve_op(op)
     kw = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, ps=ps)
-    arrays = [as_input(t) for t in tensors]
-    if len(arrays) < 2 or not all(type(a) is np.ndarray for a in arrays) \
-            or sum(a.nbytes for a in arrays) > GROUP_MEAN_BYTES * len(arrays):
+    arrays = [t if type(t) is np.ndarray else as_input(t) for t in tensors]
+    plan = None
+    if len(arrays) >= 2 and all(type(a) is np.ndarray for a in arrays):
+        key = (tuple(names), tuple([(a.dtype, a.shape) for a in arrays]), rt.fusion_threshold)
+        plan = _group_plans.get(key, False)
+        if plan is False:
+            plan = _group_plan(names, arrays, rt.fusion_threshold)
+            if len(_group_plans) >= _GROUP_PLANS_MAX:
+                _group_plans.clear()
+            _group_plans[key] = plan
+    if plan is None:  # (device arrays, or large ones: a request each, fused by the engine)
         reqs = [Request(n, "allreduce", a, **kw) for a, n in zip(arrays, names)]
         return rt.submit_many(reqs) if reqs else []
-    by_dtype, threshold = {}, rt.fusion_threshold
+    handles, reqs = [None] * len(arrays), []
+    for idx, group, layout in plan:
+        if layout is None:
+            reqs.append(Request(names[idx[0]], "allreduce", arrays[idx[0]], **kw))
+            handles[idx[0]] = reqs[-1].handle
+            continue
+        reqs.append(Request.group(group, arrays if len(idx) == len(arrays) else [arrays[i] for i in idx],
+                                  layout, **kw))
+        whole = reqs[-1].handle
+        for j, i in enumerate(idx):
+            handles[i] = PartHandle(names[i], whole, j)
+    rt.submit_many(reqs)
+    return handles
+
+
+_GROUP_PLANS_MAX = 1024  # group plans remembered (a training step's groups are the same every step)
+_group_plans = {}  # (names, dtypes and shapes, fusion threshold) -> a plan (see _group_plan)
+
+
+def _group_plan(names: List[str], arrays: List[np.ndarray], threshold: int):
+    """How :func:`grouped_allreduce_async` submits host ``arrays``: None (a request each: their
+    mean size is over :data:`GROUP_MEAN_BYTES`), else ``[(indices, group name, layout)]``, one
+    entry per request: a run of one dtype cut at the fusion ``threshold`` (layout None: one array
+    alone)."""
+    if sum(a.nbytes for a in arrays) > GROUP_MEAN_BYTES * len(arrays):
+        return None
+    by_dtype = {}
     for i, a in enumerate(arrays):
         by_dtype.setdefault(a.dtype, []).append(i)
-    handles, reqs = [None] * len(arrays), []
+    plan = []
     for same in by_dtype.values():
         for idx in fusion.runs(same, [arrays[i].nbytes for i in same], threshold):
             if len(idx) == 1:
-                reqs.append(Request(names[idx[0]], "allreduce", arrays[idx[0]], **kw))
-                handles[idx[0]] = reqs[-1].handle
+                plan.append((idx, None, None))
                 continue
             group = [names[i] for i in idx]
             digest = zlib.crc32("\0".join(group).encode())
-            reqs.append(Request.group(f"{group[0]} (+{len(idx) - 1}) #{digest:08x}", [arrays[i] for i in idx],
-                                      **kw))
-            for j, i in enumerate(idx):
-                handles[i] = PartHandle(names[i], reqs[-1].handle, j)
-    rt.submit_many(reqs)
-    return handles
+            plan.append((idx, f"{group[0]} (+{len(idx) - 1}) #{digest:08x}",
+                         fusion.Layout([arrays[i] for i in idx])))
+    return plan
 
 
 def grouped_allreduce(tensors: Sequence, name: Optional[str] = None, op=None,

@@ -58,3 +58,23 @@ def test_aligned_empty_starts_on_64_bytes(count, dtype):
     a = fusion.aligned_empty(dtype, count)
     assert a.shape == (count,) and a.dtype == dtype and a.flags.writeable
     assert count == 0 or a.ctypes.data % 64 == 0  # (an empty array has no data to align)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes=st.lists(st.sampled_from([(), (0,), (1,), (3,), (16,), (5, 7), (2, 1, 3), (33,)]), min_size=1,
+                       max_size=10),
+       dtype=st.sampled_from([np.float32, np.float64, np.int8, np.float16]))
+def test_layout_packs_at_the_offsets_and_gives_the_parts_back(shapes, dtype):
+    arrays = [(np.arange(int(np.prod(s))) + 100 * i).astype(dtype).reshape(s) for i, s in enumerate(shapes)]
+    layout = fusion.Layout(arrays)
+    offs = fusion.offsets(arrays)
+    assert layout.count == offs[-1] and layout.shapes == tuple(shapes) and layout.dtype == np.dtype(dtype)
+    want = np.zeros(offs[-1], dtype)  # padding zeroed
+    for a, o in zip(arrays, offs):
+        want[o:o + a.size] = a.reshape(-1)
+    out = np.full(layout.count, 7, dtype)
+    layout.pack(arrays, out)
+    assert out.tobytes() == want.tobytes()
+    parts = layout.views(out)
+    assert [p.shape for p in parts] == list(shapes)
+    assert all(np.array_equal(p, a) and (p.size == 0 or np.shares_memory(p, out)) for p, a in zip(parts, arrays))

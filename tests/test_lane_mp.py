@@ -81,3 +81,12 @@ def test_join_after_a_burst(n):
     for rank, (ok, more, after, off) in enumerate(check_ok(run_workers(n, "workers_lane:join_after_burst", [60]))):
         assert ok and after == n and off, (rank, ok, after, off)
         assert more == ([] if rank == n - 1 else [float(n - 1)] * 3), (rank, more)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_flattened_groups_through_the_lane_and_the_engine(n):
+    for rank, (ok, msg, counts) in enumerate(check_ok(run_workers(n, "workers_lane:groups", [5]))):
+        assert ok, (rank, counts)
+        assert "shapes of the grouped tensors" in msg and "[[2, 3], [4]]" in msg and "[[3, 2], [4]]" in msg, msg
+        # float32 alone: FAST (one may be SLOW on a busy machine); with int64: SLOW; the mismatch: SLOW
+        assert counts["fast"] >= 4 and counts["slow"] >= 6, (rank, counts)

@@ -211,3 +211,37 @@ def join_after_burst(count):
         sdp.join()
     after = float(sdp.allreduce(np.ones(2), name="after", op=sdp.Sum)[0])
     return [ok, more, after, sdp.api.runtime().lane.off]
+
+
+def groups(rounds):
+    """``grouped_allreduce`` of small arrays of many shapes (scalars, empty, sizes that need
+    padding, 2-D), ``rounds`` times: float32 alone (packed straight into the lane's shared
+    memory), then float32 and int64 (two requests in one submission: a burst, which the engine
+    takes, packing each into its own buffer); inputs changed after each call must not change
+    the next results.  Then a group with other shapes on the last rank (the same total): the
+    lane hands it to the engine, which names the shapes.  Returns (all exact and aligned, the
+    mismatch's message, lane counts)."""
+    n, r = sdp.size(), sdp.rank()
+    shapes = [(), (0,), (3,), (5, 7), (16,), (1, 1), (33,)]
+
+    def data(q, k, ints):
+        return ([np.full(s, q + i + k, np.float32) for i, s in enumerate(shapes)]
+                + [np.full(s, q * 10 - i - k, np.int64) for i, s in enumerate(shapes[2:5]) if ints])
+
+    ok = True
+    for k in range(2 * rounds):
+        mine = data(r, k, k % 2)
+        got = sdp.grouped_allreduce(mine, name=f"grp{k % 2}", op=sdp.Sum)
+        for a in mine:
+            a.fill(-99)  # (the next round's results must not see this)
+        want = [sum(arrays) for arrays in zip(*[data(q, k, k % 2) for q in range(n)])]
+        ok = ok and all(g.shape == w.shape and g.dtype == w.dtype and np.array_equal(g, w) for g, w in zip(got, want))
+        ok = ok and all(g.ctypes.data % 64 == 0 for g in got if g.size)
+    bad = [np.ones((2, 3), np.float32), np.ones(4, np.float32)] if r != n - 1 else \
+        [np.ones((3, 2), np.float32), np.ones(4, np.float32)]
+    try:
+        sdp.grouped_allreduce(bad, name="bad")
+        msg = "no error"
+    except sdp.errors.TensorMismatchError as e:
+        msg = str(e)
+    return [ok, msg, sdp.api.runtime().lane.counts]

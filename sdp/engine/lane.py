@@ -196,7 +196,7 @@ class Lane:
                     if off is None:
                         sig = nbytes = 0
                     else:
-                        np.copyto(self.data[self.rank][off:off + nbytes].view(req.array.dtype), req.array.reshape(-1))
+                        req.pack_into(self.data[self.rank][off:off + nbytes].view(req.array.dtype))
                 i = (p % DEPTH) * _REC
                 rec[i], rec[i + 1], rec[i + 2] = sig, off, nbytes
                 self._posted = p + 1
@@ -545,6 +545,6 @@ class Lane:
         out = self._result_array(dtype, a.size) if req.out is None else req.out.reshape(-1)
         collectives.reduce_copies(UFUNCS[req.op], views, out, accumulation_dtype(dtype), self._float_scale(req, dtype))
         self._int_scale(out, req)
-        if req.parts is not None:
-            return fusion.unflatten(out, req.parts)
+        if req.layout is not None:
+            return req.layout.views(out)
         return out.reshape(a.shape) if req.out is None else req.out

@@ -116,21 +116,40 @@ class Request:
     """One tensor submitted to one collective (see :mod:`sdp.engine.coordinator` for ``meta``)."""
 
     __slots__ = ("name", "kind", "array", "op", "root", "prescale", "postscale", "splits", "handle", "out", "ps",
-                 "device", "parts", "_shapes")
+                 "device", "layout", "_shapes", "sources")
 
     @classmethod
-    def group(cls, name: str, arrays: List[np.ndarray], **kw) -> "Request":
-        """One allreduce request for several host arrays of one dtype (a *flattened group*):
-        packed into one aligned buffer here (:func:`sdp.engine.fusion.flatten`, the copy fusion
-        would make in the engine), then negotiated, cached and reduced as one tensor, so a group
-        costs the engine one request instead of one per array.  Every rank must group the same
-        shapes in the same order: the shapes are part of the agreed meta (``gs``).  The result
-        is the list of the arrays' results (views of one buffer); :class:`PartHandle` gives each."""
-        flat, parts = fusion.flatten(arrays)
-        return cls(name, "allreduce", flat, parts=parts, **kw)
+    def group(cls, name: str, arrays: List[np.ndarray], layout: Optional[fusion.Layout] = None, **kw) -> "Request":
+        """One allreduce request for several host arrays of one dtype (a *flattened group*),
+        negotiated, cached and reduced as one tensor, so a group costs the engine one request
+        instead of one per array.  ``layout``: the arrays' :class:`~sdp.engine.fusion.Layout`
+        (made here if not given).  The arrays are packed once, where they go: into the fast
+        lane's shared memory (:meth:`pack_into`), else into the request's own aligned buffer
+        when the engine takes it (:meth:`fill`, the copy fusion would make anyway); they must
+        not change until the result is there (as for any asynchronous collective).  Every rank
+        must group the same shapes in the same order: the shapes are part of the agreed meta
+        (``gs``).  The result is the list of the arrays' results (views of one buffer);
+        :class:`PartHandle` gives each."""
+        layout = layout or fusion.Layout(arrays)
+        req = cls(name, "allreduce", fusion.aligned_empty(layout.dtype, layout.count), layout=layout, **kw)
+        req.sources = arrays
+        return req
+
+    def fill(self) -> None:
+        """Pack a flattened group's arrays into its buffer (``array``) if not done yet."""
+        if self.sources is not None:
+            self.layout.pack(self.sources, self.array)
+            self.sources = None
+
+    def pack_into(self, out: np.ndarray) -> None:
+        """Copy the input into ``out`` (1-D, ``array.size`` elements of its dtype)."""
+        if self.sources is not None:
+            self.layout.pack(self.sources, out)
+        else:
+            np.copyto(out, self.array.reshape(-1))
 
     def __init__(self, name, kind, array, op=ReduceOp.SUM, root=None, prescale=1.0, postscale=1.0,
-                 splits=None, out=None, ps=0, parts=None):
+                 splits=None, out=None, ps=0, layout=None):
         if kind not in KINDS:
             raise ValueError(f"unknown collective kind {kind!r}")
         if not isinstance(name, str):
@@ -156,9 +175,10 @@ class Request:
                              f"{array.shape} (allreduce only), got {out.dtype} {out.shape}")
         self.out = out
         self.ps = ps  # process set id (0: all ranks; see sdp.engine.process_sets)
-        #: a flattened group's ``(offset, size, shape)`` per array (see :meth:`group`), else None
-        self.parts = parts
-        self._shapes = None if parts is None else tuple(shape for _, _, shape in parts)
+        #: a flattened group's :class:`~sdp.engine.fusion.Layout` (see :meth:`group`), else None
+        self.layout = layout
+        self._shapes = None if layout is None else layout.shapes
+        self.sources = None  # a flattened group's arrays until packed into ``array`` (see group)
         self.handle = Handle(name)
 
     def key(self) -> tuple:
@@ -267,6 +287,8 @@ class Runtime:
 
     def _enqueue(self, reqs: List[Request]) -> None:
         """Queue ``reqs`` for the engine thread (any thread) and wake it."""
+        for req in reqs:
+            req.fill()
         with self._queue_lock:
             wake = not self._queue  # else the engine has been woken and not yet taken the queue
             self._queue.extend(reqs)
@@ -742,8 +764,8 @@ class Runtime:
         del self._pending[req.name]
         if staged and req.device is not None:  # a device array staged through host memory
             result = self._device.stage_out(req.device, result)
-        if req.parts is not None:
-            result = fusion.unflatten(result.reshape(-1), req.parts)
+        if req.layout is not None:
+            result = req.layout.views(result.reshape(-1))
         req.handle._set(result=result)
 
     def _run_single(self, req: Request, item: dict) -> None:
