@@ -320,10 +320,14 @@ def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = 
     names = [f"{n}@ps{ps}" for n in names] if ps else list(names)
     op = resolve_op(op)
     kw = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, ps=ps)
-    arrays = [t if type(t) is np.ndarray else as_input(t) for t in tensors]
+    arrays = list(tensors)
+    metas = [(a.dtype, a.shape) for a in arrays if type(a) is np.ndarray]  # (one pass: the plan's key)
+    if len(metas) < len(arrays):
+        arrays = [as_input(t) for t in arrays]
+        metas = [(a.dtype, a.shape) for a in arrays if type(a) is np.ndarray]
     plan = None
-    if len(arrays) >= 2 and all(type(a) is np.ndarray for a in arrays):
-        key = (tuple(names), tuple([(a.dtype, a.shape) for a in arrays]), rt.fusion_threshold)
+    if len(arrays) >= 2 and len(metas) == len(arrays):
+        key = (tuple(names), tuple(metas), rt.fusion_threshold)
         plan = _group_plans.get(key, False)
         if plan is False:
             plan = _group_plan(names, arrays, rt.fusion_threshold)
@@ -342,6 +346,9 @@ def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = 
         reqs.append(Request.group(group, arrays if len(idx) == len(arrays) else [arrays[i] for i in idx],
                                   layout, **kw))
         whole = reqs[-1].handle
+        if len(idx) == len(arrays):  # (one group of every array, in order)
+            handles = [PartHandle(name, whole, j) for j, name in enumerate(names)]
+            continue
         for j, i in enumerate(idx):
             handles[i] = PartHandle(names[i], whole, j)
     rt.submit_many(reqs)

@@ -161,8 +161,9 @@ class Lane:
         with self.lock:
             if self.failed is not None:
                 raise self.failed
-            if self.page[0][DECIDED] > self._done:
-                self._progress()  # (positions only the engine ran: an OFF among them turns the lane off)
+            if self.page[0][DECIDED] - self._done >= _BACKLOG:
+                self._progress()  # (positions only the engine ran, consumed in bulk: an OFF among them
+                # turns the lane off; one at a time, a burst of 100 cost ~30 us more)
             burst = bool(self.held) or not self._engine_idle()  # (asynchronous submissions: the engine
             # batches them, and rank 0 decides a request held here SLOW once this rank posts past it)
             if self._head is not None:  # learn whether the last first-of-a-submission was a burst's
@@ -194,7 +195,7 @@ class Lane:
                     nbytes = req.array.nbytes
                     off = self._alloc(nbytes, p)
                     if off is None:
-                        sig = nbytes = 0
+                        sig = nbytes = off = 0
                     else:
                         req.pack_into(self.data[self.rank][off:off + nbytes].view(req.array.dtype))
                 i = (p % DEPTH) * _REC

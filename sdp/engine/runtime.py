@@ -109,7 +109,10 @@ class PartHandle:
 
     def wait(self, timeout: Optional[float] = None):
         """Block until the group is done and return this tensor's result (see :meth:`Handle.wait`)."""
-        return self._group.wait(timeout)[self._index]
+        group = self._group
+        if group._is_done and group._error is None:  # (another part was waited for: ~0.1 us, not ~0.5)
+            return group._result[self._index]
+        return group.wait(timeout)[self._index]
 
 
 class Request:
