@@ -353,7 +353,14 @@ def reduce_copies(ufunc, copies, out, acc, scale) -> None:
     """Reduce every rank's copy (``copies``, 1-D, in rank order) into ``out``, in rank order, as
     the shared-memory chunk reduction does: the same bits wherever it runs (the fast lane on every
     rank, rank 0 for :mod:`sdp.engine.inline`)."""
-    _reduce_chunk(ufunc, [(0, copies[0])], 0, copies, range(1, len(copies)), out, [], acc, scale)
+    if acc is not None or out.size > _BLOCK:
+        _reduce_chunk(ufunc, [(0, copies[0])], 0, copies, range(1, len(copies)), out, [], acc, scale)
+        return
+    ufunc(copies[0], copies[1], out=out)  # (one block: the same operations, ~1 us less)
+    for c in copies[2:]:
+        ufunc(out, c, out=out)
+    if scale is not None:
+        np.multiply(out, scale, out=out, casting="unsafe")
 
 
 _BLOCK = 128 * 1024  # elements reduced (and pushed to the peers) at a time: stays in L2 cache

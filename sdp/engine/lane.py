@@ -479,6 +479,8 @@ class Lane:
         """Rank 0: decide every position that can be, in order; ring the ranks that posted them."""
         n, page, k = self.size, self.page, self._decided
         posts = [page[q][POSTED] for q in range(n)]
+        if max(posts) <= k:  # (nothing new: the common poll, ~1.4 us of a 1 KB allreduce's 19)
+            return
         if not self._closing and any(page[q][JOINED] for q in range(n)):
             self._closing = True  # (a joined rank posts nothing more: every position from now on is OFF)
         last = max(posts)
