@@ -1,4 +1,5 @@
-"""Fusion-buffer layout (no sockets): bucket plans, packing given element ranges, in-place pieces."""
+"""Fusion-buffer layout (no sockets): bucket plans, packing given element ranges (padding inside them
+zeroed, nothing outside them touched), in-place pieces."""
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,7 +27,7 @@ def test_pack_copies_exactly_the_given_ranges(sizes, cuts, dtype):
     assert all(o + a.size <= nxt < o + a.size + unit for a, o, nxt in zip(arrays, offs, offs[1:-1])), offs
     total = offs[-1]
     assert total == offs[-2] + arrays[-1].size  # no padding after the last tensor
-    flat = np.full(total, -1, dtype)  # the layout: each array at its offset, padding -1
+    flat = np.zeros(total, dtype)  # the layout: each array at its offset, padding zeroed
     covered = np.zeros(total, bool)
     for a, o in zip(arrays, offs):
         flat[o:o + a.size] = a

@@ -237,21 +237,22 @@ def fp16_average_no_overflow():
 
 
 def fused_buckets(seed):
-    """Gradient-list style fused allreduces (83 KB to 666 KB) with tensor boundaries falling
-    inside each rank's own chunk; float32 SUM, float16 AVERAGE, float64 prescaled; each list
+    """Gradient-list style fused allreduces (83 KB to 666 KB; and 60 small ones of 0 to 300
+    elements) with tensor boundaries falling inside each rank's own chunk; float32 SUM, float16 AVERAGE, float64 prescaled; each list
     once fused by the engine (one request per tensor) and once as grouped_allreduce_async
     makes it (a flattened group where the mean size allows)."""
     from sdp.engine.runtime import Request
     n, r = sdp.size(), sdp.rank()
     rt = sdp.api.runtime()
-    sizes = [1, 30_001, 7, 12_345, 0, 40_000, 3]
     oks = []
-    for (dtype, op, pre), grouped in itertools.product(
-            (("float32", "SUM", 1.0), ("float16", "AVERAGE", 1.0), ("float64", "SUM", 0.5)), (False, True)):
+    for (dtype, op, pre), grouped, sizes in itertools.product(
+            (("float32", "SUM", 1.0), ("float16", "AVERAGE", 1.0), ("float64", "SUM", 0.5)), (False, True),
+            ([1, 30_001, 7, 12_345, 0, 40_000, 3], [i * 37 % 301 for i in range(60)])):  # (many small:
+        # each rank packs its own chunk before reducing it)
         mine = [data_for(r, [s], dtype, seed + i) for i, s in enumerate(sizes)]
         for a in mine:
             a.setflags(write=False)
-        names = [f"{dtype}.{grouped}.{i}" for i in range(len(sizes))]
+        names = [f"{dtype}.{grouped}.{len(sizes)}.{i}" for i in range(len(sizes))]
         if grouped:
             hs = sdp.grouped_allreduce_async(mine, names, op=getattr(sdp.ReduceOp, op), prescale_factor=pre)
         else:

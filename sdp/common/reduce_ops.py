@@ -76,6 +76,8 @@ def check_dtype(kind: str, name: str, dtype, op: ReduceOp = ReduceOp.SUM, presca
     and unsigned ints, float16, bfloat16, float32, float64; the other collectives any dtype
     without Python objects."""
     dtype = np.dtype(dtype)
+    if dtype.kind in "iuf":  # (any collective, any op and scale: the common case)
+        return
     if kind not in ("allreduce", "reducescatter"):
         if dtype.hasobject:
             raise ValueError(f"{kind} of '{name}': dtype {shown or dtype} is not supported (Python objects)")

@@ -154,6 +154,9 @@ def _shm_bounds(count, parts, dtype):
 
 
 STAGED_PARTS = 2  # a fused bucket is packed (and announced) in this many parts per peer chunk
+# mean bytes per array up to which allreduce_staged packs this rank's own chunk before reducing
+# it (one ufunc pass instead of one per array: 100 x 4 KB, ~1 us per array saved)
+_OWN_PIECE_BYTES = 64 << 10
 _PACKED = 1 << 16  # barrier steps of allreduce_staged's parts: _PACKED + part
 
 
@@ -161,7 +164,9 @@ def allreduce_staged(mesh, count, pack, own, out, ufunc, seq, acc=None, scale=No
     """Allreduce a fusion bucket of ``count`` elements (at most one slab) through shared memory,
     packing it on the way: ``pack(dst, ranges)`` copies the bucket's element ``ranges`` into
     ``dst`` (this rank's staging half), ``own(lo, hi)`` returns ``(offset, array)`` pieces of the
-    bucket's elements ``[lo, hi)``, read in place (this rank's own chunk is never copied).
+    bucket's elements ``[lo, hi)``, read in place (this rank's own chunk is never copied, unless it
+    holds many small arrays: then ``pack`` copies it into the part of this rank's half that
+    nobody reads, and it is reduced in one pass).
 
     Each peer's chunk is packed in ``parts`` parts, each announced to the peers as soon as it is in
     shared memory (with this rank's ``out`` offset, as the first barrier of
@@ -189,7 +194,12 @@ def allreduce_staged(mesh, count, pack, own, out, ufunc, seq, acc=None, scale=No
             direct = min(where) >= 0
             target = out[lo:hi] if direct else halves[r][lo:hi]
             pushes = [seg.at(q, where[q] + lo * size, dtype, hi - lo) for q in peers] if direct else []
-        _reduce_chunk(ufunc, own(cuts[r][j], cuts[r][j + 1]), lo, halves, peers, target, pushes, acc, scale)
+        a, b = cuts[r][j], cuts[r][j + 1]
+        mine = own(a, b)
+        if len(mine) > 4 and (b - a) * size <= len(mine) * _OWN_PIECE_BYTES:
+            pack(halves[r], [(a, b)])  # (many small arrays: one copy, then one reduction)
+            mine = [(a, halves[r][a:b])]
+        _reduce_chunk(ufunc, mine, lo, halves, peers, target, pushes, acc, scale)
     barrier.sync(mesh, seq, 1)
     if not direct:
         for q in range(n):

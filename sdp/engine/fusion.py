@@ -4,6 +4,7 @@ Buckets are formed from the agreed response list, which is identical on every ra
 forms the same buckets: consecutive-in-order allreduce items with the same dtype, op and scale
 factors, up to ``threshold`` bytes (SMDDP's ``bucket_cap_mb``, default 25 MB).
 """
+import bisect
 from typing import Dict, List
 
 import numpy as np
@@ -64,10 +65,19 @@ def offsets(arrays: List[np.ndarray], align_bytes: int = ALIGN_BYTES) -> List[in
 
 def pack(buf: np.ndarray, arrays: List[np.ndarray], offs: List[int], ranges=None) -> None:
     """Copy the arrays into ``buf`` at their offsets: all of them, or only the element ranges
-    ``ranges`` (``[(start, end), ...]`` of the packed layout).  Padding is left as it is."""
+    ``ranges`` (``[(start, end), ...]`` of the packed layout), padding inside a range zeroed.
+    One ``concatenate`` per range (a copy per array cost ~1.5 us each: 100 x 4 KB took 124 us)."""
     for lo, hi in ranges if ranges is not None else [(0, offs[-1])]:
-        for off, view in pieces(arrays, offs, lo, hi):
-            np.copyto(buf[off:off + view.size], view)
+        chunks, pos, zeros = [], lo, None
+        for off, view in pieces(arrays, offs, lo, hi) + [(hi, None)]:
+            if off > pos:  # (padding: less than ALIGN_BYTES)
+                zeros = np.zeros(ALIGN_BYTES, buf.dtype) if zeros is None else zeros
+                chunks.append(zeros[:off - pos])
+            if view is not None:
+                chunks.append(view)
+                pos = off + view.size
+        if chunks:
+            np.concatenate(chunks, out=buf[lo:hi])
 
 
 def zero_padding(buf: np.ndarray, arrays: List[np.ndarray], offs: List[int]) -> None:
@@ -79,12 +89,23 @@ def zero_padding(buf: np.ndarray, arrays: List[np.ndarray], offs: List[int]) -> 
 
 
 def pieces(arrays: List[np.ndarray], offs: List[int], lo: int, hi: int):
-    """``(offset, view)`` pairs of the arrays' elements in ``[lo, hi)`` of the packed layout."""
+    """``(offset, view)`` pairs of the arrays' elements in ``[lo, hi)`` of the packed layout
+    (1-D views, in order; only the arrays there are looked at)."""
     out = []
-    for a, start in zip(arrays, offs):
-        s, e = max(start, lo), min(start + a.size, hi)
-        if s < e:
-            out.append((s, a.reshape(-1)[s - start:e - start]))
+    i = max(0, bisect.bisect_right(offs, lo) - 1)  # (the last array starting at or before lo)
+    n = len(arrays)
+    while i < n and offs[i] < hi:
+        a, start = arrays[i], offs[i]
+        end = start + a.size
+        if a.ndim != 1:
+            a = a.reshape(-1)
+        if lo <= start and end <= hi:  # (whole: most of them)
+            if end > start:
+                out.append((start, a))
+        elif start < hi and lo < end:
+            s = max(start, lo)
+            out.append((s, a[s - start:min(end, hi) - start]))
+        i += 1
     return out
 
 

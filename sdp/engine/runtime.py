@@ -159,9 +159,10 @@ class Request:
             raise TypeError(f"{kind}: name must be a str, got {type(name).__name__} {name!r}")
         #: the device array a request in device memory came as (``array`` is that array until the
         #: engine stages it through host memory; see sdp.engine.device_path)
-        self.device = array if isinstance(array, DeviceTensor) else None
+        self.device = None if type(array) is np.ndarray or not isinstance(array, DeviceTensor) else array
         if self.device is None:
-            array = np.asarray(array)
+            if type(array) is not np.ndarray:
+                array = np.asarray(array)
             if not array.flags.c_contiguous:
                 array = np.ascontiguousarray(array)  # (ascontiguousarray would turn 0-d into 1-d)
         elif out is not None:
