@@ -248,18 +248,26 @@ def lane_off():
         rt.lane, rt._inline = saved
 
 
-def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 30) -> dict:
+def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 30, rounds: int = 3) -> dict:
     """Every latency of the module docstring (seconds), the same on every rank: ``res[key]``
-    as sdp runs, ``res["off"][key]`` with the fast lane set aside."""
+    as sdp runs, ``res["off"][key]`` with the fast lane set aside.  The two alternate in
+    ``rounds`` rounds (each a ``rounds``-th of the iterations) and each latency is the median of
+    its rounds: a machine whose speed changes during the run (this VM's does, for seconds at a
+    time) then slows both columns alike."""
     sdp.barrier()
     rtt = pipe_rtt() if sdp.rank() == 0 else 0.0  # (the other ranks wait in the barrier below)
     rtt = max_over_ranks(rtt, "lat.rtt")
     res = {"rtt": rtt}
     if len(set(job_hosts())) > 1:
         res["tcp_rtt"] = tcp_rtt()
-    with lane_off():
-        res["off"] = _latencies(iters, isolated_iters, step_iters)
-    res.update(_latencies(iters, isolated_iters, step_iters))
+    parts = [max(1, n // rounds) for n in (iters, isolated_iters, step_iters)]
+    on, off = [], []
+    for _ in range(rounds):
+        with lane_off():
+            off.append(_latencies(*parts))
+        on.append(_latencies(*parts))
+    res["off"] = {k: statistics.median(r[k] for r in off) for k in off[0]}
+    res.update({k: statistics.median(r[k] for r in on) for k in on[0]})
     res["rtt_after"] = max_over_ranks(pipe_rtt() if sdp.rank() == 0 else 0.0, "lat.rtt2")
     res["rtt_idle"] = max_over_ranks(pipe_rtt(isolated_iters, 10, IDLE_S) if sdp.rank() == 0 else 0.0, "lat.rtt3")
     return res
