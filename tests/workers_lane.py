@@ -245,3 +245,53 @@ def groups(rounds):
     except sdp.errors.TensorMismatchError as e:
         msg = str(e)
     return [ok, msg, sdp.api.runtime().lane.counts]
+
+
+def batches(steps):
+    """``steps`` steps of a burst of small allreduces of several dtypes, ops, scales and
+    ``out=`` arrays (several batches), waited at the end; on odd steps rank 0 waits in the middle
+    of its burst, so its batches are cut otherwise than the other ranks' (the lane decides them
+    SLOW and the engine runs them).  Returns (all exact, ``out=`` honoured, lane counts before
+    the last step, lane counts at the end)."""
+    n, r = sdp.size(), sdp.rank()
+    lane = sdp.api.runtime().lane
+    ok = same_out = True
+    before = None
+    for step in range(steps):
+        if step == steps - 1:
+            before = dict(lane.counts)
+        outs = [np.empty(5, np.float64) for _ in range(3)]
+        hs, want = [], []
+        for i in range(12):
+            hs.append(sdp.allreduce_async(np.full(7 + i, float(r + i + step), np.float32), name=f"f{i}", op=sdp.Sum))
+            want.append(np.full(7 + i, n * (i + step) + n * (n - 1) / 2, np.float32))
+            if i == 5 and r == 0 and step % 2:
+                hs[-1].wait()  # (rank 0 only: its float32 batch ends here)
+        for i in range(3):
+            hs.append(sdp.allreduce_async(np.full(5, float(r * i), np.float64), name=f"o{i}", op=sdp.Average,
+                                          postscale_factor=2.0, out=outs[i]))
+            want.append(np.full(5, float(i * (n - 1))))
+        for i in range(4):
+            hs.append(sdp.allreduce_async(np.full((2, 3), r + i, np.int32), name=f"i{i}", op=sdp.Max))
+            want.append(np.full((2, 3), n - 1 + i, np.int32))
+        hs.append(sdp.allreduce_async(np.full(4, 0.5 + r, np.float16), name="h", op=sdp.Sum))
+        want.append(np.full(4, n * 0.5 + n * (n - 1) / 2, np.float16))
+        got = [h.wait() for h in hs]
+        ok = ok and all(g.dtype == w.dtype and g.shape == w.shape and np.array_equal(g, w) for g, w in zip(got, want))
+        same_out = same_out and all(got[12 + i] is outs[i] for i in range(3))
+    return [ok, same_out, before, dict(lane.counts)]
+
+
+def unwaited_batch(sleep_s):
+    """Rank 0 submits small allreduces without waiting and sleeps ``sleep_s``; the other ranks
+    wait for theirs.  Returns (exact, the seconds the others waited)."""
+    import time
+    n, r = sdp.size(), sdp.rank()
+    sdp.barrier()
+    t = time.monotonic()
+    hs = [sdp.allreduce_async(np.full(3, float(r + i)), name=f"u{i}", op=sdp.Sum) for i in range(8)]
+    if r == 0:
+        time.sleep(sleep_s)  # (the scenario: a rank busy elsewhere, not a wait for an event)
+    got = [h.wait() for h in hs]
+    took = time.monotonic() - t
+    return [all(bool(np.all(g == sum(q + i for q in range(n)))) for i, g in enumerate(got)), took]

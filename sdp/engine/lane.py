@@ -84,6 +84,8 @@ GRACE_S = 200e-6  # seconds after a post during which the engine thread leaves t
 POSTED, DONE, DECIDED, AWAKE, RUNG, WAITING, LATEST, JOINED = range(8, 16)  # int64 slots of the flag page
 FAST, SLOW, OFF = 1, 2, 3  # decisions
 JOIN_SIG = -1  # the signature of a join() record
+PART_SIG = -2  # the record of a batch's request after its first (decided SLOW, and ignored)
+_BATCH_MAX = DEPTH // 2  # requests in one batch
 _TICK_S = 0.001  # the engine thread's shortest sleep (a poll's timeout is whole milliseconds; never spin:
 # a spinning engine thread holds the GIL the caller needs back after every numpy call)
 _ALIGN = 64  # bytes: every copy in the data ring starts on a cache line
@@ -121,6 +123,8 @@ class Lane:
         base = seg.lane_offset()
         self.rec = {q: memoryview(seg.at(q, base, np.int64, DEPTH * _REC)).cast("B").cast("q") for q in seg.peers}
         self.dec = memoryview(seg.at(0, base + DEPTH * _REC * 8, np.int64, DEPTH)).cast("B").cast("q")
+        self._rec_np = seg.at(self.rank, base, np.int64, DEPTH * _REC).reshape(DEPTH, _REC)  # (this rank's
+        # records again: a batch's are written at once)
         self._dec_np = seg.at(0, base + DEPTH * _REC * 8, np.int64, DEPTH)  # (the same decisions: for
         # a burst's slice assignment; ``dec`` is the faster one element at a time)
         self.data = {q: seg.at(q, base + DEPTH * (_REC + 1) * 8, np.uint8, DATA_BYTES) for q in seg.peers}
@@ -139,11 +143,14 @@ class Lane:
         self._state = None  # what engine_turn() last saw (it runs the lane again when it changes)
         self._active_until = 0.0  # (monotonic) a caller runs the lane until then: the engine waits
         #: this rank's eligible requests the lane ran ("fast") or handed to the engine ("slow")
-        self.counts = {"fast": 0, "slow": 0}
+        self.counts = {"fast": 0, "slow": 0, "batches": 0}
         self._sigs = {}
         self._handoff: List = []  # requests for the engine, handed over once the lock is released
         self._deferred: List = []  # requests for the engine submitted while this lane held some
-        self._heads = set()  # names that last time came first in a burst: they go to the engine
+        self._batch: Optional[_Batch] = None  # a burst's small allreduces gathered, not yet posted
+        self._batched = {}  # name -> its _Batch, gathered or held here
+        self._batch_sigs = {}  # (every request's key) -> (signature, Layout) of a batch
+        self._heads = set()  # names that last time came first in a burst: they start a batch
         self._head = None  # (name, handle) of the last submission's first request (to learn _heads)
         self._floor = 0  # positions every rank had consumed when last looked (_min_done)
         self._decided = 0  # rank 0
@@ -156,40 +163,46 @@ class Lane:
         eligible, another process set, the lane is off, or a burst).  Raises
         :class:`CollectiveTimeoutError` if a peer has not consumed a position for ``timeout_s``
         while this rank is :data:`DEPTH` positions ahead."""
+        b = self._batch
+        if b is not None and len(reqs) == 1 and not reqs[0].ps and b.takes(reqs[0], self.size):  # (a burst
+            with self.lock:  # goes on: the common case, kept short)
+                if self._batch is b and self.failed is None and not self.off and not self._head_to_learn():
+                    self._batch_append(b, reqs[0])
+                    return []
         engine, eligible = [], False
         page, rec = self.page[self.rank], self.rec[self.rank]
+        latest = page[LATEST]
         with self.lock:
             if self.failed is not None:
                 raise self.failed
             if self.page[0][DECIDED] - self._done >= _BACKLOG:
                 self._progress()  # (positions only the engine ran, consumed in bulk: an OFF among them
                 # turns the lane off; one at a time, a burst of 100 cost ~30 us more)
-            burst = bool(self.held) or not self._engine_idle()  # (asynchronous submissions: the engine
-            # batches them, and rank 0 decides a request held here SLOW once this rank posts past it)
-            if self._head is not None:  # learn whether the last first-of-a-submission was a burst's
-                name, handle = self._head
-                self._head = None
-                if handle._waited:  # (waited on before this submission: not a burst)
-                    self._heads.discard(name)
-                elif len(self._heads) < _SIGS_MAX:
-                    self._heads.add(name)
+            burst = bool(self.held) or self._batch is not None or not self._engine_idle()  # (asynchronous
+            # submissions: gathered into a batch, see _batch_add, or the engine's)
+            self._head_to_learn()
             for req in reqs:
                 if req.ps or self.off:
                     engine.append(req)
                     continue
-                p = self._posted
-                if p - DEPTH >= self._floor and p - DEPTH >= self._min_done():
-                    self._wait_room(p)
                 if req.name == JOIN:
                     sig = JOIN_SIG
-                elif burst:  # (held: a burst, so a duplicate name goes to the engine, which reports it)
-                    sig = 0
-                elif req.name in self._heads:  # (learnt: a burst follows it)
-                    sig, burst, self._head = 0, True, (req.name, req.handle)
+                elif burst or req.name in self._heads:  # (a burst, or learnt: a burst follows it)
+                    if not burst:
+                        self._head = (req.name, req.handle)
+                    burst = True
+                    if self._batch_add(req):  # (one position for the burst's small allreduces)
+                        continue
+                    sig = 0  # (else the engine's; a duplicate name there is reported)
                 else:
                     sig = self._signature(req)
                     if sig > 0:
                         self._head = (req.name, req.handle)
+                if self._batch is not None:  # (what follows a batch is posted after it)
+                    eligible = self._flush_batch() or eligible
+                p = self._posted
+                if p - DEPTH >= self._floor and p - DEPTH >= self._min_done():
+                    self._wait_room(p)
                 off = nbytes = 0
                 if sig > 0 and (req.kind == "allreduce" or req.root == self.rank):  # (a broadcast: the root's)
                     nbytes = req.array.nbytes
@@ -222,7 +235,7 @@ class Lane:
                     self._progress()  # (a request decided SLOW goes to the engine before what follows it)
             if self._handoff:
                 engine = self._take_handoff() + engine
-        if self.rank != 0 and eligible:
+        if self.rank != 0 and page[LATEST] != latest:  # (something rank 0 decides at once was posted)
             _fence()
             if self.page[0][WAITING]:  # (else rank 0 decides when it posts or waits itself)
                 self._ring(0)
@@ -239,6 +252,108 @@ class Lane:
         else:
             engine.append(req)
 
+    def _head_to_learn(self) -> bool:
+        """Learn whether the last first-of-a-submission was a burst's (False: nothing to learn)."""
+        if self._head is None:
+            return False
+        name, handle = self._head
+        self._head = None
+        if handle._waited:  # (waited on before this submission: not a burst)
+            self._heads.discard(name)
+        elif len(self._heads) < _SIGS_MAX:
+            self._heads.add(name)
+        return True
+
+    def _batch_append(self, b, req) -> None:
+        req.handle._lane = self
+        self._active_until = time.monotonic() + GRACE_S  # (the engine thread leaves the batch to us)
+        b.add(req)
+
+    def _batch_add(self, req) -> bool:
+        """Add ``req``, submitted in a burst, to the batch being gathered if it can go there (a
+        small allreduce of a host array the lane could run, of the batch's dtype, op and
+        postscale, a name not held here; a batch that it would make too big for the data ring's
+        reads, or of another dtype, op or postscale, is posted first).  False: not batchable."""
+        a = req.array
+        if not self.enabled or req.kind != "allreduce" or req.device is not None or req.layout is not None \
+                or req.prescale != 1.0 or req.op not in UFUNCS or not 0 < a.nbytes * (self.size - 1) <= READ_BYTES \
+                or not (a.dtype.kind in "fiu" or a.dtype.name == "bfloat16") or req.name in self.held \
+                or req.name in self._batched:
+            return False
+        b = self._batch
+        if b is not None and b.takes(req, self.size):
+            self._batch_append(b, req)
+            return True
+        if b is not None:
+            self._flush_batch()  # (then a new batch)
+        self._batch = _Batch(req, self._batched)
+        self._batch_append(self._batch, req)
+        return True
+
+    def _flush_batch(self) -> bool:
+        """Post the batch being gathered (inside the lock): one position per request, as if
+        posted one by one, so that positions stay aligned across ranks whatever each gathered;
+        the first carries the batch's signature (over every request's :meth:`Request.key`) and
+        its copy (one packed buffer, :class:`Layout`), the others mark themselves part of it
+        (:data:`PART_SIG`, the first position, how many positions are left).  Rank 0 decides
+        the first position as any other; it decides for the whole batch.  Returns whether it
+        was posted for the lane (else its requests go to the engine: the data ring was full)."""
+        b, self._batch = self._batch, None
+        p, m = self._posted, len(b.reqs)
+        if p + m - 1 - DEPTH >= self._floor and p + m - 1 - DEPTH >= self._min_done():
+            self._wait_room(p + m - 1)
+        keys = (b.dtype, b.op, b.postscale, tuple(b.ident))  # (what Request.key() adds is the same for all)
+        known = self._batch_sigs.get(keys)
+        if known is None:
+            if len(self._batch_sigs) >= _SIGS_MAX:
+                self._batch_sigs.clear()
+            digest = hashlib.blake2b(repr(("batch", keys)).encode(), digest_size=8).digest()
+            known = self._batch_sigs[keys] = ((int.from_bytes(digest, "little") >> 2) | 1,
+                                               fusion.Layout([r.array for r in b.reqs]))
+        sig, b.layout = known
+        nbytes = b.layout.count * b.dtype.itemsize
+        off = self._alloc(nbytes, p)
+        if off is None:
+            sig = nbytes = off = 0
+        else:
+            b.layout.pack([r.array for r in b.reqs], self.data[self.rank][off:off + nbytes].view(b.dtype))
+        i, page, rec = (p % DEPTH) * _REC, self.page[self.rank], self.rec[self.rank]
+        rec[i], rec[i + 1], rec[i + 2] = sig, off, nbytes
+        if m > 1:
+            parts = np.empty((m - 1, _REC), np.int64)
+            parts[:, 0], parts[:, 1], parts[:, 2] = PART_SIG if sig else 0, p, np.arange(m - 1, 0, -1)
+            self._rec_np[np.arange(p + 1, p + m) % DEPTH] = parts
+        self._posted = p + m
+        page[POSTED] = p + m  # last: the records are visible before their count
+        if not sig:
+            for r in b.reqs:
+                r.handle._lane = None
+                del self._batched[r.name]
+            self._handoff += b.reqs
+            return False
+        page[LATEST] = p + m
+        self.held[b.name] = b
+        self._out.append((p, b))
+        self._active_until = time.monotonic() + GRACE_S
+        return True
+
+    def flush(self, engine_thread: bool = False) -> None:
+        """Post the batch being gathered, if any (a caller waits for one of its requests, or,
+        ``engine_thread``, nobody did within :data:`GRACE_S` of the last submission); ring rank 0
+        if it sleeps."""
+        if self._batch is None:
+            return
+        with self.lock:
+            posted = (self._batch is not None and not (engine_thread and time.monotonic() < self._active_until)
+                      and self._flush_batch())
+            engine = self._take_handoff()
+        if engine:
+            self._to_engine(engine)
+        if posted and self.rank != 0:
+            _fence()
+            if self.page[0][WAITING]:
+                self._ring(0)
+
     def drive(self, handle) -> bool:
         """Run the lane from a caller waiting on ``handle`` (held by this lane) for up to
         :data:`SPIN_S` seconds, yielding the core between polls; it returns when the handle is
@@ -246,6 +361,7 @@ class Lane:
         True when the caller is to sleep on the handle, counted in ``WAITING`` until it calls
         :meth:`unwait`."""
         waits = False
+        self.flush()
         self.try_progress()  # (often decided already: then no flags, no fence)
         if handle._lane is not self:
             return False
@@ -307,7 +423,7 @@ class Lane:
         position some rank holds a request at (or a join) to decide, or :data:`_BACKLOG`
         positions only the engine runs to decide or consume (a burst's, done lazily)."""
         page, decided = self.page, self.page[0][DECIDED]
-        if self._out or page[self.rank][RUNG] or decided - self._done >= _BACKLOG:
+        if self._out or self._batch is not None or page[self.rank][RUNG] or decided - self._done >= _BACKLOG:
             return True
         return self.rank == 0 and any(page[q][LATEST] > decided or page[q][POSTED] - decided >= _BACKLOG
                                       for q in range(self.size))
@@ -321,6 +437,7 @@ class Lane:
         left = self._active_until - time.monotonic()
         if left > 0:  # (drive() wakes the engine if it stops before its handle is done)
             return max(min(left, 1.0), _TICK_S)
+        self.flush(engine_thread=True)  # (a batch nobody waited for)
         mine = self.page[self.rank]
         mine[RUNG] = 0  # rings from now on wake us again
         _fence()
@@ -357,6 +474,7 @@ class Lane:
     def poll(self, handle) -> None:
         """For ``handle.done()``: move the lane on once (:meth:`try_progress`) and, if ``handle``
         still waits for rank 0's decision, ring rank 0."""
+        self.flush()
         self.try_progress()
         if handle._lane is self:
             _fence()
@@ -367,7 +485,11 @@ class Lane:
         with self.lock:
             self.failed = err
             held, self.held = list(self.held.values()) + self._deferred, {}
-            self._deferred = []
+            if self._batch is not None:
+                held.append(self._batch)
+            self._deferred, self._batch = [], None
+            self._batched.clear()
+        held = [r for b in held for r in (b.reqs if type(b) is _Batch else [b])]
         for req in held:
             req.handle._lane = None
             req.handle._set(error=err)
@@ -454,6 +576,9 @@ class Lane:
             if self.held.pop(req.name, None) is not req:
                 continue
             verdict = self.dec[p % DEPTH]
+            if type(req) is _Batch:
+                self._consume_batch(p, req, verdict)
+                continue
             self.counts["fast" if verdict == FAST else "slow"] += 1
             req.handle._lane = None
             if verdict != FAST:
@@ -486,7 +611,8 @@ class Lane:
         last = max(posts)
         top = min(last, self._min_done() + DEPTH)  # (a decision's slot is free for reuse)
         start = k
-        if min(last - 1, top) - k >= 2 and not self._closing:  # (a burst: SLOW at once)
+        if min(last - 1, top) - k >= 2 and not self._closing \
+                and self.rec[posts.index(last)][(k % DEPTH) * _REC] == 0:  # (a burst for the engine: SLOW at once)
             a, b = k % DEPTH, k % DEPTH + min(last - 1, top) - k
             self._dec_np[a:min(b, DEPTH)] = SLOW
             self._dec_np[:max(0, b - DEPTH)] = SLOW
@@ -497,10 +623,12 @@ class Lane:
             if self._closing or JOIN_SIG in sigs:
                 self._closing = True
                 verdict = OFF
-            elif k + 1 < last or min(sigs) <= 0 or sigs.count(sigs[0]) != len(sigs):
+            elif min(sigs) <= 0 or sigs.count(sigs[0]) != len(sigs):
                 verdict = SLOW
             elif len(sigs) == n:
                 verdict = FAST
+            elif any(posts[q] > max(page[q][LATEST], k + 1) for q in range(n)):  # (a rank posted requests for
+                verdict = SLOW  # the engine after it and after its last lane request: they wait on this one)
             else:
                 now = time.monotonic()
                 if self._first_seen is None or self._first_seen[0] != k:
@@ -521,6 +649,29 @@ class Lane:
             if posts[q] > start and page[q][WAITING]:  # (a polling caller or a later post sees it)
                 self._ring(q)
 
+    def _consume_batch(self, p: int, b, verdict: int) -> None:
+        """Position ``p``, batch ``b``, was decided: FAST, every request gets its part of one
+        reduction of the packed copies; else every request goes to the engine, in order."""
+        self.counts["batches"] += 1
+        self.counts["fast" if verdict == FAST else "slow"] += len(b.reqs)
+        for r in b.reqs:
+            r.handle._lane = None
+            del self._batched[r.name]
+        if verdict != FAST:
+            self._handoff += b.reqs
+            return
+        try:
+            parts = self._reduce(p, b)
+        except Exception as e:  # noqa: BLE001 - these requests fail, not the lane
+            for r in b.reqs:
+                r.handle._set(error=e)
+            return
+        for r, part in zip(b.reqs, parts):
+            if r.out is not None:
+                np.copyto(r.out, part)
+                part = r.out
+            r.handle._set(result=part)
+
     def _broadcast(self, p: int, req):
         """Position ``p``, a broadcast, was decided FAST: a copy of the root's."""
         a = req.array
@@ -536,8 +687,11 @@ class Lane:
     def _reduce(self, p: int, req):
         """Position ``p``, an allreduce, was decided FAST: reduce every rank's copy, in rank
         order, into a new array (``req.out`` if given); returns the request's result."""
-        a = req.array
-        dtype, nbytes, i = a.dtype, a.nbytes, (p % DEPTH) * _REC
+        if type(req) is _Batch:  # (the packed copies; the parts of the result)
+            dtype, size, out = req.dtype, req.layout.count, None
+        else:
+            dtype, size, out = req.array.dtype, req.array.size, req.out
+        nbytes, i = size * dtype.itemsize, (p % DEPTH) * _REC
         views = []
         for q in range(self.size):
             off, got = self.rec[q][i + 1], self.rec[q][i + 2]
@@ -545,9 +699,42 @@ class Lane:
                 raise errors.ProtocolError(f"rank {self.rank}: rank {q}'s fast-lane record for '{req.name}' "
                                            f"is malformed (offset {off}, {got} bytes, expected {nbytes})")
             views.append(self.data[q][off:off + nbytes].view(dtype))
-        out = self._result_array(dtype, a.size) if req.out is None else req.out.reshape(-1)
-        collectives.reduce_copies(UFUNCS[req.op], views, out, accumulation_dtype(dtype), self._float_scale(req, dtype))
-        self._int_scale(out, req)
+        result = self._result_array(dtype, size) if out is None else out.reshape(-1)
+        collectives.reduce_copies(UFUNCS[req.op], views, result, accumulation_dtype(dtype),
+                                  self._float_scale(req, dtype))
+        self._int_scale(result, req)
         if req.layout is not None:
-            return req.layout.views(out)
-        return out.reshape(a.shape) if req.out is None else req.out
+            return req.layout.views(result)
+        return result.reshape(req.array.shape) if out is None else out
+
+
+class _Batch:
+    """Small allreduces of one burst (one dtype, op and postscale), gathered in the caller's
+    thread and posted as one position (:meth:`Lane._flush_batch`)."""
+
+    __slots__ = ("reqs", "names", "ident", "name", "dtype", "op", "postscale", "nbytes", "layout")
+    kind, prescale = "allreduce", 1.0
+
+    def __init__(self, req, names: dict):
+        self.reqs, self.ident, self.name = [], [], f"{req.name} (batch)"
+        self.names = names  # (the lane's: every name in a batch it gathers or holds)
+        self.dtype, self.op, self.postscale = req.array.dtype, req.op, req.postscale
+        self.nbytes = 0
+        self.layout = None  # (set when posted)
+
+    def takes(self, req, size: int) -> bool:
+        """Whether ``req`` (a burst's) joins this batch: an allreduce of a host array of its
+        dtype, op and postscale, no prescale, not a group, a name not in any batch of the lane,
+        and the batch's bytes stay readable (:data:`READ_BYTES`)."""
+        a = req.array
+        return (type(a) is np.ndarray and a.dtype == self.dtype and req.op is self.op and req.kind == "allreduce"
+                and req.postscale == self.postscale and req.prescale == 1.0 and req.layout is None
+                and req.device is None and len(self.reqs) < _BATCH_MAX and a.nbytes > 0
+                and (self.nbytes + a.nbytes + _ALIGN) * (size - 1) <= READ_BYTES and req.name not in self.names)
+
+    def add(self, req) -> None:
+        a = req.array
+        self.reqs.append(req)
+        self.names[req.name] = self
+        self.ident.append((req.name, a.shape))
+        self.nbytes += a.nbytes + _ALIGN  # (at most: each part starts on a cache line)
