@@ -10,13 +10,17 @@ times ``size - 1`` at most :data:`READ_BYTES`; a broadcast of at most :data:`REA
 of the input in this rank's data ring (a broadcast: the root's only).  The
 signature is a 62-bit hash of everything ranks must agree on (:meth:`Request.key`: name, kind,
 dtype, shape, op, scales, a group's shapes); 0 marks a collective the lane does not run, which
-goes to the engine at once.  So does a **burst** (asynchronous submissions, which the engine
-batches: one negotiation, fused buckets; request by request the lane was slower): everything a
-rank submits while its engine thread has work or the lane holds a request of it, and a name that
-came first in a burst the last time it was submitted (learnt per rank and name, so a training
-step's burst goes to the engine whole).  While the lane holds a request, what goes to the engine
-waits until that request is decided (waiting on it runs the lane), so a request decided SLOW
-reaches the engine before what was submitted after it and is batched with it.
+goes to the engine at once.  A **burst** (asynchronous submissions: everything a rank submits
+while its engine thread has work, the lane holds a request of it or a batch is being gathered,
+and what follows a name that came first in a burst the last time it was submitted, learnt per
+rank and name) is not posted request by request: its small allreduces are gathered into a
+**batch** (:class:`_Batch`: one dtype, op and postscale) posted at once when a caller waits on
+or polls one of them, when a request that cannot join comes, or by the engine thread
+:data:`GRACE_S` after the last submission: one position per request, the first with the batch's
+signature and one packed copy, the others :data:`PART_SIG`; the rest of a burst goes to the
+engine (which batches it: one negotiation, fused buckets).  While the lane holds a request, what
+goes to the engine waits until that request is decided (waiting on it runs the lane), so a
+request decided SLOW reaches the engine before what was submitted after it and is batched with it.
 
 **Rank 0 decides** each position, in order, alone (so every rank sees one outcome):
 
@@ -25,8 +29,8 @@ reaches the engine before what was submitted after it and is batched with it.
   operations on every rank, so results are bit-identical), into a new array (a broadcast:
   copies the root's): no barrier, no message, no engine.
 * SLOW as soon as one record is 0 or two differ (another collective, another order, a
-  mismatch), as soon as some rank posted a later position (it did not wait for this one: a
-  burst), or when a position waited :data:`ESCALATE_S` for a rank that has not posted it
+  mismatch), as soon as a rank posted requests for the engine after its last lane request
+  (they would wait on this one), or when a position waited :data:`ESCALATE_S` for a rank that has not posted it
   (a rank busy elsewhere, or waiting for something that needs this decision first): an eligible
   request then goes to the engine like any other, which negotiates, reports mismatches and
   stalls on every rank as before.  A SLOW decision costs speed, never correctness.
