@@ -295,3 +295,51 @@ def unwaited_batch(sleep_s):
     got = [h.wait() for h in hs]
     took = time.monotonic() - t
     return [all(bool(np.all(g == sum(q + i for q in range(n)))) for i, g in enumerate(got)), took]
+
+
+def without_rank0(deadline_s, flag):
+    """Rank 0 posts an allreduce, then holds its lane's lock (neither its caller nor its engine
+    thread can decide anything) and creates the file ``flag``; the others then submit theirs and
+    wait, while rank 0 waits until every other rank has consumed that position or ``deadline_s``
+    passed.  Returns (exact, whether the others were done while rank 0 decided nothing, the lane
+    counts of this allreduce)."""
+    import time
+    from sdp.engine import lane as lane_mod
+    n, r = sdp.size(), sdp.rank()
+    lane = sdp.api.runtime().lane
+    sdp.barrier()
+    sdp.allreduce(np.ones(4), name="w0", op=sdp.Sum)  # (the lane's records filled once)
+    sdp.barrier()
+    page, before = lane.page, dict(lane.counts)
+    end = time.monotonic() + deadline_s
+    if r == 0:
+        p = lane._posted
+        h = sdp.allreduce_async(np.full(5, 1.0), name="w1", op=sdp.Sum)
+        with lane.lock:
+            decided = page[0][lane_mod.DECIDED]
+            open(flag, "w").close()
+            while time.monotonic() < end and not all(page[q][lane_mod.DONE] > p for q in range(1, n)):
+                time.sleep(0.001)
+            early = all(page[q][lane_mod.DONE] > p for q in range(1, n)) and page[0][lane_mod.DECIDED] == decided
+        got = h.wait()
+    else:
+        while not os.path.exists(flag) and time.monotonic() < end:
+            time.sleep(0.001)
+        got, early = sdp.allreduce(np.full(5, 1.0 + r), name="w1", op=sdp.Sum), None
+    return [bool(np.all(got == sum(1.0 + q for q in range(n)))), early,
+            {k: v - before[k] for k, v in lane.counts.items()}]
+
+
+def grouped_steps(steps):
+    """``steps`` grouped allreduces of 20 small tensors, each waited part by part as
+    ``sdp.grouped_allreduce`` does (the group is often done before its first part is waited
+    for).  Returns (exact, lane counts)."""
+    import sdp.engine.lane
+    sdp.engine.lane.ESCALATE_S = 3600.0  # (a rank late on a busy machine is waited for)
+    n, r = sdp.size(), sdp.rank()
+    xs = [np.full(8 + i, float(r + i), np.float32) for i in range(20)]
+    ok = True
+    for _ in range(steps):
+        got = sdp.grouped_allreduce(xs, name="steps", op=sdp.Sum)
+        ok = ok and all(bool(np.all(g == sum(q + i for q in range(n)))) for i, g in enumerate(got))
+    return [ok, sdp.api.runtime().lane.counts]

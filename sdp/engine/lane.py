@@ -37,13 +37,22 @@ request decided SLOW reaches the engine before what was submitted after it and i
 * OFF once any rank posted ``join()``: the lane stays off for the rest of the job (a joined rank
   posts nothing more, so positions could never fill).
 
+A position every rank posted is decided by its records alone (OFF with a join's, SLOW with a 0
+or two that differ, else FAST), so a rank that sees every record of its held request equal
+**consumes it FAST without waiting for rank 0** (:meth:`Lane._fast_before_rank0`), unless rank 0
+has *claimed* the position (``CLAIM``): before any other decision (on time, on what was posted
+after it, after a join) rank 0 stores the claim, fences, and reads the posts again, deciding by
+the records what is complete by then (Dekker's pattern again: a rank reads the records, then the
+claim; so either it sees the claim or rank 0 sees the records it saw; see the doorbells below).
+
 Who runs the lane: the caller waiting on a lane handle (:meth:`drive`: it polls for up to
 :data:`SPIN_S` seconds, yielding the core between polls, then sleeps on the handle; it does not
 poll when this host has fewer cores than local ranks, as for the engine's spin, nor while the
 engine thread has work), else the engine thread, which a **doorbell** wakes
 (:func:`shm_ctrl.ring_bell`) only where needed, since ringing costs the ringer its core for up
-to ~0.7 ms when the woken thread takes it: a post rings rank 0 and a decision the ranks that
-posted it only if a caller of theirs sleeps on a lane handle (``WAITING``); a caller that stops
+to ~0.7 ms when the woken thread takes it: a post rings rank 0 (and a rank that posted as far),
+and a decision the ranks that posted it, only if a caller of theirs sleeps on a lane handle
+(``WAITING``); a caller that stops
 polling rings rank 0 if its position is undecided; a rank waiting for room rings the laggards.
 No doorbell while the target's ``AWAKE`` flag says a caller polls or ``RUNG`` says it was rung
 and has not looked yet (Dekker's pattern: flag or count stored, then a full fence, a locked
@@ -55,9 +64,11 @@ Shared memory (per rank, in its segment's lane region of :data:`shm_ctrl.LANE_BY
 (positions posted), ``DONE`` (positions consumed: a decision read and, if FAST, the peers' copies
 reduced), ``DECIDED`` (rank 0: positions decided), ``AWAKE`` (callers polling now), ``RUNG``,
 ``WAITING`` (callers asleep on lane handles), ``LATEST`` and ``JOINED`` (1 + the position of
-this rank's latest lane request or ``join()``, and of its ``join()``).  Rank 0 decides at once
+this rank's latest lane request or ``join()``, and of its ``join()``), ``CLAIM`` (rank 0: no
+rank consumes a position below it before rank 0 decided it).  Rank 0 decides at once
 what a rank holds a request at (``LATEST``); positions only the engine runs are decided, and
-consumed, lazily, :data:`_BACKLOG` at a time, and a burst's all at once.  A rank posts
+consumed, lazily, :data:`_BACKLOG` at a time, and a burst's at once (as far as the furthest
+rank's records are 0).  A rank posts
 ``p`` only when every rank has consumed ``p - DEPTH`` (so records, decisions and data are reused
 only after every reader is done), and frees its copy of ``p`` once every rank consumed ``p``.
 Stores become visible in order on x86-64 (as for the barrier flags, :mod:`sdp.engine.barrier`):
@@ -85,7 +96,7 @@ READ_BYTES = 512 << 10  # eligible: bytes x (size - 1) at most this (every rank 
 ESCALATE_S = 0.005  # seconds a position waits for a rank that has not posted it, then SLOW
 SPIN_S = 200e-6  # seconds a waiting caller polls the lane before it sleeps on the handle
 GRACE_S = 200e-6  # seconds after a post during which the engine thread leaves the lane to the caller
-POSTED, DONE, DECIDED, AWAKE, RUNG, WAITING, LATEST, JOINED = range(8, 16)  # int64 slots of the flag page
+POSTED, DONE, DECIDED, AWAKE, RUNG, WAITING, LATEST, JOINED, CLAIM = range(8, 17)  # int64 slots of the flag page
 FAST, SLOW, OFF = 1, 2, 3  # decisions
 JOIN_SIG = -1  # the signature of a join() record
 PART_SIG = -2  # the record of a batch's request after its first (decided SLOW, and ignored)
@@ -127,8 +138,8 @@ class Lane:
         base = seg.lane_offset()
         self.rec = {q: memoryview(seg.at(q, base, np.int64, DEPTH * _REC)).cast("B").cast("q") for q in seg.peers}
         self.dec = memoryview(seg.at(0, base + DEPTH * _REC * 8, np.int64, DEPTH)).cast("B").cast("q")
-        self._rec_np = seg.at(self.rank, base, np.int64, DEPTH * _REC).reshape(DEPTH, _REC)  # (this rank's
-        # records again: a batch's are written at once)
+        self._rec_np = {q: seg.at(q, base, np.int64, DEPTH * _REC).reshape(DEPTH, _REC) for q in seg.peers}  # (the
+        # records again: a batch's are written at once, a burst's read at once)
         self._dec_np = seg.at(0, base + DEPTH * _REC * 8, np.int64, DEPTH)  # (the same decisions: for
         # a burst's slice assignment; ``dec`` is the faster one element at a time)
         self.data = {q: seg.at(q, base + DEPTH * (_REC + 1) * 8, np.uint8, DATA_BYTES) for q in seg.peers}
@@ -158,7 +169,7 @@ class Lane:
         self._head = None  # (name, handle) of the last submission's first request (to learn _heads)
         self._floor = 0  # positions every rank had consumed when last looked (_min_done)
         self._decided = 0  # rank 0
-        self._closing = False  # rank 0: a join() was seen, every later decision is OFF
+        self._closing = None  # rank 0: once a join() was seen, the positions complete then (later: OFF)
         self._first_seen = None  # rank 0: (position, when) of the first position left waiting
 
     # -- caller side ----------------------------------------------------------------------------
@@ -241,8 +252,9 @@ class Lane:
                 engine = self._take_handoff() + engine
         if self.rank != 0 and page[LATEST] != latest:  # (something rank 0 decides at once was posted)
             _fence()
-            if self.page[0][WAITING]:  # (else rank 0 decides when it posts or waits itself)
-                self._ring(0)
+            for q in range(self.size):  # (a rank asleep: rank 0 decides, one that posted as far may
+                if q != self.rank and self.page[q][WAITING] and (q == 0 or self.page[q][POSTED] >= self._posted):
+                    self._ring(q)  # consume at once; else they run the lane when they post or wait)
         return engine
 
     def _to_engine_after_held(self, req, engine: list) -> None:
@@ -326,7 +338,7 @@ class Lane:
         if m > 1:
             parts = np.empty((m - 1, _REC), np.int64)
             parts[:, 0], parts[:, 1], parts[:, 2] = PART_SIG if sig else 0, p, np.arange(m - 1, 0, -1)
-            self._rec_np[np.arange(p + 1, p + m) % DEPTH] = parts
+            self._rec_np[self.rank][np.arange(p + 1, p + m) % DEPTH] = parts
         self._posted = p + m
         page[POSTED] = p + m  # last: the records are visible before their count
         if not sig:
@@ -446,8 +458,7 @@ class Lane:
         mine[RUNG] = 0  # rings from now on wake us again
         _fence()
         seen = self._first_seen  # rank 0: the next escalation
-        state = (self.page[0][DECIDED], self._posted, tuple(self.page[q][POSTED] for q in range(self.size))
-                 if self.rank == 0 else None)
+        state = (self.page[0][DECIDED], self._posted, tuple(self.page[q][POSTED] for q in range(self.size)))
         if state != self._state or seen is not None and time.monotonic() >= seen[1] + ESCALATE_S:
             self.progress()  # (not while nothing changed: the engine thread comes here every cycle)
             self._state = state
@@ -569,17 +580,20 @@ class Lane:
         return off
 
     def _progress(self) -> None:
+        out = self._out
         if self.rank == 0:
             self._decide()
-        done = min(self.page[0][DECIDED], self._posted)  # (positions only the engine runs need no work)
+        decided = self.page[0][DECIDED]
+        done = min(decided, self._posted)  # (positions only the engine runs need no work)
+        if out and out[0][0] >= decided and self.rank:
+            done = max(done, self._fast_before_rank0(out[0][0]))
         if done <= self._done:
             return
-        out = self._out
         while out and out[0][0] < done:
             p, req = out.popleft()
             if self.held.pop(req.name, None) is not req:
                 continue
-            verdict = self.dec[p % DEPTH]
+            verdict = self.dec[p % DEPTH] if p < decided else FAST
             if type(req) is _Batch:
                 self._consume_batch(p, req, verdict)
                 continue
@@ -599,47 +613,84 @@ class Lane:
                 req.handle._lane = None
             self._handoff += self._deferred
             self._deferred = []
-        if self.dec[(done - 1) % DEPTH] == OFF:  # (OFF is for good: the last position tells)
-            self.off = True
+        if 0 < min(done, decided) and self.dec[(min(done, decided) - 1) % DEPTH] == OFF:  # (OFF is for good:
+            self.off = True  # the last position tells)
         self._done = done
         self.page[self.rank][DONE] = done  # (after the reductions read the peers' copies)
 
+    def _fast_before_rank0(self, p: int) -> int:
+        """Rank ``p``'s records are everyone's and equal (a held request's: positive): FAST, as rank 0
+        will decide, unless it has claimed ``p`` (:meth:`_claim`: it may decide otherwise); so this
+        rank consumes ``p`` without waiting for rank 0.  Returns ``p + 1``, or 0 (wait for rank 0).
+        The records are read before the claim, rank 0 stores the claim before it reads them."""
+        page, i = self.page, (p % DEPTH) * _REC
+        sig = self.rec[self.rank][i]
+        for q in range(self.size):
+            if page[q][POSTED] <= p or self.rec[q][i] != sig:
+                return 0
+        return p + 1 if page[0][CLAIM] <= p else 0
+
+    def _claim(self, upto: int) -> list:
+        """Rank 0, before a decision that is not the records' own (a position some rank has not
+        posted, decided on time or on what was posted after it): no rank decides positions below
+        ``upto`` FAST by itself from now on (:meth:`_fast_before_rank0`).  Returns the posts
+        counts read after the claim is visible: a position complete then may have been
+        consumed FAST already, and is decided by its records."""
+        page = self.page
+        if page[0][CLAIM] < upto:
+            page[0][CLAIM] = upto
+            _fence()
+        return [page[q][POSTED] for q in range(self.size)]
+
     def _decide(self) -> None:
-        """Rank 0: decide every position that can be, in order; ring the ranks that posted them."""
+        """Rank 0: decide every position that can be, in order; ring the ranks that posted them.
+        A position every rank posted is decided by its records alone (OFF with a join, SLOW if a
+        signature is 0 or two differ, else FAST), as any rank may decide it FAST by itself; the
+        rest only after :meth:`_claim`."""
         n, page, k = self.size, self.page, self._decided
         posts = [page[q][POSTED] for q in range(n)]
         if max(posts) <= k:  # (nothing new: the common poll, ~1.4 us of a 1 KB allreduce's 19)
             return
-        if not self._closing and any(page[q][JOINED] for q in range(n)):
-            self._closing = True  # (a joined rank posts nothing more: every position from now on is OFF)
+        if self._closing is None and any(page[q][JOINED] for q in range(n)):
+            posts = self._claim(1 << 62)  # (a joined rank posts nothing more: every position not complete
+            self._closing = min(posts)  # now is OFF; none is decided FAST by a rank alone any more)
         last = max(posts)
         top = min(last, self._min_done() + DEPTH)  # (a decision's slot is free for reuse)
         start = k
-        if min(last - 1, top) - k >= 2 and not self._closing \
-                and self.rec[posts.index(last)][(k % DEPTH) * _REC] == 0:  # (a burst for the engine: SLOW at once)
-            a, b = k % DEPTH, k % DEPTH + min(last - 1, top) - k
-            self._dec_np[a:min(b, DEPTH)] = SLOW
-            self._dec_np[:max(0, b - DEPTH)] = SLOW
-            k = min(last - 1, top)
+        far = posts.index(last)
+        end = min(last - 1, top)
+        if end - k >= 2 and self._closing is None and self.rec[far][(k % DEPTH) * _REC] == 0:  # (a burst for the
+            at = np.arange(k, end) % DEPTH  # engine: SLOW at once, as far as the furthest rank's records are 0)
+            zero = self._rec_np[far][at, 0] == 0
+            run = len(at) if zero.all() else int(zero.argmin())
+            self._dec_np[at[:run]] = SLOW
+            k += run
         while k < top:
             i = (k % DEPTH) * _REC
             sigs = [self.rec[q][i] for q in range(n) if posts[q] > k]
-            if self._closing or JOIN_SIG in sigs:
-                self._closing = True
+            if JOIN_SIG in sigs or self._closing is not None and k >= self._closing:
+                if self._closing is None:
+                    posts = self._claim(1 << 62)
+                    self._closing = min(posts)
+                    continue
                 verdict = OFF
             elif min(sigs) <= 0 or sigs.count(sigs[0]) != len(sigs):
                 verdict = SLOW
             elif len(sigs) == n:
                 verdict = FAST
-            elif any(posts[q] > max(page[q][LATEST], k + 1) for q in range(n)):  # (a rank posted requests for
-                verdict = SLOW  # the engine after it and after its last lane request: they wait on this one)
             else:
-                now = time.monotonic()
-                if self._first_seen is None or self._first_seen[0] != k:
-                    self._first_seen = (k, now)
-                    break
-                if now - self._first_seen[1] < ESCALATE_S:
-                    break
+                if not any(posts[q] > max(page[q][LATEST], k + 1) for q in range(n)):  # (else a rank posted
+                    # requests for the engine after it and after its last lane request: they wait on this one)
+                    now = time.monotonic()
+                    if self._first_seen is None or self._first_seen[0] != k:
+                        self._first_seen = (k, now)
+                        break
+                    if now - self._first_seen[1] < ESCALATE_S:
+                        break
+                fresh = self._claim(k + 1)
+                if all(fresh[q] > k for q in range(n)):  # (complete now: by its records)
+                    posts = fresh
+                    continue
                 verdict = SLOW
             self.dec[k % DEPTH] = verdict
             k += 1

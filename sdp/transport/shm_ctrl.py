@@ -14,7 +14,7 @@ doorbell is a pipe.  Fault detection is unchanged: the engine thread waits in th
 ``poll`` as before, which still sees the ZeroMQ monitors of every peer.
 
 Layout: in the last page of every segment (the barrier-flag page; barrier flags use its first 8
-slots, the fast lane slots 8-15), int64 slot ``WPOS + dst`` is how many bytes this rank has written into its ring to
+slots, the fast lane slots 8-16), int64 slot ``WPOS + dst`` is how many bytes this rank has written into its ring to
 ``dst`` (written only by the sender), ``RPOS + src`` how many bytes this rank has read from
 ``src``'s ring to it (written only by the receiver), ``MODE`` is 1 once this rank sends its
 control messages through the rings.  A record is ``u32 length, u32 k`` then the body, padded to
