@@ -61,6 +61,15 @@ def test_aligned_empty_starts_on_64_bytes(count, dtype):
     assert count == 0 or a.ctypes.data % 64 == 0  # (an empty array has no data to align)
 
 
+@given(counts=st.lists(st.integers(0, 1500), min_size=1, max_size=80))
+def test_small_aligned_arrays_never_overlap(counts):
+    arrays = [fusion.aligned_empty(np.float32, c) for c in counts]  # (many from one chunk, some from the next)
+    for i, a in enumerate(arrays):
+        a[...] = i
+    assert all(np.all(a == i) for i, a in enumerate(arrays))
+    assert all(a.ctypes.data % 64 == 0 for a in arrays if a.size)
+
+
 @settings(max_examples=60, deadline=None)
 @given(shapes=st.lists(st.sampled_from([(), (0,), (1,), (3,), (16,), (5, 7), (2, 1, 3), (33,)]), min_size=1,
                        max_size=10),

@@ -646,25 +646,62 @@ class Lane:
         """Rank 0: decide every position that can be, in order; ring the ranks that posted them.
         A position every rank posted is decided by its records alone (OFF with a join, SLOW if a
         signature is 0 or two differ, else FAST), as any rank may decide it FAST by itself; the
-        rest only after :meth:`_claim`."""
+        rest (:meth:`_decide_incomplete`) only after :meth:`_claim`."""
         n, page, k = self.size, self.page, self._decided
         posts = [page[q][POSTED] for q in range(n)]
-        if max(posts) <= k:  # (nothing new: the common poll, ~1.4 us of a 1 KB allreduce's 19)
+        last = max(posts)
+        if last <= k:  # (nothing new: the common poll)
             return
+        start = k
+        top = self._floor + DEPTH  # (a decision's slot is free for reuse)
+        if top < last:
+            top = self._min_done() + DEPTH
+        top = min(last, top)
+        end = min(last - 1, top)
+        if end - k >= 2 and self._closing is None:  # (a burst for the engine: SLOW at once, as far as the
+            far = posts.index(last)  # furthest rank's records are 0)
+            if self.rec[far][(k % DEPTH) * _REC] == 0:
+                at = np.arange(k, end) % DEPTH
+                zero = self._rec_np[far][at, 0] == 0
+                run = len(at) if zero.all() else int(zero.argmin())
+                self._dec_np[at[:run]] = SLOW
+                k += run
+        rec, dec, complete = self.rec, self.dec, min(min(posts), top)
+        while k < complete:  # (every rank posted it)
+            i = (k % DEPTH) * _REC
+            sigs = [rec[q][i] for q in range(n)]
+            sig = sigs[0]
+            if sig > 0 and sigs.count(sig) == n:
+                verdict = FAST
+            elif JOIN_SIG in sigs:
+                if self._closing is None:
+                    self._closing = min(self._claim(1 << 62))
+                verdict = OFF
+            else:
+                verdict = SLOW
+            dec[k % DEPTH] = verdict
+            k += 1
+        if k < top:
+            k, posts = self._decide_incomplete(k, top, posts)
+        if k == start:
+            return
+        self._first_seen = None
+        self._decided = k
+        page[0][DECIDED] = k  # last: the decisions are visible before their count
+        _fence()
+        for q in range(1, n):
+            if posts[q] > start and page[q][WAITING]:  # (a polling caller or a later post sees it)
+                self._ring(q)
+
+    def _decide_incomplete(self, k: int, top: int, posts: list):
+        """Rank 0: decide from position ``k`` (below ``top``), which some rank has not posted:
+        SLOW if what was posted differs or holds a 0, OFF once a join was seen, else SLOW once a
+        rank posted requests for the engine after it or :data:`ESCALATE_S` passed, each after
+        :meth:`_claim`.  Returns the next position to decide and the posts counts last read."""
+        n, page = self.size, self.page
         if self._closing is None and any(page[q][JOINED] for q in range(n)):
             posts = self._claim(1 << 62)  # (a joined rank posts nothing more: every position not complete
             self._closing = min(posts)  # now is OFF; none is decided FAST by a rank alone any more)
-        last = max(posts)
-        top = min(last, self._min_done() + DEPTH)  # (a decision's slot is free for reuse)
-        start = k
-        far = posts.index(last)
-        end = min(last - 1, top)
-        if end - k >= 2 and self._closing is None and self.rec[far][(k % DEPTH) * _REC] == 0:  # (a burst for the
-            at = np.arange(k, end) % DEPTH  # engine: SLOW at once, as far as the furthest rank's records are 0)
-            zero = self._rec_np[far][at, 0] == 0
-            run = len(at) if zero.all() else int(zero.argmin())
-            self._dec_np[at[:run]] = SLOW
-            k += run
         while k < top:
             i = (k % DEPTH) * _REC
             sigs = [self.rec[q][i] for q in range(n) if posts[q] > k]
@@ -694,15 +731,7 @@ class Lane:
                 verdict = SLOW
             self.dec[k % DEPTH] = verdict
             k += 1
-        if k == start:
-            return
-        self._first_seen = None
-        self._decided = k
-        page[0][DECIDED] = k  # last: the decisions are visible before their count
-        _fence()
-        for q in range(1, n):
-            if posts[q] > start and page[q][WAITING]:  # (a polling caller or a later post sees it)
-                self._ring(q)
+        return k, posts
 
     def _consume_batch(self, p: int, b, verdict: int) -> None:
         """Position ``p``, batch ``b``, was decided: FAST, every request gets its part of one
