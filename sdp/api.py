@@ -269,14 +269,18 @@ def device_counters() -> dict:
 
 
 def _submit(kind, tensor, name, process_set=0, **kw) -> Handle:
+    rt, name, ps = _engine_and_name(kind, name, process_set)
+    return rt.submit(Request(name, kind, tensor if type(tensor) is np.ndarray else as_input(tensor), ps=ps, **kw))
+
+
+def _engine_and_name(kind: str, name: Optional[str], process_set) -> tuple:
+    """``(runtime, engine name, set id)`` of a collective (see :func:`_set_name`)."""
     rt = _runtime
     if rt is None:
         raise NotInitializedError(f"{kind}()")
     if name is not None and (process_set is None or type(process_set) is int and not process_set):
-        ps = 0  # (a named collective of every rank: the common case, ~1.5 us less)
-    else:
-        name, ps = _set_name(rt, kind, name, process_set)
-    return rt.submit(Request(name, kind, tensor if type(tensor) is np.ndarray else as_input(tensor), ps=ps, **kw))
+        return rt, name, 0  # (a named collective of every rank: the common case, ~1.5 us less)
+    return (rt, *_set_name(rt, kind, name, process_set))
 
 
 def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
@@ -289,8 +293,10 @@ def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor
     ``horovod.torch.allreduce_``), else into a new array.
     Mirrors ``horovod.torch.allreduce_async``.  Raises ``ValueError`` for an unusable ``out`` or
     an unsupported dtype/op (see the module docstring)."""
-    return _submit("allreduce", tensor, name, process_set, op=resolve_op(op), prescale=prescale_factor,
-                   postscale=postscale_factor, out=out)
+    rt, name, ps = _engine_and_name("allreduce", name, process_set)  # (positional below: ~1 us less a call)
+    return rt.submit(Request(name, "allreduce", tensor if type(tensor) is np.ndarray else as_input(tensor),
+                             op if type(op) is ReduceOp else resolve_op(op), None, prescale_factor,
+                             postscale_factor, None, out, ps))
 
 
 def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,

@@ -667,6 +667,12 @@ class Lane:
                 self._dec_np[at[:run]] = SLOW
                 k += run
         rec, dec, complete = self.rec, self.dec, min(min(posts), top)
+        if complete - k >= 8:  # (a batch's or a burst's positions: at once)
+            at = np.arange(k, complete) % DEPTH
+            sigs = np.stack([self._rec_np[q][at, 0] for q in range(n)])
+            if not (sigs == JOIN_SIG).any():
+                self._dec_np[at] = np.where((sigs[0] > 0) & (sigs == sigs[0]).all(axis=0), FAST, SLOW)
+                k = complete
         while k < complete:  # (every rank posted it)
             i = (k % DEPTH) * _REC
             sigs = [rec[q][i] for q in range(n)]

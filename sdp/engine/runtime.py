@@ -276,7 +276,8 @@ class Runtime:
         """Queue ``req`` for the background thread; returns its handle at once.
 
         Raises the engine's fatal error (e.g. :class:`PeerLostError`) if it has already failed."""
-        return self.submit_many([req])[0]
+        self.submit_many((req,))
+        return req.handle
 
     def submit_many(self, reqs: List[Request]) -> List[Handle]:
         """Queue several requests at once: they reach the coordinator in one message, so they
