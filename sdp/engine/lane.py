@@ -229,14 +229,15 @@ class Lane:
                 i = (p % DEPTH) * _REC
                 rec[i], rec[i + 1], rec[i + 2] = sig, off, nbytes
                 self._posted = p + 1
+                if sig > 0 or sig == JOIN_SIG:  # (rank 0 decides what a rank waits on at once, bursts
+                    page[LATEST] = p + 1  # lazily; before the count: never a post it sees without it)
                 page[POSTED] = p + 1  # last: the record is visible before its count
                 if sig == JOIN_SIG:  # (this rank posts nothing more; rank 0 turns the others off)
-                    page[JOINED] = page[LATEST] = p + 1
+                    page[JOINED] = p + 1
                     self.off = True
                 if sig <= 0:
                     self._to_engine_after_held(req, engine)
                     continue
-                page[LATEST] = p + 1  # (rank 0 decides what a rank waits on at once, bursts lazily)
                 eligible = burst = True  # (what follows in this submission is a burst)
                 self.held[req.name] = req
                 req.handle._lane = self
@@ -340,6 +341,8 @@ class Lane:
             parts[:, 0], parts[:, 1], parts[:, 2] = PART_SIG if sig else 0, p, np.arange(m - 1, 0, -1)
             self._rec_np[self.rank][np.arange(p + 1, p + m) % DEPTH] = parts
         self._posted = p + m
+        if sig:
+            page[LATEST] = p + m  # (before the count, as in post)
         page[POSTED] = p + m  # last: the records are visible before their count
         if not sig:
             for r in b.reqs:
@@ -347,7 +350,6 @@ class Lane:
                 del self._batched[r.name]
             self._handoff += b.reqs
             return False
-        page[LATEST] = p + m
         self.held[b.name] = b
         self._out.append((p, b))
         self._active_until = time.monotonic() + GRACE_S
