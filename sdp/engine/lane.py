@@ -621,7 +621,7 @@ class Lane:
         self.page[self.rank][DONE] = done  # (after the reductions read the peers' copies)
 
     def _fast_before_rank0(self, p: int) -> int:
-        """Rank ``p``'s records are everyone's and equal (a held request's: positive): FAST, as rank 0
+        """Position ``p``'s records are everyone's and equal (a held request's: positive): FAST, as rank 0
         will decide, unless it has claimed ``p`` (:meth:`_claim`: it may decide otherwise); so this
         rank consumes ``p`` without waiting for rank 0.  Returns ``p + 1``, or 0 (wait for rank 0).
         The records are read before the claim, rank 0 stores the claim before it reads them."""
