@@ -97,3 +97,15 @@ def test_segment_layout_keeps_the_pool_and_flags_clear_of_the_rings():
         assert seg.pool_offset(arr) == off and off + 8192 <= seg.ring_offset(0)
     finally:
         seg.unlink()
+
+
+def test_close_empties_the_doorbells_that_the_fast_lane_shares(pair):
+    # (the lane keeps the same dict: after close it must find no descriptor number to write a
+    # byte to, since a closed number soon names another file of the process)
+    rings, _ = pair
+    shared = rings[0].bells
+    fd = shared[1]
+    rings[0].close()
+    assert shared == {} and rings[0].bells is shared
+    with pytest.raises(OSError):
+        os.fstat(fd)

@@ -428,7 +428,9 @@ class Lane:
         page = self.page[q]
         if not page[AWAKE] and not page[RUNG]:
             page[RUNG] = 1
-            ring_bell(self.bells[q])
+            fd = self.bells.get(q)  # (none once the mesh is closed)
+            if fd is not None:
+                ring_bell(fd)
 
     def _set_awake(self, delta: int) -> None:
         with self.lock:

@@ -304,8 +304,9 @@ class Runtime:
             self._wake()
 
     def _wake(self) -> None:
-        """Wake the engine thread (any thread)."""
-        os.write(self._wake_w, b"x")
+        """Wake the engine thread (any thread; nothing after shutdown)."""
+        if self._wake_w >= 0:
+            os.write(self._wake_w, b"x")
 
     def shutdown(self) -> None:
         """Stop the thread, fail whatever is still pending, and close the sockets (says BYE)."""
@@ -319,8 +320,9 @@ class Runtime:
         self._fail_all(errors.NotInitializedError("waiting on a collective: sdp was shut down"))
         if self._device is not None and not self._thread.is_alive():
             self._device.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        wake_r, wake_w, self._wake_w = self._wake_r, self._wake_w, -1  # (a late _wake writes nowhere)
+        os.close(wake_r)
+        os.close(wake_w)
 
     # -- background thread --------------------------------------------------------------------
     def _run(self) -> None:
