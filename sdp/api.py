@@ -270,7 +270,7 @@ def device_counters() -> dict:
 
 def _submit(kind, tensor, name, process_set=0, **kw) -> Handle:
     rt, name, ps = _engine_and_name(kind, name, process_set)
-    return rt.submit(Request(name, kind, tensor if type(tensor) is np.ndarray else as_input(tensor), ps=ps, **kw))
+    return rt.submit(Request(name, kind, as_input(tensor), ps=ps, **kw))
 
 
 def _engine_and_name(kind: str, name: Optional[str], process_set) -> tuple:
@@ -294,7 +294,7 @@ def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor
     Mirrors ``horovod.torch.allreduce_async``.  Raises ``ValueError`` for an unusable ``out`` or
     an unsupported dtype/op (see the module docstring)."""
     rt, name, ps = _engine_and_name("allreduce", name, process_set)  # (positional below: ~1 us less a call)
-    return rt.submit(Request(name, "allreduce", tensor if type(tensor) is np.ndarray else as_input(tensor),
+    return rt.submit(Request(name, "allreduce", as_input(tensor),
                              op if type(op) is ReduceOp else resolve_op(op), None, prescale_factor,
                              postscale_factor, None, out, ps))
 

@@ -103,6 +103,13 @@ def test_a_grouped_allreduce_waited_each_step_stays_in_the_lane():
 
 
 @pytest.mark.parametrize("n", [2, 3])
+def test_a_shape_mismatch_in_a_batch_raises_on_every_rank_and_spares_the_rest(n):
+    for rank, (msg, ok) in enumerate(check_ok(run_workers(n, "workers_lane:burst_mismatch", [], timeout=60))):
+        assert "shape mismatch" in msg and "'m3'" in msg and f"rank {n - 1} has [5]" in msg, (rank, msg)
+        assert ok, rank
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_batches_of_several_kinds_exact_and_batches_cut_otherwise_go_to_the_engine(n):
     for rank, (ok, same_out, before, end) in enumerate(check_ok(run_workers(n, "workers_lane:batches", [5]))):
         assert ok and same_out, (rank, before, end)

@@ -291,11 +291,7 @@ class Lane:
         small allreduce of a host array the lane could run, of the batch's dtype, op and
         postscale, a name not held here; a batch that it would make too big for the data ring's
         reads, or of another dtype, op or postscale, is posted first).  False: not batchable."""
-        a = req.array
-        if not self.enabled or req.kind != "allreduce" or req.device is not None or req.layout is not None \
-                or req.prescale != 1.0 or req.op not in UFUNCS or not 0 < a.nbytes * (self.size - 1) <= READ_BYTES \
-                or not (a.dtype.kind in "fiu" or a.dtype.name == "bfloat16") or req.name in self.held \
-                or req.name in self._batched:
+        if not self._reducible(req) or req.layout is not None or req.name in self.held or req.name in self._batched:
             return False
         b = self._batch
         if b is not None and b.takes(req, self.size):
@@ -524,14 +520,18 @@ class Lane:
         self._floor = floor = min(page[q][DONE] for q in range(self.size))
         return floor
 
+    def _reducible(self, req) -> bool:
+        """Whether the lane can run allreduce ``req`` itself: a host array of a numeric dtype, an
+        op it reduces, no prescale, and every rank's copy readable (:data:`READ_BYTES`)."""
+        a = req.array
+        return (self.enabled and req.kind == "allreduce" and req.device is None and req.prescale == 1.0
+                and req.op in UFUNCS and (a.dtype.kind in "fiu" or a.dtype.name == "bfloat16")
+                and 0 < a.nbytes * (self.size - 1) <= READ_BYTES)
+
     def _signature(self, req) -> int:
         """Positive for an eligible allreduce or broadcast, else 0."""
-        a, kind = req.array, req.kind
-        if not self.enabled or req.device is not None or not (
-                kind == "allreduce" and req.prescale == 1.0 and req.op in UFUNCS
-                and (a.dtype.kind in "fiu" or a.dtype.name == "bfloat16") and 0 < a.nbytes * (self.size - 1) <= READ_BYTES
-                or kind == "broadcast" and 0 < a.nbytes <= READ_BYTES and req.root in self.rec):  # (a bad root:
-            # the engine's error)
+        if not (self._reducible(req) or req.kind == "broadcast" and self.enabled and req.device is None
+                and 0 < req.array.nbytes <= READ_BYTES and req.root in self.rec):  # (a bad root: the engine's error)
             return 0
         key = req.key()
         sig = self._sigs.get(key)

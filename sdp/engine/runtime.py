@@ -172,8 +172,7 @@ class Request:
         self.op, self.root, self.splits = op, root, splits
         self.prescale = prescale if type(prescale) is float else float(prescale)
         self.postscale = postscale if type(postscale) is float else float(postscale)
-        if array.dtype.kind not in "iuf":  # (any collective, any op and scale: no check needed)
-            check_dtype(kind, name, array.dtype, op, self.prescale, self.postscale)
+        check_dtype(kind, name, array.dtype, op, self.prescale, self.postscale)
         if kind == "reducescatter" and array.ndim == 0:
             raise ValueError(f"reducescatter of '{name}': needs at least one dimension to scatter, got a scalar")
         if out is not None and (kind != "allreduce" or out.shape != array.shape or out.dtype != array.dtype
