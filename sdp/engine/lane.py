@@ -216,7 +216,7 @@ class Lane:
                 if self._batch is not None:  # (what follows a batch is posted after it)
                     eligible = self._flush_batch() or eligible
                 p = self._posted
-                if p - DEPTH >= self._floor and p - DEPTH >= self._min_done():
+                if self._full(p):
                     self._wait_room(p)
                 off = nbytes = 0
                 if sig > 0 and (req.kind == "allreduce" or req.root == self.rank):  # (a broadcast: the root's)
@@ -313,7 +313,7 @@ class Lane:
         was posted for the lane (else its requests go to the engine: the data ring was full)."""
         b, self._batch = self._batch, None
         p, m = self._posted, len(b.reqs)
-        if p + m - 1 - DEPTH >= self._floor and p + m - 1 - DEPTH >= self._min_done():
+        if self._full(p + m - 1):
             self._wait_room(p + m - 1)
         keys = (b.dtype, b.op, b.postscale, tuple(b.ident))  # (what Request.key() adds is the same for all)
         known = self._batch_sigs.get(keys)
@@ -358,8 +358,10 @@ class Lane:
         if self._batch is None:
             return
         with self.lock:
-            posted = (self._batch is not None and not (engine_thread and time.monotonic() < self._active_until)
-                      and self._flush_batch())
+            b = self._batch
+            posted = (b is not None and not (engine_thread and (time.monotonic() < self._active_until or self._full(
+                self._posted + len(b.reqs) - 1))) and self._flush_batch())  # (the engine thread never waits
+            # for room: the positions it waits for may need a collective of its own first)
             engine = self._take_handoff()
         if engine:
             self._to_engine(engine)
@@ -465,6 +467,8 @@ class Lane:
         if not self.busy():
             return None
         seen = self._first_seen
+        if self._batch is not None:  # (left for want of room: look again soon)
+            return _TICK_S
         return 0.1 if seen is None else max(_TICK_S, seen[1] + ESCALATE_S - time.monotonic())
 
     def progress(self) -> None:
@@ -513,6 +517,11 @@ class Lane:
     def _take_handoff(self) -> list:
         engine, self._handoff = self._handoff, []
         return engine
+
+    def _full(self, last: int) -> bool:
+        """Whether posting up to position ``last`` must first wait for room (some rank has not
+        consumed ``last - DEPTH``)."""
+        return last - DEPTH >= self._floor and last - DEPTH >= self._min_done()
 
     def _min_done(self) -> int:
         """Positions every rank has consumed (also kept as ``_floor``)."""
