@@ -306,7 +306,15 @@ def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: floa
 
     Shape, dtype, op and scale factors must agree on every rank, otherwise every rank raises
     :class:`TensorMismatchError`.  Mirrors ``horovod.tensorflow.allreduce`` on numpy arrays."""
-    return allreduce_async(tensor, name, op, prescale_factor, postscale_factor, out, process_set).wait()
+    rt, name, ps = _engine_and_name("allreduce", name, process_set)
+    op = op if type(op) is ReduceOp else resolve_op(op)
+    if not ps and type(tensor) is np.ndarray and prescale_factor == 1.0:  # (the fast lane, whole, in this thread)
+        result = rt.allreduce_now(name, tensor, op, postscale_factor if type(postscale_factor) is float
+                                  else float(postscale_factor), out)
+        if result is not None:
+            return result
+    return rt.submit(Request(name, "allreduce", as_input(tensor), op, None, prescale_factor, postscale_factor,
+                             None, out, ps)).wait()
 
 
 def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = None, op=None,

@@ -1,5 +1,7 @@
 """The fast lane (sdp.engine.lane): small allreduces of ranks on one host without the coordinator,
 over real processes and real shared memory."""
+import os
+
 import pytest
 
 from harness import check_ok, run_workers
@@ -130,3 +132,14 @@ def test_ranks_that_see_every_record_equal_consume_fast_without_rank0(n, tmp_pat
     assert values[0][1], values  # (every other rank was done while rank 0 held its lane and decided nothing)
     for _, _, counts in values:
         assert counts == {"fast": 1, "slow": 0, "batches": 0}, values
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_synchronous_allreduces_run_whole_in_the_caller(n):
+    values = check_ok(run_workers(n, "workers_lane:sync_mixed", [120, 11], timeout=120))
+    for rank, (bad, syncs, made, counts) in enumerate(values):
+        assert not bad, (rank, bad)
+        # (a Request only for each key's first call and for calls not consumed while the caller
+        # polls: a late rank's peers; callers poll only with a core per rank)
+        assert syncs > 30 and (made < syncs or n > len(os.sched_getaffinity(0))), (rank, syncs, made)
+        assert counts["slow"] == 0 and counts["fast"] >= 120, (rank, counts)

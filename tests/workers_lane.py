@@ -362,3 +362,51 @@ def burst_mismatch():
             continue
         ok = ok and bool(np.all(got == sum(q + i for q in range(n))))
     return [msg, ok]
+
+
+def sync_mixed(steps, seed):
+    """``steps`` allreduces, each a synchronous ``sdp.allreduce`` on some ranks and
+    ``allreduce_async(...).wait()`` on others (chosen per rank and step), of varied dtypes, ops,
+    shapes and ``out=`` (a new array, another array, the input itself); a rank sometimes starts
+    2 ms late (longer than the lane polls: the early ones then wait as held requests), and every
+    10th step one rank passes a non-contiguous input.  Returns (the steps not exact, how many
+    synchronous calls this rank made, how many of them made a Request: only those not consumed
+    while the caller polled, the lane counts)."""
+    import time
+    import sdp.engine.lane
+    sdp.engine.lane.ESCALATE_S = 3600.0  # (as in matrix: the engine's arithmetic differs for some cases)
+    n, r = sdp.size(), sdp.rank()
+    lane = sdp.api.runtime().lane
+    made, make = [0], lane._request
+
+    def counted(*a, **k):
+        made[0] += 1
+        return make(*a, **k)
+
+    lane._request = counted
+    rng = random.Random(seed)  # (the same choices on every rank; each rank reads its own)
+    bad, syncs = [], 0
+    cases = [(np.float32, ReduceOp.SUM, 1.0), (np.float32, ReduceOp.AVERAGE, 1.0), (np.float16, ReduceOp.SUM, 0.5),
+             (np.int32, ReduceOp.AVERAGE, 1.0), (np.float64, ReduceOp.MAX, 1.0)]
+    sdp.allreduce(np.ones(1), name="warm", op=sdp.Sum)
+    for step in range(steps):
+        case, shape = rng.randrange(len(cases)), rng.choice([(), (3,), (4, 5), (300,)])
+        dtype, op, post = cases[case]
+        late, how, outs = rng.randrange(n + 3), [rng.randrange(2) for _ in range(n)], rng.randrange(3)
+        strided = step % 10 == 9 and rng.randrange(n) == r
+        mine = _data(r, dtype, shape, seed + step)
+        want = _expected(op, [_data(q, dtype, shape, seed + step) for q in range(n)], post, n)
+        if strided and mine.ndim == 1 and mine.size > 1:
+            mine = np.repeat(mine, 2)[::2]
+        out = None if outs == 0 else np.empty_like(mine) if outs == 1 or not mine.flags.c_contiguous else mine
+        if late == r:
+            time.sleep(0.002)  # (the scenario: a late rank)
+        name = f"s{case}.{len(shape)}"  # (names come back, as a training step's do)
+        if how[r]:
+            syncs += 1
+            got = sdp.allreduce(mine, name=name, op=op, postscale_factor=post, out=out)
+        else:
+            got = sdp.allreduce_async(mine, name=name, op=op, postscale_factor=post, out=out).wait()
+        if got.shape != want.shape or got.tobytes() != want.tobytes() or out is not None and got is not out:
+            bad.append([step, np.dtype(dtype).name, op.name, list(shape), outs])
+    return [bad, syncs, made[0], lane.counts]

@@ -45,6 +45,10 @@ after it, after a join) rank 0 stores the claim, fences, and reads the posts aga
 the records what is complete by then (Dekker's pattern again: a rank reads the records, then the
 claim; so either it sees the claim or rank 0 sees the records it saw; see the doorbells below).
 
+A **synchronous allreduce** (``sdp.allreduce``) runs whole in its caller while the lane is idle
+(:meth:`Lane.allreduce_now`): posted, polled for and reduced into its result without a
+:class:`Request` or a handle; what is not consumed while it polls becomes a held request.
+
 Who runs the lane: the caller waiting on a lane handle (:meth:`drive`: it polls for up to
 :data:`SPIN_S` seconds, yielding the core between polls, then sleeps on the handle; it does not
 poll when this host has fewer cores than local ranks, as for the engine's spin, nor while the
@@ -84,7 +88,7 @@ from typing import List, Optional
 import numpy as np
 
 from sdp.common import errors
-from sdp.common.reduce_ops import UFUNCS, accumulation_dtype
+from sdp.common.reduce_ops import UFUNCS, ReduceOp, accumulation_dtype
 from sdp.engine import collectives, fusion
 from sdp.engine.coordinator import JOIN
 from sdp.transport.shm_ctrl import LANE_BYTES, ring_bell
@@ -126,7 +130,7 @@ class Lane:
     while ``engine_idle()``."""
 
     def __init__(self, mesh, to_engine, wake_engine, result_array, float_scale, int_scale, timeout_s: float,
-                 spin_s: float = SPIN_S, engine_idle=lambda: True):
+                 spin_s: float = SPIN_S, engine_idle=lambda: True, request=None):
         seg, ctrl = mesh.shm, mesh.ctrl
         self.rank, self.size = mesh.rank, mesh.size
         self.page, self.bells = ctrl.page, ctrl.bells
@@ -135,6 +139,9 @@ class Lane:
         self.timeout_s = timeout_s
         self.spin_s = spin_s  # (0 with more ranks than cores here: a polling caller takes a peer's core)
         self._engine_idle = engine_idle  # () -> whether the engine thread has no work (drive polls only then)
+        self._request = request  # the Request class (allreduce_now makes one only when it must)
+        self._now = {}  # (name, dtype, shape, op, postscale) -> what allreduce_now keeps (_now_entry)
+        self._typed = {}  # dtype -> every rank's data ring as that dtype (_typed_views)
         base = seg.lane_offset()
         self.rec = {q: memoryview(seg.at(q, base, np.int64, DEPTH * _REC)).cast("B").cast("q") for q in seg.peers}
         self.dec = memoryview(seg.at(0, base + DEPTH * _REC * 8, np.int64, DEPTH)).cast("B").cast("q")
@@ -258,6 +265,142 @@ class Lane:
                     self._ring(q)  # consume at once; else they run the lane when they post or wait)
         return engine
 
+    def allreduce_now(self, name: str, a: np.ndarray, op, postscale: float, out: Optional[np.ndarray]):
+        """A synchronous allreduce of every rank, run whole in the calling thread while the lane
+        is idle (nothing held, gathered or queued for the engine here): posted as :meth:`post`
+        posts it, then polled for as :meth:`drive` polls and, when every rank posted the same
+        signature (consumed without rank 0, or rank 0's decision), reduced into ``out`` or a new
+        array; no :class:`Request` or handle is made.  ``a``: a C-contiguous numpy array;
+        ``postscale``: a float.  Returns the result (``a``'s shape and dtype), or None when
+        the lane does not take it now (nothing posted: the caller submits it as usual).  If it
+        is not consumed while the caller polls (a rank late, or decided SLOW), it becomes a held
+        request, waited on as any other.  Raises what :class:`Request` raises for bad input,
+        and the lane's failure."""
+        key = (name, a.dtype, a.shape, op, postscale)
+        known = self._now.get(key)
+        if known is None:
+            known = self._now_entry(key, name, a, op, postscale)
+        sig, template, ufunc, acc, fscale, ints = known
+        if not sig or not a.flags.c_contiguous or out is not None and (
+                type(out) is not np.ndarray or out.shape != a.shape or out.dtype != a.dtype
+                or not out.flags.c_contiguous or not out.flags.writeable):
+            return None
+        if not self.lock.acquire(blocking=False):
+            return None
+        p = self._posted
+        try:
+            if (self.failed is not None or self.off or not self.enabled or self.held or self._batch is not None
+                    or self._deferred or self.page[0][DECIDED] - self._done >= _BACKLOG
+                    or not self._engine_idle() or self._full(p)):
+                return None
+            self._head_to_learn()
+            if name in self._heads:  # (learnt: a burst follows it, see post)
+                return None
+            nbytes, n = a.nbytes, a.size
+            off = self._alloc(nbytes, p)
+            if off is None:
+                return None
+            typed = self._typed.get(a.dtype) or self._typed_views(a.dtype)
+            at = off // a.itemsize
+            np.copyto(typed[self.rank][at:at + n], a if a.ndim == 1 else a.reshape(-1))
+            i, page, mine = (p % DEPTH) * _REC, self.page, self.page[self.rank]
+            rec = self.rec[self.rank]
+            rec[i], rec[i + 1], rec[i + 2] = sig, off, nbytes
+            self._posted = p + 1
+            mine[LATEST] = p + 1
+            mine[POSTED] = p + 1  # last: the record is visible before its count
+            if self.rank != 0:  # (as post: wake a rank asleep that would decide or consume it)
+                _fence()
+                for q in range(self.size):
+                    if q != self.rank and page[q][WAITING] and (q == 0 or page[q][POSTED] > p):
+                        self._ring(q)
+            verdict = self._poll_now(p)
+            if verdict == FAST:
+                result = self._result_array(a.dtype, n) if out is None else out if out.ndim == 1 else out.reshape(-1)
+                try:
+                    collectives.reduce_copies(ufunc, self._copies(p, name, a.dtype, n), result, acc, fscale)
+                    if ints:
+                        self._int_scale(result, template)
+                finally:
+                    self._done = p + 1
+                    mine[DONE] = p + 1  # (after the reduction read the peers' copies)
+                self.counts["fast"] += 1
+                return out if out is not None else result.reshape(a.shape)
+            req = self._request(name, "allreduce", a, op, None, 1.0, postscale, None, out, 0)
+            req.handle._lane = self
+            self.held[name] = req
+            self._out.append((p, req))
+            self._progress()  # (decided SLOW or OFF: to the engine)
+            engine = self._take_handoff()
+        finally:
+            self.lock.release()
+        if engine:
+            self._to_engine(engine)
+        return req.handle.wait(_spin=False)
+
+    def _now_entry(self, key, name, a, op, postscale) -> tuple:
+        """What :meth:`allreduce_now` keeps per key: (signature or 0, a :class:`Request` for its
+        scaling rules, ufunc, accumulation dtype, float scale)."""
+        template = self._request(name, "allreduce", a, op, None, 1.0, postscale, None, None, 0)  # (bad input raises)
+        sig = self._signature(template) if self._reducible(template) else 0
+        entry = (sig, template, UFUNCS.get(op), accumulation_dtype(a.dtype), self._float_scale(template, a.dtype),
+                 a.dtype.kind in "iub" and (op == ReduceOp.AVERAGE or postscale != 1.0))
+        if self.enabled:  # (a timeline being written: not remembered)
+            if len(self._now) >= _SIGS_MAX:
+                self._now.clear()
+            self._now[key] = entry
+        return entry
+
+    def _poll_now(self, p: int) -> int:
+        """Poll for position ``p``'s outcome (as :meth:`drive` polls, inside the lock): FAST,
+        SLOW or OFF, or 0 when :data:`SPIN_S` passed first.  Once every rank posted ``p``: rank 0
+        decides it (at once when every record equals this rank's and everything before it is
+        decided, else by :meth:`_decide`), the others consume it as :meth:`_fast_before_rank0`."""
+        n, page, mine, first = self.size, self.page, self.page[self.rank], self.page[0]
+        pages, recs, i = [page[q] for q in range(n)], [self.rec[q] for q in range(n)], (p % DEPTH) * _REC
+        sig = recs[self.rank][i]
+        end = time.perf_counter() + (self.spin_s if self._engine_idle() else 0.0)
+        mine[AWAKE] = self._awake + 1
+        self._active_until = float("inf")
+        verdict = 0
+        try:
+            while True:
+                for pg in pages:
+                    if pg[POSTED] <= p:
+                        break
+                else:  # (every rank posted p)
+                    same = all(r[i] == sig for r in recs)
+                    if self.rank:
+                        if same and first[CLAIM] <= p:  # (records read before the claim, see _claim)
+                            verdict = FAST
+                            break
+                    elif same and self._decided == p:
+                        self.dec[p % DEPTH] = FAST
+                        self._decided, self._first_seen = p + 1, None
+                        first[DECIDED] = p + 1  # (after the decision)
+                        _fence()
+                        for q in range(1, n):
+                            if pages[q][WAITING]:
+                                self._ring(q)
+                        verdict = FAST
+                        break
+                    else:
+                        self._decide()
+                if first[DECIDED] > p:
+                    verdict = self.dec[p % DEPTH]
+                    break
+                if time.perf_counter() >= end:
+                    break
+                os.sched_yield()
+        finally:
+            self._active_until = 0.0
+            mine[AWAKE] = self._awake
+            mine[RUNG] = 0
+            if self.rank == 0:  # (as drive: a peer's doorbell skipped while we polled is not lost)
+                _fence()
+                self._decide()
+        return verdict
+
     def _to_engine_after_held(self, req, engine: list) -> None:
         """``req`` goes to the engine: now (into ``engine``) if this lane holds nothing, else
         after what it holds is decided (a request decided SLOW reaches the engine before what
@@ -370,7 +513,7 @@ class Lane:
             if self.page[0][WAITING]:
                 self._ring(0)
 
-    def drive(self, handle) -> bool:
+    def drive(self, handle, spin: bool = True) -> bool:
         """Run the lane from a caller waiting on ``handle`` (held by this lane) for up to
         :data:`SPIN_S` seconds, yielding the core between polls; it returns when the handle is
         done or handed to the engine, or the time is up (the engine thread takes over).  Returns
@@ -381,7 +524,7 @@ class Lane:
         self.try_progress()  # (often decided already: then no flags, no fence)
         if handle._lane is not self:
             return False
-        end = time.perf_counter() + (self.spin_s if self._engine_idle() else 0.0)  # (a polling caller
+        end = time.perf_counter() + (self.spin_s if spin and self._engine_idle() else 0.0)  # (a polling caller
         # holds the GIL the engine thread needs for its own work)
         self._set_awake(1)
         self._active_until = float("inf")
@@ -794,14 +937,7 @@ class Lane:
             dtype, size, out = req.dtype, req.layout.count, None
         else:
             dtype, size, out = req.array.dtype, req.array.size, req.out
-        nbytes, i = size * dtype.itemsize, (p % DEPTH) * _REC
-        views = []
-        for q in range(self.size):
-            off, got = self.rec[q][i + 1], self.rec[q][i + 2]
-            if got != nbytes or not 0 <= off <= DATA_BYTES - nbytes:
-                raise errors.ProtocolError(f"rank {self.rank}: rank {q}'s fast-lane record for '{req.name}' "
-                                           f"is malformed (offset {off}, {got} bytes, expected {nbytes})")
-            views.append(self.data[q][off:off + nbytes].view(dtype))
+        views = self._copies(p, req.name, dtype, size)
         result = self._result_array(dtype, size) if out is None else out.reshape(-1)
         collectives.reduce_copies(UFUNCS[req.op], views, result, accumulation_dtype(dtype),
                                   self._float_scale(req, dtype))
@@ -810,6 +946,28 @@ class Lane:
             return req.layout.views(result)
         return result.reshape(req.array.shape) if out is None else out
 
+
+    def _copies(self, p: int, name: str, dtype: np.dtype, size: int) -> list:
+        """Every rank's copy of position ``p`` (``size`` elements of ``dtype``), in rank order;
+        raises :class:`ProtocolError` for a record of another size or outside the data ring."""
+        isz, i = dtype.itemsize, (p % DEPTH) * _REC
+        nbytes, typed = size * isz, self._typed.get(dtype) or self._typed_views(dtype)
+        views = []
+        for q in range(self.size):
+            off, got = self.rec[q][i + 1], self.rec[q][i + 2]
+            if got != nbytes or off % isz or not 0 <= off <= DATA_BYTES - nbytes:
+                raise errors.ProtocolError(f"rank {self.rank}: rank {q}'s fast-lane record for '{name}' "
+                                           f"is malformed (offset {off}, {got} bytes, expected {nbytes})")
+            views.append(typed[q][off // isz:off // isz + size])
+        return views
+
+    def _typed_views(self, dtype: np.dtype) -> list:
+        """Every rank's data ring as an array of ``dtype`` (slicing it is ~3x cheaper than a
+        byte slice and a view), in rank order."""
+        if len(self._typed) >= _SIGS_MAX:
+            self._typed.clear()
+        typed = self._typed[dtype] = [self.data[q].view(dtype) for q in range(self.size)]
+        return typed
 
 class _Batch:
     """Small allreduces of one burst (one dtype, op and postscale), gathered in the caller's

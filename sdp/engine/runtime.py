@@ -71,14 +71,15 @@ class Handle:
             lane.poll(self)
         return self._is_done
 
-    def wait(self, timeout: Optional[float] = None):
+    def wait(self, timeout: Optional[float] = None, _spin: bool = True):
         """Block until done and return the result (numpy array, or tuple for alltoall).
 
         Raises the collective's error (e.g. :class:`TensorMismatchError`, :class:`PeerLostError`),
-        or :class:`CollectiveTimeoutError` if ``timeout`` seconds pass first."""
+        or :class:`CollectiveTimeoutError` if ``timeout`` seconds pass first.  (``_spin``: False
+        when the fast lane has just polled for it.)"""
         self._waited = True
         lane = self._lane
-        waits = lane is not None and not self._is_done and lane.drive(self)  # (the fast lane runs here first)
+        waits = lane is not None and not self._is_done and lane.drive(self, _spin)  # (the fast lane runs here first)
         if not self._is_done:
             try:
                 if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
@@ -259,7 +260,7 @@ class Runtime:
         #: sdp.engine.lane.Lane: small allreduces when every rank is on this host (None: off)
         self.lane = (lane.Lane(self.mesh, self._enqueue, self._wake, self._result_array, self._float_scale,
                                self._int_scale, self.config.timeout_s, lane.SPIN_S if self._spin_s else 0.0,
-                               lambda: not self._pending and not self._queue)
+                               lambda: not self._pending and not self._queue, Request)
                      if self.config.fast_lane and ctrl is not None and ctrl.bells and self.mesh.shm is not None
                      and self.mesh.shm.lane_bytes
                      and all(ctrl.senders.values()) else None)
@@ -271,6 +272,13 @@ class Runtime:
         self._thread.start()
 
     # -- caller side -------------------------------------------------------------------------
+    def allreduce_now(self, name: str, array: np.ndarray, op, postscale: float, out):
+        """A synchronous allreduce of every rank in the fast lane, in the calling thread
+        (:meth:`Lane.allreduce_now`); None where the lane does not take it (submit it)."""
+        if self.lane is None or self._failed is not None or self._stop.is_set():
+            return None
+        return self.lane.allreduce_now(name, array, op, postscale, out)
+
     def submit(self, req: Request) -> Handle:
         """Queue ``req`` for the background thread; returns its handle at once.
 
