@@ -14,9 +14,10 @@ Called by ``benchmarks/allreduce.py`` (its 1 KB latency section, and alone with
   without collectives (so the engine thread has gone idle), timed from the last rank's call to
   the last rank's result (``max(end) - max(start)`` over ranks, one monotonic clock on a host),
   median over iterations.
-* **a step of 100 cached 4 KB tensors**: one ``grouped_allreduce`` and the same 100 submitted
-  one by one (``allreduce_async`` each, then wait all), against the memory time of its bytes
-  (one ``np.copyto`` of 400 KB, timed here).
+* **a step of 100 cached 4 KB tensors**: one ``grouped_allreduce`` (the target's), the same
+  through ``grouped_allreduce_async`` and a wait per tensor (as a framework face submits a
+  gradient list), and the 100 submitted one by one (``allreduce_async`` each, then wait all),
+  against the memory time of its bytes (one ``np.copyto`` of 400 KB, timed here).
 
 Everything but the floor is measured twice in the same run: as sdp runs (small allreduces in the
 fast lane, :mod:`sdp.engine.lane`, when every rank is on one host; across hosts inline with the
@@ -201,13 +202,19 @@ def isolated(call, iters: int, name: str, warmup: int = 5) -> float:
 
 
 def step_times(iters: int, warmup: int = 10):
-    """(grouped, one by one, memory) median seconds, max over ranks, of a step of
-    :data:`STEP_COUNT` cached tensors of :data:`STEP_BYTES`, back to back, alternating."""
+    """(grouped, grouped asynchronously, one by one, memory) median seconds, max over ranks, of a
+    step of :data:`STEP_COUNT` cached tensors of :data:`STEP_BYTES`, back to back, alternating:
+    ``sdp.grouped_allreduce`` (the issue's step), ``grouped_allreduce_async`` and a wait per
+    tensor (what a framework face submitting a gradient list does), ``allreduce_async`` each
+    then a wait each."""
     grads = [np.full(STEP_BYTES // 4, i, np.float32) for i in range(STEP_COUNT)]
     names = [f"lat.step.{i}" for i in range(STEP_COUNT)]
     src, dst = np.ones(STEP_COUNT * STEP_BYTES // 4, np.float32), np.empty(STEP_COUNT * STEP_BYTES // 4, np.float32)
 
     def grouped():
+        sdp.grouped_allreduce(grads, name="lat.step", op=sdp.Sum)
+
+    def grouped_async():
         for h in sdp.api.grouped_allreduce_async(grads, names=names, op=sdp.Sum):
             h.wait()
 
@@ -217,11 +224,12 @@ def step_times(iters: int, warmup: int = 10):
 
     for _ in range(warmup):
         grouped()
+        grouped_async()
         one_by_one()
-    g, o, m = [], [], []
+    g, a, o, m = [], [], [], []
     sdp.barrier()
     for _ in range(iters):
-        for fn, out in ((grouped, g), (one_by_one, o)):
+        for fn, out in ((grouped, g), (grouped_async, a), (one_by_one, o)):
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
@@ -229,7 +237,7 @@ def step_times(iters: int, warmup: int = 10):
         np.copyto(dst, src)
         m.append(time.perf_counter() - t0)
     return tuple(max_over_ranks(statistics.median(x), f"lat.step.{k}") for k, x in
-                 (("g", g), ("o", o), ("m", m)))
+                 (("g", g), ("a", a), ("o", o), ("m", m)))
 
 
 @contextlib.contextmanager
@@ -281,7 +289,7 @@ def _latencies(iters: int, isolated_iters: int, step_iters: int) -> dict:
         res[f"b2b_{nbytes}"] = back_to_back(nbytes, iters)
         res[f"iso_{nbytes}"] = isolated(lambda: sdp.allreduce(buf, name=name, op=sdp.Sum, out=out),
                                         isolated_iters, name)
-    res["step_grouped"], res["step_one_by_one"], res["step_memory"] = step_times(step_iters)
+    res["step_grouped"], res["step_grouped_async"], res["step_one_by_one"], res["step_memory"] = step_times(step_iters)
     return res
 
 
@@ -297,6 +305,7 @@ def report(res: dict) -> list:
     rows = [("1 KB back to back", "b2b_1024"), ("1 KB isolated (barrier, 1 ms idle)", "iso_1024"),
             ("64 KB back to back", "b2b_65536"), ("64 KB isolated", "iso_65536"),
             (f"step of {STEP_COUNT} x {STEP_BYTES // 1024} KB: grouped_allreduce", "step_grouped"),
+            (f"step of {STEP_COUNT} x {STEP_BYTES // 1024} KB: grouped async + waits", "step_grouped_async"),
             (f"step of {STEP_COUNT} x {STEP_BYTES // 1024} KB: one by one (async)", "step_one_by_one"),
             ("memory time of the step's bytes (one copy)", "step_memory")]
     lines += [f"{label:<44} {us(res[k])} {x(res[k])}   {us(res['off'][k])} {x(res['off'][k])}" for label, k in rows]

@@ -52,7 +52,7 @@ from sdp.common.reduce_ops import ReduceOp, resolve_op
 from sdp.engine import fusion
 from sdp.engine.device_arrays import device_tensor, host_array
 from sdp.engine.process_sets import MAX_SET_ID
-from sdp.engine.runtime import Handle, PartHandle, Request, Runtime
+from sdp.engine.runtime import DoneHandle, Handle, PartHandle, Request, Runtime
 from sdp.transport import lifeline
 
 _lock = threading.Lock()
@@ -360,6 +360,11 @@ def _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, proce
             if len(_group_plans) >= _GROUP_PLANS_MAX:
                 _group_plans.clear()
             _group_plans[key] = plan
+    if (not parts and plan is not None and len(plan) == 1 and plan[0][2] is not None and not ps
+            and prescale_factor == 1.0):  # (one group of every array, waited at once: the engine may run it
+        result = rt.allreduce_now(plan[0][1], arrays, op, float(postscale_factor), None, plan[0][2])  # whole here)
+        if result is not None:
+            return DoneHandle(result)
     if plan is None:  # (device arrays, or large ones: a request each, fused by the engine)
         reqs = [Request(n, "allreduce", a, **kw) for a, n in zip(arrays, names)]
         return rt.submit_many(reqs) if reqs else []
@@ -424,6 +429,16 @@ def grouped_allreduce(tensors: Sequence, name: Optional[str] = None, op=None,
             if len(_member_names) >= _GROUP_PLANS_MAX:
                 _member_names.clear()
             names = _member_names[(name, len(tensors))] = [f"{name}.{i}" for i in range(len(tensors))]
+    return grouped_allreduce_named(tensors, names, op, prescale_factor, postscale_factor, process_set)
+
+
+def grouped_allreduce_named(tensors: Sequence, names: Optional[Sequence[str]], op=None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, process_set=0) -> List[np.ndarray]:
+    """:func:`grouped_allreduce` with each array's name given (as :func:`grouped_allreduce_async`
+    takes them), waited at once: one array is one :func:`allreduce`; with every rank on this host
+    a group of small arrays may run whole in the calling thread (the fast lane)."""
+    if len(tensors) == 1 and names is not None:
+        return [allreduce(tensors[0], names[0], op, prescale_factor, postscale_factor, None, process_set)]
     handles = _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, process_set, False)
     if type(handles) is not list:  # (one group of every array, in order: its result is the list)
         return handles.wait()

@@ -410,3 +410,46 @@ def sync_mixed(steps, seed):
         if got.shape != want.shape or got.tobytes() != want.tobytes() or out is not None and got is not out:
             bad.append([step, np.dtype(dtype).name, op.name, list(shape), outs])
     return [bad, syncs, made[0], lane.counts]
+
+
+def grouped_sync_mixed(steps, seed):
+    """``steps`` grouped allreduces of 2-30 small arrays (one dtype each), ``sdp.grouped_allreduce``
+    on some ranks and ``grouped_allreduce_async`` + a wait per array on others, a rank sometimes
+    2 ms late.  Returns (the steps not exact, grouped calls this rank made, how many of them made
+    a Request, the lane counts)."""
+    import time
+    import sdp.engine.lane
+    sdp.engine.lane.ESCALATE_S = 3600.0  # (as in matrix)
+    n, r = sdp.size(), sdp.rank()
+    lane = sdp.api.runtime().lane
+    made, group = [0], lane._request.group
+
+    def counted(*a, **k):
+        made[0] += 1
+        return group(*a, **k)
+
+    lane._request = type("Counted", (), {"group": staticmethod(counted), "__call__": None})
+    rng = random.Random(seed)
+    cases = [(np.float32, ReduceOp.SUM, 1.0), (np.float64, ReduceOp.AVERAGE, 1.0), (np.int32, ReduceOp.SUM, 1.0),
+             (np.float16, ReduceOp.AVERAGE, 0.5)]
+    bad, calls = [], 0
+    shapes = [[rng.choice([(), (1,), (5,), (3, 4), (100,)]) for _ in range(rng.randrange(2, 31))] for _ in range(4)]
+    for step in range(steps):
+        case, k = rng.randrange(len(cases)), rng.randrange(len(shapes))
+        dtype, op, post = cases[case]
+        late, sync = rng.randrange(n + 3), [rng.randrange(2) for _ in range(n)]
+        mine = [_data(r, dtype, sh, seed + step * 100 + j) for j, sh in enumerate(shapes[k])]
+        want = [_expected(op, [_data(q, dtype, sh, seed + step * 100 + j) for q in range(n)], post, n)
+                for j, sh in enumerate(shapes[k])]
+        if late == r:
+            time.sleep(0.002)  # (the scenario: a late rank)
+        name = f"g{case}.{k}"
+        if sync[r]:
+            calls += 1
+            got = sdp.grouped_allreduce(mine, name=name, op=op, postscale_factor=post)
+        else:
+            got = [h.wait() for h in sdp.grouped_allreduce_async(mine, names=[f"{name}.{j}" for j in range(len(mine))],
+                                                                 op=op, postscale_factor=post)]
+        if any(g.shape != w.shape or g.tobytes() != w.tobytes() for g, w in zip(got, want)) or len(got) != len(want):
+            bad.append([step, np.dtype(dtype).name, op.name, k])
+    return [bad, calls, made[0], lane.counts]

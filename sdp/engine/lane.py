@@ -265,27 +265,33 @@ class Lane:
                     self._ring(q)  # consume at once; else they run the lane when they post or wait)
         return engine
 
-    def allreduce_now(self, name: str, a: np.ndarray, op, postscale: float, out: Optional[np.ndarray]):
+    def allreduce_now(self, name: str, a, op, postscale: float, out: Optional[np.ndarray], layout=None):
         """A synchronous allreduce of every rank, run whole in the calling thread while the lane
         is idle (nothing held, gathered or queued for the engine here): posted as :meth:`post`
         posts it, then polled for as :meth:`drive` polls and, when every rank posted the same
         signature (consumed without rank 0, or rank 0's decision), reduced into ``out`` or a new
-        array; no :class:`Request` or handle is made.  ``a``: a C-contiguous numpy array;
-        ``postscale``: a float.  Returns the result (``a``'s shape and dtype), or None when
-        the lane does not take it now (nothing posted: the caller submits it as usual).  If it
-        is not consumed while the caller polls (a rank late, or decided SLOW), it becomes a held
-        request, waited on as any other.  Raises what :class:`Request` raises for bad input,
-        and the lane's failure."""
-        key = (name, a.dtype, a.shape, op, postscale)
+        array; no :class:`Request` or handle is made.  ``a``: a C-contiguous numpy array, or,
+        with ``layout`` (a flattened group's :class:`fusion.Layout`, see :meth:`Request.group`),
+        the list of the group's arrays, packed straight into the data ring (``out`` None);
+        ``postscale``: a float.  Returns the result (``a``'s shape and dtype; a group: the list
+        of its arrays' results, views of one array), or None when the lane does not take it now
+        (nothing posted: the caller submits it as usual).  If it is not consumed while the
+        caller polls (a rank late, or decided SLOW), it becomes a held request, waited on as
+        any other.  Raises what :class:`Request` raises for bad input, and the lane's failure."""
+        key = (name, a.dtype, a.shape, op, postscale) if layout is None else (name, id(layout), op, postscale)
         known = self._now.get(key)
-        if known is None:
-            known = self._now_entry(key, name, a, op, postscale)
-        sig, template, ufunc, acc, fscale, ints = known
-        if not sig or not a.flags.c_contiguous or out is not None and (
+        if known is None or known[6] is not layout:
+            known = self._now_entry(key, name, a, op, postscale, layout)
+        sig, scaling, ufunc, acc, fscale, ints, _ = known
+        if layout is not None:
+            dtype, n = layout.dtype, layout.count
+        elif not a.flags.c_contiguous or out is not None and (
                 type(out) is not np.ndarray or out.shape != a.shape or out.dtype != a.dtype
                 or not out.flags.c_contiguous or not out.flags.writeable):
             return None
-        if not self.lock.acquire(blocking=False):
+        else:
+            dtype, n = a.dtype, a.size
+        if not sig or not self.lock.acquire(blocking=False):
             return None
         p = self._posted
         try:
@@ -296,13 +302,16 @@ class Lane:
             self._head_to_learn()
             if name in self._heads:  # (learnt: a burst follows it, see post)
                 return None
-            nbytes, n = a.nbytes, a.size
+            nbytes = n * dtype.itemsize
             off = self._alloc(nbytes, p)
             if off is None:
                 return None
-            typed = self._typed.get(a.dtype) or self._typed_views(a.dtype)
-            at = off // a.itemsize
-            np.copyto(typed[self.rank][at:at + n], a if a.ndim == 1 else a.reshape(-1))
+            typed = self._typed.get(dtype) or self._typed_views(dtype)
+            at = off // dtype.itemsize
+            if layout is None:
+                np.copyto(typed[self.rank][at:at + n], a if a.ndim == 1 else a.reshape(-1))
+            else:
+                layout.pack(a, typed[self.rank][at:at + n])
             i, page, mine = (p % DEPTH) * _REC, self.page, self.page[self.rank]
             rec = self.rec[self.rank]
             rec[i], rec[i + 1], rec[i + 2] = sig, off, nbytes
@@ -316,17 +325,20 @@ class Lane:
                         self._ring(q)
             verdict = self._poll_now(p)
             if verdict == FAST:
-                result = self._result_array(a.dtype, n) if out is None else out if out.ndim == 1 else out.reshape(-1)
+                result = self._result_array(dtype, n) if out is None else out if out.ndim == 1 else out.reshape(-1)
                 try:
-                    collectives.reduce_copies(ufunc, self._copies(p, name, a.dtype, n), result, acc, fscale)
+                    collectives.reduce_copies(ufunc, self._copies(p, name, dtype, n), result, acc, fscale)
                     if ints:
-                        self._int_scale(result, template)
+                        self._int_scale(result, scaling)
                 finally:
                     self._done = p + 1
                     mine[DONE] = p + 1  # (after the reduction read the peers' copies)
                 self.counts["fast"] += 1
+                if layout is not None:
+                    return layout.views(result)
                 return out if out is not None else result.reshape(a.shape)
-            req = self._request(name, "allreduce", a, op, None, 1.0, postscale, None, out, 0)
+            req = (self._request(name, "allreduce", a, op, None, 1.0, postscale, None, out, 0) if layout is None
+                   else self._request.group(name, a, layout, op=op, postscale=postscale))
             req.handle._lane = self
             self.held[name] = req
             self._out.append((p, req))
@@ -338,13 +350,17 @@ class Lane:
             self._to_engine(engine)
         return req.handle.wait(_spin=False)
 
-    def _now_entry(self, key, name, a, op, postscale) -> tuple:
-        """What :meth:`allreduce_now` keeps per key: (signature or 0, a :class:`Request` for its
-        scaling rules, ufunc, accumulation dtype, float scale)."""
-        template = self._request(name, "allreduce", a, op, None, 1.0, postscale, None, None, 0)  # (bad input raises)
-        sig = self._signature(template) if self._reducible(template) else 0
-        entry = (sig, template, UFUNCS.get(op), accumulation_dtype(a.dtype), self._float_scale(template, a.dtype),
-                 a.dtype.kind in "iub" and (op == ReduceOp.AVERAGE or postscale != 1.0))
+    def _now_entry(self, key, name, a, op, postscale, layout) -> tuple:
+        """What :meth:`allreduce_now` keeps per key: (signature or 0, the op and postscale for
+        integer scaling, ufunc, accumulation dtype, float scale, whether integers are scaled,
+        ``layout``)."""
+        req = (self._request(name, "allreduce", a, op, None, 1.0, postscale, None, None, 0) if layout is None
+               else self._request.group(name, a, layout, op=op, postscale=postscale))  # (bad input raises)
+        dtype = req.array.dtype
+        sig = self._signature(req) if self._reducible(req) else 0
+        entry = (sig, _Scaling(op, req.postscale), UFUNCS.get(op), accumulation_dtype(dtype),
+                 self._float_scale(req, dtype), dtype.kind in "iub" and (op == ReduceOp.AVERAGE or postscale != 1.0),
+                 layout)
         if self.enabled:  # (a timeline being written: not remembered)
             if len(self._now) >= _SIGS_MAX:
                 self._now.clear()
@@ -968,6 +984,15 @@ class Lane:
             self._typed.clear()
         typed = self._typed[dtype] = [self.data[q].view(dtype) for q in range(self.size)]
         return typed
+
+class _Scaling:
+    """What integer scaling reads of a request (``Runtime._int_scale``)."""
+
+    __slots__ = ("op", "postscale")
+
+    def __init__(self, op, postscale: float):
+        self.op, self.postscale = op, postscale
+
 
 class _Batch:
     """Small allreduces of one burst (one dtype, op and postscale), gathered in the caller's

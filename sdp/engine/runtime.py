@@ -95,6 +95,22 @@ class Handle:
         return self._result
 
 
+class DoneHandle:
+    """The handle of a collective already done in the caller's thread (the fast lane's
+    synchronous path): ``wait()`` returns its result."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result):
+        self._result = result
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: Optional[float] = None):
+        return self._result
+
+
 class PartHandle:
     """The handle of one tensor of a flattened group (:meth:`Request.group`): ``wait()`` returns
     its part of the group's result (a view, no copy); the group's error is every part's error."""
@@ -272,12 +288,13 @@ class Runtime:
         self._thread.start()
 
     # -- caller side -------------------------------------------------------------------------
-    def allreduce_now(self, name: str, array: np.ndarray, op, postscale: float, out):
-        """A synchronous allreduce of every rank in the fast lane, in the calling thread
-        (:meth:`Lane.allreduce_now`); None where the lane does not take it (submit it)."""
+    def allreduce_now(self, name: str, array, op, postscale: float, out, layout=None):
+        """A synchronous allreduce of every rank (or a flattened group's, with ``layout``) in the
+        fast lane, in the calling thread (:meth:`Lane.allreduce_now`); None where the lane does
+        not take it (submit it)."""
         if self.lane is None or self._failed is not None or self._stop.is_set():
             return None
-        return self.lane.allreduce_now(name, array, op, postscale, out)
+        return self.lane.allreduce_now(name, array, op, postscale, out, layout)
 
     def submit(self, req: Request) -> Handle:
         """Queue ``req`` for the background thread; returns its handle at once.

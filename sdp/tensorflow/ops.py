@@ -37,7 +37,8 @@ The design:
 * Exception, the cheap path: the first :class:`Batch` built in an outermost ``tf.function``
   graph gets the graph's one *blocking* op, which holds an inter-op thread while it waits.  If
   the batch is one bucket (a single collective, or a gradient list under the fusion threshold)
-  it is ONE op that submits the bucket and waits for it (no submit op, no thread handover:
+  it is ONE op that runs the bucket synchronously (``api.grouped_allreduce_named``, which the
+  fast lane may run whole in the op's thread; eagerly too) (no submit op, no thread handover:
   a 1 KB allreduce in a ``tf.function`` took 0.48 instead of 0.55 ms with a submit op and a
   blocking wait op, 0.67 ms with an asynchronous wait, same window); with several buckets the
   submit ops stay (each bucket starts as soon as its gradients exist) and the wait op blocks.
@@ -310,9 +311,14 @@ class Batch:
         order = [it[0] for _, items in groups for it in items]
         starters = [(_starter(kind, items, rargs, self.process_set), [self._tensors[it[0]] for it in items])
                     for kind, items in groups]
+        blocking = starters  # (what runs where the caller waits: one bucket of allreduces synchronously, so
+        if len(groups) == 1 and groups[0][0] == "allreduce":  # that the engine may run it whole in this thread,
+            names = [it[1] for it in groups[0][1]]  # see sdp.api.allreduce; never in a submit op: it must not block)
+            blocking = [(lambda arrays: [api.DoneHandle(r) for r in api.grouped_allreduce_named(
+                arrays, names, *rargs, process_set=self.process_set)], starters[0][1])]
         if tf.executing_eagerly():
             with tf_errors():  # Horovod's tf.errors classes (sdp.tensorflow.errors)
-                handles = [h for start, ts in starters for h in start([eager_input(t) for t in ts])]
+                handles = [h for start, ts in blocking for h in start([eager_input(t) for t in ts])]
                 result = [None] * len(order)
                 for i, h in zip(order, handles):
                     result[i] = _to_tensor(h.wait(), self._tensors[i].dtype)
@@ -321,7 +327,7 @@ class Batch:
         dtypes = [self._tensors[i].dtype for i in order]
         np_dtypes = [d.as_numpy_dtype for d in dtypes]
         if len(starters) == 1 and _may_block(tf.compat.v1.get_default_graph()):
-            start, ts = starters[0]
+            start, ts = blocking[0]
 
             def submit_and_wait(*arrays):  # the cheap path: one op (see the module docstring)
                 handles = start(_read_only(arrays))
