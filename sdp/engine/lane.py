@@ -962,7 +962,6 @@ class Lane:
             return req.layout.views(result)
         return result.reshape(req.array.shape) if out is None else out
 
-
     def _copies(self, p: int, name: str, dtype: np.dtype, size: int) -> list:
         """Every rank's copy of position ``p`` (``size`` elements of ``dtype``), in rank order;
         raises :class:`ProtocolError` for a record of another size or outside the data ring."""
@@ -984,6 +983,7 @@ class Lane:
             self._typed.clear()
         typed = self._typed[dtype] = [self.data[q].view(dtype) for q in range(self.size)]
         return typed
+
 
 class _Scaling:
     """What integer scaling reads of a request (``Runtime._int_scale``)."""
