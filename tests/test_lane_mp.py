@@ -144,3 +144,11 @@ def test_synchronous_allreduces_and_groups_run_whole_in_the_caller(n, worker, st
         # polls: a late rank's peers; callers poll only with a core per rank)
         assert calls > steps // 4 and (made < calls or n > len(os.sched_getaffinity(0))), (rank, calls, made)
         assert counts["slow"] == 0 and counts["fast"] >= steps, (rank, counts)
+
+
+def test_a_synchronous_allreduce_beside_the_engines_work_stays_itself():
+    for ok, counts in check_ok(run_workers(2, "workers_lane:sync_beside_engine", [30], timeout=120)):
+        assert ok, counts
+        # (posted as itself on every rank: no batch of one, whose signature would differ from a
+        # peer's single one and send the step to the engine)
+        assert counts["batches"] == 0 and counts["fast"] >= 25, counts

@@ -453,3 +453,19 @@ def grouped_sync_mixed(steps, seed):
         if any(g.shape != w.shape or g.tobytes() != w.tobytes() for g, w in zip(got, want)) or len(got) != len(want):
             bad.append([step, np.dtype(dtype).name, op.name, k])
     return [bad, calls, made[0], lane.counts]
+
+
+def sync_beside_engine(steps):
+    """Each step every rank submits a 4 MB allreduce (the engine's) and, while the engine thread
+    runs it, a small synchronous ``sdp.allreduce``: waited at once, it is posted as itself (not
+    gathered as a burst), so it stays in the lane.  Returns (all exact, lane counts of the steps)."""
+    n, r = sdp.size(), sdp.rank()
+    lane = sdp.api.runtime().lane
+    sdp.allreduce(np.ones(1), name="warm", op=sdp.Sum)
+    before, ok = dict(lane.counts), True
+    for step in range(steps):
+        big = sdp.allreduce_async(np.full(1 << 20, float(r + step), np.float32), name="big", op=sdp.Sum)
+        small = sdp.allreduce(np.full(8, float(r * step)), name="small", op=sdp.Sum)
+        ok = ok and bool(np.all(small == sum(q * step for q in range(n))))
+        ok = ok and bool(np.all(big.wait() == sum(q + step for q in range(n))))
+    return [ok, {k: v - before[k] for k, v in lane.counts.items()}]

@@ -267,7 +267,7 @@ class Lane:
 
     def allreduce_now(self, name: str, a, op, postscale: float, out: Optional[np.ndarray], layout=None):
         """A synchronous allreduce of every rank, run whole in the calling thread while the lane
-        is idle (nothing held, gathered or queued for the engine here): posted as :meth:`post`
+        is idle (nothing held, gathered or deferred for the engine here): posted as :meth:`post`
         posts it, then polled for as :meth:`drive` polls and, when every rank posted the same
         signature (consumed without rank 0, or rank 0's decision), reduced into ``out`` or a new
         array; no :class:`Request` or handle is made.  ``a``: a C-contiguous numpy array, or,
@@ -296,9 +296,9 @@ class Lane:
         p = self._posted
         try:
             if (self.failed is not None or self.off or not self.enabled or self.held or self._batch is not None
-                    or self._deferred or self.page[0][DECIDED] - self._done >= _BACKLOG
-                    or not self._engine_idle() or self._full(p)):
-                return None
+                    or self._deferred or self.page[0][DECIDED] - self._done >= _BACKLOG or self._full(p)):
+                return None  # (a busy engine thread is no reason: a call waited at once is no burst; it
+                # only does not poll then, see _poll_now)
             self._head_to_learn()
             if name in self._heads:  # (learnt: a burst follows it, see post)
                 return None
