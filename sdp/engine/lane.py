@@ -259,11 +259,17 @@ class Lane:
             if self._handoff:
                 engine = self._take_handoff() + engine
         if self.rank != 0 and page[LATEST] != latest:  # (something rank 0 decides at once was posted)
-            _fence()
-            for q in range(self.size):  # (a rank asleep: rank 0 decides, one that posted as far may
-                if q != self.rank and self.page[q][WAITING] and (q == 0 or self.page[q][POSTED] >= self._posted):
-                    self._ring(q)  # consume at once; else they run the lane when they post or wait)
+            self._ring_sleepers()
         return engine
+
+    def _ring_sleepers(self) -> None:
+        """After a post of something rank 0 decides at once (not rank 0's): ring a rank whose
+        caller sleeps on a lane handle if it is rank 0 (it decides) or it posted as far (it may
+        consume at once); the others run the lane when they post or wait."""
+        _fence()
+        for q in range(self.size):
+            if q != self.rank and self.page[q][WAITING] and (q == 0 or self.page[q][POSTED] >= self._posted):
+                self._ring(q)
 
     def allreduce_now(self, name: str, a, op, postscale: float, out: Optional[np.ndarray], layout=None):
         """A synchronous allreduce of every rank, run whole in the calling thread while the lane
@@ -312,17 +318,13 @@ class Lane:
                 np.copyto(typed[self.rank][at:at + n], a if a.ndim == 1 else a.reshape(-1))
             else:
                 layout.pack(a, typed[self.rank][at:at + n])
-            i, page, mine = (p % DEPTH) * _REC, self.page, self.page[self.rank]
-            rec = self.rec[self.rank]
+            i, mine, rec = (p % DEPTH) * _REC, self.page[self.rank], self.rec[self.rank]
             rec[i], rec[i + 1], rec[i + 2] = sig, off, nbytes
             self._posted = p + 1
             mine[LATEST] = p + 1
             mine[POSTED] = p + 1  # last: the record is visible before its count
-            if self.rank != 0:  # (as post: wake a rank asleep that would decide or consume it)
-                _fence()
-                for q in range(self.size):
-                    if q != self.rank and page[q][WAITING] and (q == 0 or page[q][POSTED] > p):
-                        self._ring(q)
+            if self.rank != 0:
+                self._ring_sleepers()
             verdict = self._poll_now(p)
             if verdict == FAST:
                 result = self._result_array(dtype, n) if out is None else out if out.ndim == 1 else out.reshape(-1)
@@ -337,8 +339,7 @@ class Lane:
                 if layout is not None:
                     return layout.views(result)
                 return out if out is not None else result.reshape(a.shape)
-            req = (self._request(name, "allreduce", a, op, None, 1.0, postscale, None, out, 0) if layout is None
-                   else self._request.group(name, a, layout, op=op, postscale=postscale))
+            req = self._make_request(name, a, op, postscale, out, layout)
             req.handle._lane = self
             self.held[name] = req
             self._out.append((p, req))
@@ -354,8 +355,7 @@ class Lane:
         """What :meth:`allreduce_now` keeps per key: (signature or 0, the op and postscale for
         integer scaling, ufunc, accumulation dtype, float scale, whether integers are scaled,
         ``layout``)."""
-        req = (self._request(name, "allreduce", a, op, None, 1.0, postscale, None, None, 0) if layout is None
-               else self._request.group(name, a, layout, op=op, postscale=postscale))  # (bad input raises)
+        req = self._make_request(name, a, op, postscale, None, layout)  # (bad input raises)
         dtype = req.array.dtype
         sig = self._signature(req) if self._reducible(req) else 0
         entry = (sig, _Scaling(op, req.postscale), UFUNCS.get(op), accumulation_dtype(dtype),
@@ -367,41 +367,35 @@ class Lane:
             self._now[key] = entry
         return entry
 
+    def _make_request(self, name, a, op, postscale, out, layout):
+        """The :class:`Request` of :meth:`allreduce_now`'s arguments (a flattened group's with ``layout``)."""
+        if layout is None:
+            return self._request(name, "allreduce", a, op, None, 1.0, postscale, None, out, 0)
+        return self._request.group(name, a, layout, op=op, postscale=postscale)
+
     def _poll_now(self, p: int) -> int:
         """Poll for position ``p``'s outcome (as :meth:`drive` polls, inside the lock): FAST,
         SLOW or OFF, or 0 when :data:`SPIN_S` passed first.  Once every rank posted ``p``: rank 0
         decides it (at once when every record equals this rank's and everything before it is
         decided, else by :meth:`_decide`), the others consume it as :meth:`_fast_before_rank0`."""
         n, page, mine, first = self.size, self.page, self.page[self.rank], self.page[0]
-        pages, recs, i = [page[q] for q in range(n)], [self.rec[q] for q in range(n)], (p % DEPTH) * _REC
-        sig = recs[self.rank][i]
         end = time.perf_counter() + (self.spin_s if self._engine_idle() else 0.0)
         mine[AWAKE] = self._awake + 1
         self._active_until = float("inf")
         verdict = 0
         try:
             while True:
-                for pg in pages:
-                    if pg[POSTED] <= p:
-                        break
-                else:  # (every rank posted p)
-                    same = all(r[i] == sig for r in recs)
-                    if self.rank:
-                        if same and first[CLAIM] <= p:  # (records read before the claim, see _claim)
-                            verdict = FAST
-                            break
-                    elif same and self._decided == p:
-                        self.dec[p % DEPTH] = FAST
-                        self._decided, self._first_seen = p + 1, None
-                        first[DECIDED] = p + 1  # (after the decision)
-                        _fence()
-                        for q in range(1, n):
-                            if pages[q][WAITING]:
-                                self._ring(q)
+                if self.rank:
+                    if self._fast_before_rank0(p):
                         verdict = FAST
                         break
-                    else:
-                        self._decide()
+                elif self._decided == p and self._equal(p):  # (what _decide would decide, without its work)
+                    self.dec[p % DEPTH] = FAST
+                    self._publish(p + 1, range(1, n))
+                    verdict = FAST
+                    break
+                elif min(page[q][POSTED] for q in range(n)) > p:
+                    self._decide()
                 if first[DECIDED] > p:
                     verdict = self.dec[p % DEPTH]
                     break
@@ -790,17 +784,21 @@ class Lane:
         self._done = done
         self.page[self.rank][DONE] = done  # (after the reductions read the peers' copies)
 
+    def _equal(self, p: int) -> bool:
+        """Whether every rank posted position ``p`` with this rank's record."""
+        page, i = self.page, (p % DEPTH) * _REC
+        sig = self.rec[self.rank][i]
+        for q in range(self.size):
+            if page[q][POSTED] <= p or self.rec[q][i] != sig:
+                return False
+        return True
+
     def _fast_before_rank0(self, p: int) -> int:
         """Position ``p``'s records are everyone's and equal (a held request's: positive): FAST, as rank 0
         will decide, unless it has claimed ``p`` (:meth:`_claim`: it may decide otherwise); so this
         rank consumes ``p`` without waiting for rank 0.  Returns ``p + 1``, or 0 (wait for rank 0).
         The records are read before the claim, rank 0 stores the claim before it reads them."""
-        page, i = self.page, (p % DEPTH) * _REC
-        sig = self.rec[self.rank][i]
-        for q in range(self.size):
-            if page[q][POSTED] <= p or self.rec[q][i] != sig:
-                return 0
-        return p + 1 if page[0][CLAIM] <= p else 0
+        return p + 1 if self._equal(p) and self.page[0][CLAIM] <= p else 0
 
     def _claim(self, upto: int) -> list:
         """Rank 0, before a decision that is not the records' own (a position some rank has not
@@ -861,14 +859,19 @@ class Lane:
             k += 1
         if k < top:
             k, posts = self._decide_incomplete(k, top, posts)
-        if k == start:
-            return
+        if k > start:
+            self._publish(k, [q for q in range(1, n) if posts[q] > start])
+
+    def _publish(self, k: int, ring) -> None:
+        """Rank 0: the decisions below position ``k`` are written: count them, then ring the ranks
+        of ``ring`` (those that posted some) whose caller sleeps on a lane handle (a polling
+        caller or a later post sees them)."""
         self._first_seen = None
         self._decided = k
-        page[0][DECIDED] = k  # last: the decisions are visible before their count
+        self.page[0][DECIDED] = k  # last: the decisions are visible before their count
         _fence()
-        for q in range(1, n):
-            if posts[q] > start and page[q][WAITING]:  # (a polling caller or a later post sees it)
+        for q in ring:
+            if self.page[q][WAITING]:
                 self._ring(q)
 
     def _decide_incomplete(self, k: int, top: int, posts: list):

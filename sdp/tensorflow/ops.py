@@ -311,29 +311,30 @@ class Batch:
         order = [it[0] for _, items in groups for it in items]
         starters = [(_starter(kind, items, rargs, self.process_set), [self._tensors[it[0]] for it in items])
                     for kind, items in groups]
-        blocking = starters  # (what runs where the caller waits: one bucket of allreduces synchronously, so
-        if len(groups) == 1 and groups[0][0] == "allreduce":  # that the engine may run it whole in this thread,
-            names = [it[1] for it in groups[0][1]]  # see sdp.api.allreduce; never in a submit op: it must not block)
-            blocking = [(lambda arrays: [api.DoneHandle(r) for r in api.grouped_allreduce_named(
-                arrays, names, *rargs, process_set=self.process_set)], starters[0][1])]
+        names = [it[1] for it in groups[0][1]] if len(groups) == 1 and groups[0][0] == "allreduce" else None
+
+        def run(arrays_per_group):  # where the caller waits: every group started, then their results
+            if names is not None:  # (one bucket of allreduces: synchronously, so that the engine may run it
+                return api.grouped_allreduce_named(  # whole in this thread, see sdp.api.allreduce; never in
+                    arrays_per_group[0], names, *rargs, process_set=self.process_set)  # a submit op: it must not block)
+            handles = [h for (start, _), arrays in zip(starters, arrays_per_group) for h in start(arrays)]
+            return [h.wait() for h in handles]
+
         if tf.executing_eagerly():
             with tf_errors():  # Horovod's tf.errors classes (sdp.tensorflow.errors)
-                handles = [h for start, ts in blocking for h in start([eager_input(t) for t in ts])]
+                got = run([[eager_input(t) for t in ts] for _, ts in starters])
                 result = [None] * len(order)
-                for i, h in zip(order, handles):
-                    result[i] = _to_tensor(h.wait(), self._tensors[i].dtype)
+                for i, r in zip(order, got):
+                    result[i] = _to_tensor(r, self._tensors[i].dtype)
             return result
         name = (self._reduce or self._gather or self._bcast)[0][1]
         dtypes = [self._tensors[i].dtype for i in order]
         np_dtypes = [d.as_numpy_dtype for d in dtypes]
         if len(starters) == 1 and _may_block(tf.compat.v1.get_default_graph()):
-            start, ts = blocking[0]
-
             def submit_and_wait(*arrays):  # the cheap path: one op (see the module docstring)
-                handles = start(_read_only(arrays))
-                return [np.asarray(h.wait(), dtype=d) for h, d in zip(handles, np_dtypes)]
+                return [np.asarray(r, dtype=d) for r, d in zip(run([_read_only(arrays)]), np_dtypes)]
 
-            outs = _blocking_op(submit_and_wait, ts, dtypes, [], name)
+            outs = _blocking_op(submit_and_wait, starters[0][1], dtypes, [], name)
         else:
             queues = [collections.deque() for _ in starters]
             submits = [_submit_op(lambda arrays, q=q, start=start: q.append(start(arrays)), ts, f"{name}.{k}")
