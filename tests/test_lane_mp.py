@@ -134,10 +134,35 @@ def test_ranks_that_see_every_record_equal_consume_fast_without_rank0(n, tmp_pat
         assert counts == {"fast": 1, "slow": 0, "batches": 0}, values
 
 
+def _compiled_step() -> bool:
+    """Whether the fast lane's compiled step (sdp.engine.native) builds here (CI's must: .ci/run
+    builds it first)."""
+    from sdp.engine import native
+    return native.load() is not None
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_compiled_step_and_the_python_lane_give_the_same_bits(n):
+    runs = {}
+    for switch in ("1", "0"):
+        runs[switch] = check_ok(run_workers(n, "workers_lane:edges", [5], env={"SDP_NATIVE": switch}, timeout=120))
+        for rank, (bad, _, _, counts) in enumerate(runs[switch]):
+            assert not bad, (switch, rank, bad)
+            assert counts["slow"] == 0, (switch, rank, counts)
+    digests = {digest for values in runs.values() for _, digest, _, _ in values}
+    assert len(digests) == 1, "results differ between ranks or between the compiled step and Python"
+    assert all(calls == 0 for _, _, calls, _ in runs["0"])
+    if _compiled_step():
+        # (a call that finds the lane busy, its engine thread deciding, is submitted as usual)
+        assert all(counts["fast"] == 90 and calls >= 60 for _, _, calls, counts in runs["1"]), runs["1"]
+
+
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("worker,steps", [("sync_mixed", 120), ("grouped_sync_mixed", 80)])
-def test_synchronous_allreduces_and_groups_run_whole_in_the_caller(n, worker, steps):
-    values = check_ok(run_workers(n, f"workers_lane:{worker}", [steps, 11], timeout=120))
+@pytest.mark.parametrize("compiled", ["1", "0"])
+def test_synchronous_allreduces_and_groups_run_whole_in_the_caller(n, worker, steps, compiled):
+    values = check_ok(run_workers(n, f"workers_lane:{worker}", [steps, 11], env={"SDP_NATIVE": compiled},
+                                  timeout=120))
     for rank, (bad, calls, made, counts) in enumerate(values):
         assert not bad, (rank, bad)
         # (a Request only for each key's first call and for calls not consumed while the caller

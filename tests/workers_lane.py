@@ -469,3 +469,51 @@ def sync_beside_engine(steps):
         ok = ok and bool(np.all(small == sum(q * step for q in range(n))))
         ok = ok and bool(np.all(big.wait() == sum(q + step for q in range(n))))
     return [ok, {k: v - before[k] for k, v in lane.counts.items()}]
+
+
+def edges(seed):
+    """Special values through synchronous allreduces of the dtypes the compiled step reduces
+    (sdp.engine.native): NaNs, infinities, signed zeros and float extremes, integer extremes
+    (wrapping as numpy's), every op, a postscale, shapes from one element to 16 KB; the same
+    arithmetic as numpy's ufuncs in rank order (:func:`_expected`), every NaN counted as one.  Returns (the cases not
+    exact, a digest of every result, how many calls the compiled step answered, the lane counts)."""
+    import sdp.engine.lane
+    sdp.engine.lane.ESCALATE_S = 3600.0  # (as in matrix)
+    n, r = sdp.size(), sdp.rank()
+    lane = sdp.api.runtime().lane
+    native_calls, step = [0], lane._native
+    if step is not None:
+        def counted(*a):
+            native_calls[0] += 1
+            return step(*a)
+        lane._native = counted
+    specials = {"f": [np.nan, -0.0, 0.0, np.inf, -np.inf, 3.5, -2.25, 1e30, -1e30, 7.0],
+                "i": [None, None, -1, 0, 1, 2, -7, 5, 1 << 20, -(1 << 20)]}
+
+    def data(q, dtype, size, s):
+        dt = np.dtype(dtype)
+        pool = list(specials[dt.kind])
+        if dt.kind == "i":
+            pool[0], pool[1] = np.iinfo(dt).max, np.iinfo(dt).min
+        rng = np.random.default_rng(s * 100 + q)
+        return np.array(pool, dt)[rng.integers(0, len(pool), size)]
+
+    bad, digest, cases = [], hashlib.sha256(), 0
+    with np.errstate(all="ignore"):
+        for dtype in (np.float32, np.float64, np.int32, np.int64):
+            for op in OPS:
+                for post in (1.0, 0.3):
+                    if post != 1.0 and np.dtype(dtype).kind == "i":
+                        continue
+                    for size in (1, 33, 4096 // np.dtype(dtype).itemsize * 4):
+                        s = seed + cases
+                        got = sdp.allreduce(data(r, dtype, size, s), name=f"e{cases}", op=op, postscale_factor=post)
+                        want = _expected(op, [data(q, dtype, size, s) for q in range(n)], post, n)
+                        cases += 1
+                        if np.dtype(dtype).kind == "f":  # (a NaN's sign and payload are IEEE 754's to leave
+                            # open: numpy's own vector and scalar loops differ there, by alignment)
+                            got, want = (np.where(np.isnan(x), np.nan, x).astype(dtype) for x in (got, want))
+                        if got.dtype != want.dtype or got.tobytes() != want.tobytes():
+                            bad.append([np.dtype(dtype).name, op.name, post, size])
+                        digest.update(got.tobytes())
+    return [bad, digest.hexdigest(), native_calls[0], lane.counts]

@@ -48,6 +48,8 @@ claim; so either it sees the claim or rank 0 sees the records it saw; see the do
 A **synchronous allreduce** (``sdp.allreduce``) runs whole in its caller while the lane is idle
 (:meth:`Lane.allreduce_now`): posted, polled for and reduced into its result without a
 :class:`Request` or a handle; what is not consumed while it polls becomes a held request.
+Where :mod:`sdp.engine.native` builds, its common case (post, poll, reduce) is one compiled call
+(``cc/lane_now.c``) that hands everything else back to this code.
 
 Who runs the lane: the caller waiting on a lane handle (:meth:`drive`: it polls for up to
 :data:`SPIN_S` seconds, yielding the core between polls, then sleeps on the handle; it does not
@@ -79,7 +81,9 @@ Stores become visible in order on x86-64 (as for the barrier flags, :mod:`sdp.en
 a record is written before its count.
 """
 import collections
+import functools
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -92,6 +96,8 @@ from sdp.common.reduce_ops import UFUNCS, ReduceOp, accumulation_dtype
 from sdp.engine import collectives, fusion
 from sdp.engine.coordinator import JOIN
 from sdp.transport.shm_ctrl import LANE_BYTES, ring_bell
+
+log = logging.getLogger("sdp.engine")
 
 DEPTH = 256  # positions a rank may run ahead of the slowest rank's consumption
 _REC = 3  # int64 per record: signature, data offset, bytes
@@ -110,6 +116,10 @@ _TICK_S = 0.001  # the engine thread's shortest sleep (a poll's timeout is whole
 _ALIGN = 64  # bytes: every copy in the data ring starts on a cache line
 _SIGS_MAX = 4096  # signatures remembered (by Request.key())
 _BACKLOG = DEPTH // 4  # positions only the engine runs that are decided (consumed) in bulk, lazily
+
+_NATIVE_DTYPES = {"<f4": 0, "<f8": 1, "<i4": 2, "<i8": 3}  # what the compiled step reduces (its codes)
+_NATIVE_OPS = {ReduceOp.AVERAGE: 0, ReduceOp.SUM: 0, ReduceOp.MIN: 1, ReduceOp.MAX: 2, ReduceOp.PRODUCT: 3}
+_NATIVE_PYTHON, _NATIVE_RECORD = -1, -2  # the compiled step's other answers (see cc/lane_now.c)
 
 _fence_lock = threading.Lock()
 
@@ -150,6 +160,7 @@ class Lane:
         self._dec_np = seg.at(0, base + DEPTH * _REC * 8, np.int64, DEPTH)  # (the same decisions: for
         # a burst's slice assignment; ``dec`` is the faster one element at a time)
         self.data = {q: seg.at(q, base + DEPTH * (_REC + 1) * 8, np.uint8, DATA_BYTES) for q in seg.peers}
+        self._native = self._native_step()  # (p, sig, off, src, dst, red, scale, spin, decided, awake) or None
         self.lock = threading.Lock()
         self.held = {}  # name -> Request this lane holds (posted eligible, not yet decided)
         self.off = False  # a join() was decided: everything goes to the engine from now on
@@ -271,6 +282,32 @@ class Lane:
             if q != self.rank and self.page[q][WAITING] and (q == 0 or self.page[q][POSTED] >= self._posted):
                 self._ring(q)
 
+    def _native_step(self):
+        """The compiled step (:mod:`sdp.engine.native`) bound to this lane's memory, or None (no
+        extension, or this rank cannot map a peer's region writable)."""
+        from sdp.engine import native  # (here: ``python -m sdp.engine.native`` runs it as __main__)
+        module = native.load()
+        if module is None:
+            return None
+        ranks = range(self.size)
+        try:
+            ctx = module.Context(self.rank, self.size, [self.page[q] for q in ranks], [self.rec[q] for q in ranks],
+                                 self.dec, [self.data[q] for q in ranks], (DEPTH, _REC, DATA_BYTES),
+                                 (POSTED, DONE, DECIDED, AWAKE, RUNG, WAITING, LATEST, CLAIM), FAST)
+        except (ValueError, TypeError, BufferError) as e:
+            log.debug("sdp: the fast lane runs in Python (%s)", e)
+            return None
+        return functools.partial(module.now, ctx)
+
+    def _after_native(self, ring: int) -> None:
+        """After the compiled step: ring the ranks of ``ring``'s bits (it fenced after the stores
+        they must see); rank 0's bit 0: posts wait for a decision."""
+        for q in range(self.size):
+            if ring >> q & 1 and q != self.rank:
+                self._ring(q)
+        if self.rank == 0 and ring & 1:
+            self._decide()
+
     def allreduce_now(self, name: str, a, op, postscale: float, out: Optional[np.ndarray], layout=None):
         """A synchronous allreduce of every rank, run whole in the calling thread while the lane
         is idle (nothing held, gathered or deferred for the engine here): posted as :meth:`post`
@@ -288,7 +325,7 @@ class Lane:
         known = self._now.get(key)
         if known is None or known[6] is not layout:
             known = self._now_entry(key, name, a, op, postscale, layout)
-        sig, scaling, ufunc, acc, fscale, ints, _ = known
+        sig, scaling, ufunc, acc, fscale, ints, _, native = known
         if layout is not None:
             dtype, n = layout.dtype, layout.count
         elif not a.flags.c_contiguous or out is not None and (
@@ -312,33 +349,58 @@ class Lane:
             off = self._alloc(nbytes, p)
             if off is None:
                 return None
-            typed = self._typed.get(dtype) or self._typed_views(dtype)
-            at = off // dtype.itemsize
-            if layout is None:
-                np.copyto(typed[self.rank][at:at + n], a if a.ndim == 1 else a.reshape(-1))
-            else:
-                layout.pack(a, typed[self.rank][at:at + n])
-            i, mine, rec = (p % DEPTH) * _REC, self.page[self.rank], self.rec[self.rank]
-            rec[i], rec[i + 1], rec[i + 2] = sig, off, nbytes
-            self._posted = p + 1
-            mine[LATEST] = p + 1
-            mine[POSTED] = p + 1  # last: the record is visible before its count
-            if self.rank != 0:
-                self._ring_sleepers()
-            verdict = self._poll_now(p)
-            if verdict == FAST:
-                result = self._result_array(dtype, n) if out is None else out if out.ndim == 1 else out.reshape(-1)
+            if layout is not None:  # (packed straight into the data ring)
+                at = off // dtype.itemsize
+                layout.pack(a, (self._typed.get(dtype) or self._typed_views(dtype))[self.rank][at:at + n])
+            result = None
+            if native is not None:  # (post, poll and reduce in one call)
+                result = self._result_array(dtype, n) if out is None else out
+                self._active_until = float("inf")
                 try:
-                    collectives.reduce_copies(ufunc, self._copies(p, name, dtype, n), result, acc, fscale)
+                    verdict, ring = self._native(p, sig, off, a if layout is None else None, result, native[0],
+                                                 native[1], self.spin_s if self._engine_idle() else 0.0,
+                                                 self._decided, self._awake)
+                finally:
+                    self._active_until = 0.0
+                self._posted = p + 1  # (it raises before it posts: bad buffers)
+                if verdict == FAST and self.rank == 0:  # (it decided and published p, as _publish)
+                    self._decided, self._first_seen = p + 1, None
+                if ring:
+                    self._after_native(ring)
+                if verdict == _NATIVE_PYTHON:
+                    verdict = self._poll_now(p)
+                    native = None
+                elif verdict == _NATIVE_RECORD:  # (consumed FAST: _copies below raises)
+                    verdict, native = FAST, None
+            else:
+                if layout is None:
+                    at = off // dtype.itemsize
+                    np.copyto((self._typed.get(dtype) or self._typed_views(dtype))[self.rank][at:at + n],
+                              a if a.ndim == 1 else a.reshape(-1))
+                i, mine, rec = (p % DEPTH) * _REC, self.page[self.rank], self.rec[self.rank]
+                rec[i], rec[i + 1], rec[i + 2] = sig, off, nbytes
+                self._posted = p + 1
+                mine[LATEST] = p + 1
+                mine[POSTED] = p + 1  # last: the record is visible before its count
+                if self.rank != 0:
+                    self._ring_sleepers()
+                verdict = self._poll_now(p)
+            if verdict == FAST:
+                if result is None:
+                    result = self._result_array(dtype, n) if out is None else out
+                try:
+                    if native is None:
+                        collectives.reduce_copies(ufunc, self._copies(p, name, dtype, n), result.reshape(-1), acc,
+                                                  fscale)
                     if ints:
                         self._int_scale(result, scaling)
                 finally:
                     self._done = p + 1
-                    mine[DONE] = p + 1  # (after the reduction read the peers' copies)
+                    self.page[self.rank][DONE] = p + 1  # (after the reduction read the peers' copies)
                 self.counts["fast"] += 1
                 if layout is not None:
                     return layout.views(result)
-                return out if out is not None else result.reshape(a.shape)
+                return result if out is not None else result.reshape(a.shape)
             req = self._make_request(name, a, op, postscale, out, layout)
             req.handle._lane = self
             self.held[name] = req
@@ -354,13 +416,16 @@ class Lane:
     def _now_entry(self, key, name, a, op, postscale, layout) -> tuple:
         """What :meth:`allreduce_now` keeps per key: (signature or 0, the op and postscale for
         integer scaling, ufunc, accumulation dtype, float scale, whether integers are scaled,
-        ``layout``)."""
+        ``layout``, and for the compiled step (:mod:`sdp.engine.native`) its reduction code and
+        float scale, or None where it does not reduce: another dtype, or no extension)."""
         req = self._make_request(name, a, op, postscale, None, layout)  # (bad input raises)
         dtype = req.array.dtype
         sig = self._signature(req) if self._reducible(req) else 0
-        entry = (sig, _Scaling(op, req.postscale), UFUNCS.get(op), accumulation_dtype(dtype),
-                 self._float_scale(req, dtype), dtype.kind in "iub" and (op == ReduceOp.AVERAGE or postscale != 1.0),
-                 layout)
+        fscale = self._float_scale(req, dtype)
+        red = _NATIVE_DTYPES.get(dtype.str) if self._native is not None and sig else None
+        entry = (sig, _Scaling(op, req.postscale), UFUNCS.get(op), accumulation_dtype(dtype), fscale,
+                 dtype.kind in "iub" and (op == ReduceOp.AVERAGE or postscale != 1.0), layout,
+                 None if red is None else (red * 4 + _NATIVE_OPS[op], 1.0 if fscale is None else float(fscale)))
         if self.enabled:  # (a timeline being written: not remembered)
             if len(self._now) >= _SIGS_MAX:
                 self._now.clear()

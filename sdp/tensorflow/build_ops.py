@@ -25,28 +25,22 @@ sdp's Python errors (``InvalidArgumentError`` for a mismatch), as they also do w
 is found or the build or load fails (logged once per process on the ``sdp.tensorflow`` logger,
 with the reason).  ``launcher`` code (``sdprun``) never builds it.
 """
-import argparse
 import ctypes
-import hashlib
 import logging
 import os
 import platform
-import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Optional
 
-from sdp.common.errors import SdpError
+from sdp.common import native_build
+from sdp.common.native_build import BuildError
 
 log = logging.getLogger("sdp.tensorflow")
 
 SOURCE = Path(__file__).resolve().parent / "cc" / "sdp_ops.cc"
 SWITCH = "SDP_TF_OPS"  # 0: never use the compiled op (graph errors by Python class, as without one)
-BUILD_TIMEOUT_S = 600.0
 
 _lock = threading.Lock()
 _state = {}  # "lib": the loaded module or None once load() decided; "why": the reason for None
@@ -91,11 +85,6 @@ class Library:
         return bool(self._pending(address))
 
 
-class BuildError(SdpError):
-    """The compiled op could not be built: no compiler, or the compiler failed (its output is in
-    the message)."""
-
-
 def enabled() -> bool:
     """False when ``SDP_TF_OPS=0`` (or ``false``/``off``/``no``) says not to use the compiled op."""
     return os.environ.get(SWITCH, "").strip().lower() not in ("0", "false", "off", "no")
@@ -104,9 +93,7 @@ def enabled() -> bool:
 def cache_dir() -> Path:
     """Where built libraries are kept: ``$SDP_CACHE_DIR/tf_ops`` (default ``$XDG_CACHE_HOME/sdp``,
     else ``~/.cache/sdp``)."""
-    base = os.environ.get("SDP_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "sdp")
-    return Path(base) / "tf_ops"
+    return native_build.cache_dir("tf_ops")
 
 
 def _tf_flags():
@@ -117,44 +104,14 @@ def _tf_flags():
 def library_path() -> Path:
     """The library for this TensorFlow and this source (it may not exist yet)."""
     version, cflags, lflags = _tf_flags()
-    h = hashlib.sha256(SOURCE.read_bytes())
-    for part in [version, sys.implementation.cache_tag, platform.machine(), *cflags, *lflags]:
-        h.update(b"\0" + part.encode())
-    return cache_dir() / f"sdp_ops-tf{version}-{h.hexdigest()[:16]}.so"
+    h = native_build.digest(SOURCE, [version, sys.implementation.cache_tag, platform.machine(), *cflags, *lflags])
+    return cache_dir() / f"sdp_ops-tf{version}-{h}.so"
 
 
 def compiler() -> Optional[list]:
     """The C++ compiler's command (``$CXX`` split as a shell would, else the first of ``g++``,
     ``c++``, ``clang++`` on ``PATH``), or None."""
-    cxx = os.environ.get("CXX", "").strip()
-    if cxx:
-        argv = shlex.split(cxx)
-        return argv if shutil.which(argv[0]) else None
-    for name in ("g++", "c++", "clang++"):
-        path = shutil.which(name)
-        if path:
-            return [path]
-    return None
-
-
-class _FileLock:
-    """An exclusive ``flock`` on ``path`` (created 0600) while in the ``with`` block: processes
-    sharing a cache directory build one at a time."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.fd = None
-
-    def __enter__(self):
-        import fcntl
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        import fcntl
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
+    return native_build.compiler("CXX", ("g++", "c++", "clang++"))
 
 
 def build(force: bool = False) -> Path:
@@ -168,29 +125,9 @@ def build(force: bool = False) -> Path:
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler: set CXX or install g++ (e.g. apt-get install g++)")
-    out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with _FileLock(out.parent / ".build.lock"):
-        if out.exists() and not force:  # another process built it while this one waited
-            return out
-        _, cflags, lflags = _tf_flags()
-        fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
-        os.close(fd)
-        argv = [*cxx, "-shared", "-fPIC", "-O2", "-Wno-deprecated-declarations", str(SOURCE), "-o", tmp,
-                *cflags, *lflags]
-        try:
-            try:
-                res = subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                raise BuildError(f"{shlex.join(argv)}: {e}") from e
-            if res.returncode != 0:
-                tail = "\n".join((res.stderr or res.stdout).strip().splitlines()[-20:])
-                raise BuildError(f"{shlex.join(argv)} exited with {res.returncode}:\n{tail}")
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, out)  # readers never see a partial library
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return out
+    _, cflags, lflags = _tf_flags()
+    return native_build.build(out, lambda tmp: [*cxx, "-shared", "-fPIC", "-O2", "-Wno-deprecated-declarations",
+                                                str(SOURCE), "-o", tmp, *cflags, *lflags], force)
 
 
 def load(build_missing: bool = True) -> Optional[Library]:
@@ -257,29 +194,14 @@ def _self_test(lib: Library) -> str:
     return ""
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sdp.tensorflow.build_ops",
-                                description="Compile sdp's TensorFlow op (graph-mode error classes) into the cache.")
-    p.add_argument("--force", action="store_true", help="compile even if the cached library exists")
-    p.add_argument("--print-path", action="store_true", help="only print where the library is (or would be)")
-    args = p.parse_args(argv)
-    path = library_path()
-    if args.print_path:
-        print(path)
-        return 0
-    existed = path.exists() and not args.force
-    try:
-        path = build(force=args.force)
-    except BuildError as e:
-        print(f"sdp: {e}", file=sys.stderr)
-        return 1
+def _check(path: Path) -> str:
     import tensorflow as tf
-    why = _self_test(Library(tf.load_op_library(str(path)), path, _align()))
-    if why:
-        print(f"sdp: {path}: {why}", file=sys.stderr)
-        return 1
-    print(f"sdp: {'cached' if existed else 'built'} {path}")
-    return 0
+    return _self_test(Library(tf.load_op_library(str(path)), path, _align()))
+
+
+def main(argv=None) -> int:
+    return native_build.main(argv, "sdp.tensorflow.build_ops", "sdp's TensorFlow op (graph-mode error classes)",
+                             library_path, build, _check)
 
 
 if __name__ == "__main__":
