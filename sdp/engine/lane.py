@@ -363,7 +363,7 @@ class Lane:
                 finally:
                     self._active_until = 0.0
                 self._posted = p + 1  # (it raises before it posts: bad buffers)
-                if verdict == FAST and self.rank == 0:  # (it decided and published p, as _publish)
+                if self.rank == 0 and verdict in (FAST, _NATIVE_RECORD):  # (it decided p, as _publish)
                     self._decided, self._first_seen = p + 1, None
                 if ring:
                     self._after_native(ring)
