@@ -46,14 +46,25 @@ def _expected(op, arrays, post, n):
     return t.astype(dtype)
 
 
+def _never_escalate():
+    """No position of the lane is escalated to the engine on time from now on, on any rank: a
+    rank late on a busy machine is waited for.  Every rank sets it before a barrier, so a rank
+    slow to get here (importing, descheduled) cannot have its engine thread escalate a position
+    its peers posted before it did (rank 0's thread decides with ``ESCALATE_S`` as it then was)."""
+    import sdp.engine.lane
+    sdp.engine.lane.ESCALATE_S = 3600.0
+    sdp.barrier()  # (itself in the lane, where it may be escalated: not counted below)
+    counts = sdp.api.runtime().lane.counts
+    counts.update({k: 0 for k in counts})
+
+
 def matrix(seed):
     """Every op x dtype x postscale, shapes from scalars to 64 KB, through the lane; returns
     (the cases that were not exact, a digest of every result, lane counts).  No position is
     escalated to the engine here (a rank late on a busy machine is waited for): the engine's
     arithmetic differs where it sends 16-bit partial sums between ranks (fewer elements than
     ranks, or across hosts, with 3 or more ranks; see sdp.engine.collectives.allreduce)."""
-    import sdp.engine.lane
-    sdp.engine.lane.ESCALATE_S = 3600.0
+    _never_escalate()
     n, r = sdp.size(), sdp.rank()
     rng = random.Random(seed)
     bad, digest, cases = [], hashlib.sha256(), 0
@@ -334,8 +345,7 @@ def grouped_steps(steps):
     """``steps`` grouped allreduces of 20 small tensors, each waited part by part as
     ``sdp.grouped_allreduce`` does (the group is often done before its first part is waited
     for).  Returns (exact, lane counts)."""
-    import sdp.engine.lane
-    sdp.engine.lane.ESCALATE_S = 3600.0  # (a rank late on a busy machine is waited for)
+    _never_escalate()  # (a rank late on a busy machine is waited for)
     n, r = sdp.size(), sdp.rank()
     xs = [np.full(8 + i, float(r + i), np.float32) for i in range(20)]
     ok = True
@@ -373,8 +383,7 @@ def sync_mixed(steps, seed):
     synchronous calls this rank made, how many of them made a Request: only those not consumed
     while the caller polled, the lane counts)."""
     import time
-    import sdp.engine.lane
-    sdp.engine.lane.ESCALATE_S = 3600.0  # (as in matrix: the engine's arithmetic differs for some cases)
+    _never_escalate()  # (as in matrix: the engine's arithmetic differs for some cases)
     n, r = sdp.size(), sdp.rank()
     lane = sdp.api.runtime().lane
     made, make = [0], lane._request
@@ -418,8 +427,7 @@ def grouped_sync_mixed(steps, seed):
     2 ms late.  Returns (the steps not exact, grouped calls this rank made, how many of them made
     a Request, the lane counts)."""
     import time
-    import sdp.engine.lane
-    sdp.engine.lane.ESCALATE_S = 3600.0  # (as in matrix)
+    _never_escalate()  # (as in matrix)
     n, r = sdp.size(), sdp.rank()
     lane = sdp.api.runtime().lane
     made, group = [0], lane._request.group
@@ -477,8 +485,7 @@ def edges(seed):
     (wrapping as numpy's), every op, a postscale, shapes from one element to 16 KB; the same
     arithmetic as numpy's ufuncs in rank order (:func:`_expected`), every NaN counted as one.  Returns (the cases not
     exact, a digest of every result, how many calls the compiled step answered, the lane counts)."""
-    import sdp.engine.lane
-    sdp.engine.lane.ESCALATE_S = 3600.0  # (as in matrix)
+    _never_escalate()  # (as in matrix)
     n, r = sdp.size(), sdp.rank()
     lane = sdp.api.runtime().lane
     native_calls, step = [0], lane._native
