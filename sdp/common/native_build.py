@@ -27,6 +27,12 @@ class BuildError(SdpError):
     in the message)."""
 
 
+def switched_on(env: str) -> bool:
+    """False when ``$<env>`` is ``0``, ``false``, ``off`` or ``no`` (any case): a native part
+    is not to be built or loaded."""
+    return os.environ.get(env, "").strip().lower() not in ("0", "false", "off", "no")
+
+
 def cache_dir(kind: str) -> Path:
     """Where built libraries of ``kind`` are kept: ``$SDP_CACHE_DIR/<kind>`` (default
     ``$XDG_CACHE_HOME/sdp``, else ``~/.cache/sdp``)."""

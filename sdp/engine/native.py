@@ -16,13 +16,11 @@ stays the reference and runs everything else, and all of it when the extension i
 import importlib.machinery
 import importlib.util
 import logging
-import os
 import platform
 import sys
 import sysconfig
 import threading
 from pathlib import Path
-from typing import Optional
 
 from sdp.common import native_build
 from sdp.common.native_build import BuildError
@@ -34,12 +32,12 @@ SWITCH = "SDP_NATIVE"  # 0: never build or load the extension (the lane runs in 
 MODULE = "_sdp_lane"
 
 _lock = threading.Lock()
-_state = {}  # "module": the loaded extension or None once decided; "why": the reason for None
+_state = {}  # "module": the loaded extension, or None once decided
 
 
 def enabled() -> bool:
     """False when ``SDP_NATIVE=0`` (or ``false``/``off``/``no``)."""
-    return os.environ.get(SWITCH, "").strip().lower() not in ("0", "false", "off", "no")
+    return native_build.switched_on(SWITCH)
 
 
 def _flags() -> list:
@@ -86,11 +84,6 @@ def load():
             if _state["module"] is None:
                 log.debug("sdp: the fast lane runs in Python (%s)", _state["why"])
         return _state["module"]
-
-
-def why_not() -> Optional[str]:
-    """Why :func:`load` gave None ('' when it loaded; None before it was called)."""
-    return _state.get("why")
 
 
 def _load():

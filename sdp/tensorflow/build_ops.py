@@ -27,7 +27,6 @@ with the reason).  ``launcher`` code (``sdprun``) never builds it.
 """
 import ctypes
 import logging
-import os
 import platform
 import sys
 import threading
@@ -87,7 +86,7 @@ class Library:
 
 def enabled() -> bool:
     """False when ``SDP_TF_OPS=0`` (or ``false``/``off``/``no``) says not to use the compiled op."""
-    return os.environ.get(SWITCH, "").strip().lower() not in ("0", "false", "off", "no")
+    return native_build.switched_on(SWITCH)
 
 
 def cache_dir() -> Path:
