@@ -247,13 +247,13 @@ def lane_off():
     thread, rank 0's coordinator and then the collective."""
     rt = sdp.api.runtime()
     sdp.barrier()
-    saved = rt.lane, rt._inline
-    rt.lane, rt._inline = None, False
+    saved = rt.lane, rt._inline, rt.front
+    rt.lane, rt._inline, rt.front = None, False, None
     try:
         yield
     finally:
         sdp.barrier()
-        rt.lane, rt._inline = saved
+        rt.lane, rt._inline, rt.front = saved
 
 
 def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 30, rounds: int = 3) -> dict:

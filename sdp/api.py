@@ -309,6 +309,11 @@ def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: floa
     rt, name, ps = _engine_and_name("allreduce", name, process_set)
     op = op if type(op) is ReduceOp else resolve_op(op)
     if not ps and type(tensor) is np.ndarray and prescale_factor == 1.0:  # (the fast lane, whole, in this thread)
+        front = rt.front  # (the compiled step's common case, else the lane's Python)
+        if front is not None:
+            result = front(name, tensor, op, postscale_factor, out)
+            if result is not None:
+                return result
         result = rt.allreduce_now(name, tensor, op, postscale_factor if type(postscale_factor) is float
                                   else float(postscale_factor), out)
         if result is not None:

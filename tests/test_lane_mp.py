@@ -146,15 +146,17 @@ def test_the_compiled_step_and_the_python_lane_give_the_same_bits(n):
     runs = {}
     for switch in ("1", "0"):
         runs[switch] = check_ok(run_workers(n, "workers_lane:edges", [5], env={"SDP_NATIVE": switch}, timeout=120))
-        for rank, (bad, _, _, counts) in enumerate(runs[switch]):
+        for rank, (bad, _, _, _, counts) in enumerate(runs[switch]):
             assert not bad, (switch, rank, bad)
             assert counts["slow"] == 0, (switch, rank, counts)
-    digests = {digest for values in runs.values() for _, digest, _, _ in values}
+    digests = {digest for values in runs.values() for _, digest, _, _, _ in values}
     assert len(digests) == 1, "results differ between ranks or between the compiled step and Python"
-    assert all(calls == 0 for _, _, calls, _ in runs["0"])
+    assert all(calls == 0 and entered == 0 for _, _, calls, entered, _ in runs["0"])
     if _compiled_step():
-        # (a call that finds the lane busy, its engine thread deciding, is submitted as usual)
-        assert all(counts["fast"] == 90 and calls >= 60 for _, _, calls, counts in runs["1"]), runs["1"]
+        # (a call that finds the lane busy, its engine thread deciding, is submitted as usual;
+        # the entry runs the second call of the 84 cases it learns: all but integer AVERAGE)
+        assert all(counts["fast"] == 180 and calls >= 60 and entered >= 50
+                   for _, _, calls, entered, counts in runs["1"]), runs["1"]
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -177,3 +179,15 @@ def test_a_synchronous_allreduce_beside_the_engines_work_stays_itself():
         # (posted as itself on every rank: no batch of one, whose signature would differ from a
         # peer's single one and send the step to the engine)
         assert counts["batches"] == 0 and counts["fast"] >= 25, counts
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_compiled_entry_holds_escalates_and_raises_as_the_lane_does(n):
+    for rank, seen in enumerate(check_ok(run_workers(n, "workers_lane:front_paths", [6], timeout=120))):
+        assert seen["exact"] and seen["apart"] and seen["aligned"] and seen["out"], (rank, seen)
+        assert seen["big"] == [[64, 64], float(n), float(n), 0], (rank, seen)
+        assert "shape mismatch" in (seen["mismatch"] or ""), (rank, seen)
+        assert seen["slow"] >= 1, (rank, seen)  # (the 30 ms late peer's positions: the engine's)
+        if _compiled_step():
+            # (the late rank's own calls, and some of its peers', still end in the entry)
+            assert seen["entered late 0.002"] >= 3 and seen["entered"] >= 30, (rank, seen)

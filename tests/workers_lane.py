@@ -483,17 +483,26 @@ def edges(seed):
     """Special values through synchronous allreduces of the dtypes the compiled step reduces
     (sdp.engine.native): NaNs, infinities, signed zeros and float extremes, integer extremes
     (wrapping as numpy's), every op, a postscale, shapes from one element to 16 KB; the same
-    arithmetic as numpy's ufuncs in rank order (:func:`_expected`), every NaN counted as one.  Returns (the cases not
-    exact, a digest of every result, how many calls the compiled step answered, the lane counts)."""
+    arithmetic as numpy's ufuncs in rank order (:func:`_expected`), every NaN counted as one.
+    Each case runs twice: its second call is the compiled entry's (``Runtime.front``, learnt by
+    the first).  Returns (the cases not exact, a digest of every result, how many calls the
+    compiled step answered, how many the compiled entry answered, the lane counts)."""
     _never_escalate()  # (as in matrix)
     n, r = sdp.size(), sdp.rank()
-    lane = sdp.api.runtime().lane
-    native_calls, step = [0], lane._native
+    rt = sdp.api.runtime()
+    lane = rt.lane
+    native_calls, step, front_calls, front = [0], lane._native, [0], rt.front
     if step is not None:
         def counted(*a):
             native_calls[0] += 1
             return step(*a)
         lane._native = counted
+    if front is not None:
+        def counted_front(*a):
+            got = front(*a)
+            front_calls[0] += got is not None
+            return got
+        rt.front = counted_front
     specials = {"f": [np.nan, -0.0, 0.0, np.inf, -np.inf, 3.5, -2.25, 1e30, -1e30, 7.0],
                 "i": [None, None, -1, 0, 1, 2, -7, 5, 1 << 20, -(1 << 20)]}
 
@@ -514,13 +523,75 @@ def edges(seed):
                         continue
                     for size in (1, 33, 4096 // np.dtype(dtype).itemsize * 4):
                         s = seed + cases
-                        got = sdp.allreduce(data(r, dtype, size, s), name=f"e{cases}", op=op, postscale_factor=post)
                         want = _expected(op, [data(q, dtype, size, s) for q in range(n)], post, n)
+                        for again in range(2):
+                            got = sdp.allreduce(data(r, dtype, size, s), name=f"e{cases}", op=op,
+                                                postscale_factor=post)
+                            if np.dtype(dtype).kind == "f":  # (a NaN's sign and payload are IEEE 754's to
+                                # leave open: numpy's own vector and scalar loops differ there, by alignment)
+                                got, want = (np.where(np.isnan(x), np.nan, x).astype(dtype) for x in (got, want))
+                            if got.dtype != want.dtype or got.tobytes() != want.tobytes():
+                                bad.append([np.dtype(dtype).name, op.name, post, size, again])
+                            digest.update(got.tobytes())
                         cases += 1
-                        if np.dtype(dtype).kind == "f":  # (a NaN's sign and payload are IEEE 754's to leave
-                            # open: numpy's own vector and scalar loops differ there, by alignment)
-                            got, want = (np.where(np.isnan(x), np.nan, x).astype(dtype) for x in (got, want))
-                        if got.dtype != want.dtype or got.tobytes() != want.tobytes():
-                            bad.append([np.dtype(dtype).name, op.name, post, size])
-                        digest.update(got.tobytes())
-    return [bad, digest.hexdigest(), native_calls[0], lane.counts]
+    return [bad, digest.hexdigest(), native_calls[0], front_calls[0], lane.counts]
+
+
+def front_paths(rounds):
+    """The compiled entry (``Runtime.front``, learnt by a name's first call) on its other roads:
+    a peer later than the caller's spin (the request is held, then consumed), a peer later
+    than ``ESCALATE_S`` (decided SLOW: the engine runs it), a shape that changes on one rank
+    (the engine's ``TensorMismatchError`` on every rank), then its results: new arrays 64-byte
+    aligned, apart, of the input's shape (small ones carved out of one chunk, larger ones from
+    the engine's allocator), or ``out`` itself.  Returns a dict of what each check saw."""
+    import time
+    from sdp.common import errors
+    n, r = sdp.size(), sdp.rank()
+    rt = sdp.api.runtime()
+    front, entered = rt.front, [0]
+
+    def counted(*a):
+        got = front(*a)
+        entered[0] += got is not None
+        return got
+    rt.front = counted
+    x = np.arange(256, dtype=np.float32) + r
+    want = np.arange(256, dtype=np.float32)
+    for q in range(1, n):
+        want = want + (np.arange(256, dtype=np.float32) + q)
+    seen = {"exact": True}
+
+    def check(got):
+        seen["exact"] &= bool(got.shape == want.shape and np.array_equal(got, want))
+    for _ in range(3):
+        check(sdp.allreduce(x, name="fp", op=sdp.Sum))
+    for late_s in (0.002, 0.03):  # (beyond the spin; beyond ESCALATE_S)
+        entered[0] = 0
+        for _ in range(rounds):
+            sdp.barrier()
+            if r == n - 1:
+                time.sleep(late_s)
+            check(sdp.allreduce(x, name="fp", op=sdp.Sum))
+        seen[f"entered late {late_s}"] = entered[0]
+    seen["slow"] = rt.lane.counts["slow"]
+    sdp.barrier()
+    try:
+        sdp.allreduce(x[:128] if r == n - 1 else x, name="fp", op=sdp.Sum)
+        seen["mismatch"] = None
+    except errors.TensorMismatchError as e:
+        seen["mismatch"] = str(e)
+    check(sdp.allreduce(x, name="fp", op=sdp.Sum))
+    kept = [sdp.allreduce(x, name="fp", op=sdp.Sum) for _ in range(40)]  # (more than one 64 KB chunk)
+    for got in kept:
+        check(got)
+    seen["apart"] = len({k.ctypes.data for k in kept}) == len(kept)
+    seen["aligned"] = all(k.ctypes.data % 64 == 0 for k in kept)
+    y = np.full((64, 64), r + 1, np.float64)  # (32 KB: the engine's allocator)
+    for _ in range(3):
+        got = sdp.allreduce(y, name="fp.big", op=sdp.Max)
+    seen["big"] = [list(got.shape), float(got.min()), float(got.max()), got.ctypes.data % 64]
+    out = np.empty_like(x)
+    seen["out"] = all(sdp.allreduce(x, name="fp", op=sdp.Sum, out=out) is out for _ in range(3))
+    check(out)
+    seen["entered"] = entered[0]
+    return seen

@@ -137,10 +137,12 @@ class Lane:
     ``wake_engine()`` wakes its thread (any thread); ``result_array(dtype, count)`` gives a new
     1-D result array; ``float_scale(req, dtype)`` and ``int_scale(buf, req)`` finish a reduction
     as the engine does (AVERAGE, postscale); ``spin_s``: how long :meth:`drive` polls, and only
-    while ``engine_idle()``."""
+    while the engine thread has no work (``engine``'s ``_pending`` and ``_queue`` empty; None:
+    never).  ``front``: the compiled step's entry for :meth:`allreduce_now` (``front(name, a,
+    op, postscale, out)``, see ``cc/lane_now.c``), or None."""
 
     def __init__(self, mesh, to_engine, wake_engine, result_array, float_scale, int_scale, timeout_s: float,
-                 spin_s: float = SPIN_S, engine_idle=lambda: True, request=None):
+                 spin_s: float = SPIN_S, engine=None, request=None):
         seg, ctrl = mesh.shm, mesh.ctrl
         self.rank, self.size = mesh.rank, mesh.size
         self.page, self.bells = ctrl.page, ctrl.bells
@@ -148,7 +150,7 @@ class Lane:
         self._result_array, self._float_scale, self._int_scale = result_array, float_scale, int_scale
         self.timeout_s = timeout_s
         self.spin_s = spin_s  # (0 with more ranks than cores here: a polling caller takes a peer's core)
-        self._engine_idle = engine_idle  # () -> whether the engine thread has no work (drive polls only then)
+        self._engine = engine  # its _pending and _queue: the engine thread's work (drive polls only without)
         self._request = request  # the Request class (allreduce_now makes one only when it must)
         self._now = {}  # (name, dtype, shape, op, postscale) -> what allreduce_now keeps (_now_entry)
         self._typed = {}  # dtype -> every rank's data ring as that dtype (_typed_views)
@@ -160,7 +162,6 @@ class Lane:
         self._dec_np = seg.at(0, base + DEPTH * _REC * 8, np.int64, DEPTH)  # (the same decisions: for
         # a burst's slice assignment; ``dec`` is the faster one element at a time)
         self.data = {q: seg.at(q, base + DEPTH * (_REC + 1) * 8, np.uint8, DATA_BYTES) for q in seg.peers}
-        self._native = self._native_step()  # (p, sig, off, src, dst, red, scale, spin, decided, awake) or None
         self.lock = threading.Lock()
         self.held = {}  # name -> Request this lane holds (posted eligible, not yet decided)
         self.off = False  # a join() was decided: everything goes to the engine from now on
@@ -189,6 +190,13 @@ class Lane:
         self._decided = 0  # rank 0
         self._closing = None  # rank 0: once a join() was seen, the positions complete then (later: OFF)
         self._first_seen = None  # rank 0: (position, when) of the first position left waiting
+        self._ctx = self._native_step()  # the compiled step's Context (it keeps _alloc's state), or None
+        self._native = None  # (p, sig, off, src, dst, red, scale, spin, decided, awake) -> (code, ring)
+        self.front = None
+        if self._ctx is not None:
+            self._native = functools.partial(self._ctx_module.now, self._ctx)
+            self._ctx.attach(self, engine)
+            self.front = self._ctx.front
 
     # -- caller side ----------------------------------------------------------------------------
     def post(self, reqs) -> list:
@@ -282,11 +290,16 @@ class Lane:
             if q != self.rank and self.page[q][WAITING] and (q == 0 or self.page[q][POSTED] >= self._posted):
                 self._ring(q)
 
+    def _engine_idle(self) -> bool:
+        """Whether the engine thread has no work (then a waiting caller polls)."""
+        engine = self._engine
+        return engine is None or not (engine._pending or engine._queue)
+
     def _native_step(self):
-        """The compiled step (:mod:`sdp.engine.native`) bound to this lane's memory, or None (no
-        extension, or this rank cannot map a peer's region writable)."""
+        """The compiled step's Context (:mod:`sdp.engine.native`) of this lane's memory, or None
+        (no extension, or this rank cannot map a peer's region writable)."""
         from sdp.engine import native  # (here: ``python -m sdp.engine.native`` runs it as __main__)
-        module = native.load()
+        module = self._ctx_module = native.load()
         if module is None:
             return None
         ranks = range(self.size)
@@ -297,7 +310,7 @@ class Lane:
         except (ValueError, TypeError, BufferError) as e:
             log.debug("sdp: the fast lane runs in Python (%s)", e)
             return None
-        return functools.partial(module.now, ctx)
+        return ctx
 
     def _after_native(self, ring: int) -> None:
         """After the compiled step: ring the ranks of ``ring``'s bits (it fenced after the stores
@@ -320,12 +333,13 @@ class Lane:
         of its arrays' results, views of one array), or None when the lane does not take it now
         (nothing posted: the caller submits it as usual).  If it is not consumed while the
         caller polls (a rank late, or decided SLOW), it becomes a held request, waited on as
-        any other.  Raises what :class:`Request` raises for bad input, and the lane's failure."""
-        key = (name, a.dtype, a.shape, op, postscale) if layout is None else (name, id(layout), op, postscale)
-        known = self._now.get(key)
-        if known is None or known[6] is not layout:
-            known = self._now_entry(key, name, a, op, postscale, layout)
-        sig, scaling, ufunc, acc, fscale, ints, _, native = known
+        any other.  Raises what :class:`Request` raises for bad input, and the lane's failure.
+        (:attr:`front`, the compiled step's entry, runs the common case of this whole and calls
+        :meth:`_finish_now` for the rest.)"""
+        known = self._known(name, a, op, postscale, layout)
+        sig, native = known[0], known[7]
+        if native is not None and layout is None and not known[5] and self.enabled:  # (the compiled entry
+            self._ctx.learn(name, a.dtype, a.shape, op, postscale, sig, *native)  # runs its next call whole)
         if layout is not None:
             dtype, n = layout.dtype, layout.count
         elif not a.flags.c_contiguous or out is not None and (
@@ -338,58 +352,89 @@ class Lane:
             return None
         p = self._posted
         try:
-            if (self.failed is not None or self.off or not self.enabled or self.held or self._batch is not None
-                    or self._deferred or self.page[0][DECIDED] - self._done >= _BACKLOG or self._full(p)):
-                return None  # (a busy engine thread is no reason: a call waited at once is no burst; it
-                # only does not poll then, see _poll_now)
-            self._head_to_learn()
-            if name in self._heads:  # (learnt: a burst follows it, see post)
-                return None
-            nbytes = n * dtype.itemsize
-            off = self._alloc(nbytes, p)
-            if off is None:
-                return None
-            if layout is not None:  # (packed straight into the data ring)
-                at = off // dtype.itemsize
-                layout.pack(a, (self._typed.get(dtype) or self._typed_views(dtype))[self.rank][at:at + n])
-            result = None
-            if native is not None:  # (post, poll and reduce in one call)
-                result = self._result_array(dtype, n) if out is None else out
-                self._active_until = float("inf")
-                try:
-                    verdict, ring = self._native(p, sig, off, a if layout is None else None, result, native[0],
-                                                 native[1], self.spin_s if self._engine_idle() else 0.0,
-                                                 self._decided, self._awake)
-                finally:
-                    self._active_until = 0.0
-                self._posted = p + 1  # (it raises before it posts: bad buffers)
-                if self.rank == 0 and verdict in (FAST, _NATIVE_RECORD):  # (it decided p, as _publish)
-                    self._decided, self._first_seen = p + 1, None
-                if ring:
-                    self._after_native(ring)
-                if verdict == _NATIVE_PYTHON:
-                    verdict = self._poll_now(p)
-                    native = None
-                elif verdict == _NATIVE_RECORD:  # (consumed FAST: _copies below raises)
-                    verdict, native = FAST, None
-            else:
-                if layout is None:
+            off = self._room_now(name, n * dtype.itemsize, p)
+            if off is not None:
+                if layout is not None:  # (packed straight into the data ring)
                     at = off // dtype.itemsize
-                    np.copyto((self._typed.get(dtype) or self._typed_views(dtype))[self.rank][at:at + n],
-                              a if a.ndim == 1 else a.reshape(-1))
-                i, mine, rec = (p % DEPTH) * _REC, self.page[self.rank], self.rec[self.rank]
-                rec[i], rec[i + 1], rec[i + 2] = sig, off, nbytes
-                self._posted = p + 1
-                mine[LATEST] = p + 1
-                mine[POSTED] = p + 1  # last: the record is visible before its count
-                if self.rank != 0:
-                    self._ring_sleepers()
+                    layout.pack(a, (self._typed.get(dtype) or self._typed_views(dtype))[self.rank][at:at + n])
+                result, ring = None, 0
+                if native is not None:  # (post, poll and reduce in one call)
+                    result = self._result_array(dtype, n) if out is None else out
+                    self._active_until = float("inf")
+                    try:
+                        verdict, ring = self._native(p, sig, off, a if layout is None else None, result, native[0],
+                                                     native[1], self.spin_s if self._engine_idle() else 0.0,
+                                                     self._decided, self._awake)
+                    finally:
+                        self._active_until = 0.0
+                    self._posted = p + 1  # (it raises before it posts: bad buffers)
+                    if self.rank == 0 and verdict in (FAST, _NATIVE_RECORD):  # (it decided p, as _publish)
+                        self._decided, self._first_seen = p + 1, None
+                else:
+                    if layout is None:
+                        at = off // dtype.itemsize
+                        np.copyto((self._typed.get(dtype) or self._typed_views(dtype))[self.rank][at:at + n],
+                                  a if a.ndim == 1 else a.reshape(-1))
+                    i, mine, rec = (p % DEPTH) * _REC, self.page[self.rank], self.rec[self.rank]
+                    rec[i], rec[i + 1], rec[i + 2] = sig, off, n * dtype.itemsize
+                    self._posted = p + 1
+                    mine[LATEST] = p + 1
+                    mine[POSTED] = p + 1  # last: the record is visible before its count
+                    if self.rank != 0:
+                        self._ring_sleepers()
+                    verdict = _NATIVE_PYTHON  # (polled below)
+        except BaseException:
+            self.lock.release()
+            raise
+        if off is None:
+            self.lock.release()
+            return None
+        return self._finish_now(p, verdict, ring, result, name, a, op, postscale, out, layout, known)
+
+    def _known(self, name, a, op, postscale, layout) -> tuple:
+        """What :meth:`allreduce_now` keeps for these arguments (:meth:`_now_entry`)."""
+        key = (name, a.dtype, a.shape, op, postscale) if layout is None else (name, id(layout), op, postscale)
+        known = self._now.get(key)
+        if known is None or known[6] is not layout:
+            known = self._now_entry(key, name, a, op, postscale, layout)
+        return known
+
+    def _room_now(self, name: str, nbytes: int, p: int) -> Optional[int]:
+        """(Lock held.) Where :meth:`allreduce_now` copies position ``p`` in the data ring, or
+        None when the lane is not idle (the call then goes to the engine as usual)."""
+        if (self.failed is not None or self.off or not self.enabled or self.held or self._batch is not None
+                or self._deferred or self.page[0][DECIDED] - self._done >= _BACKLOG or self._full(p)):
+            return None  # (a busy engine thread is no reason: a call waited at once is no burst; it
+            # only does not poll then, see _poll_now)
+        self._head_to_learn()
+        if name in self._heads:  # (learnt: a burst follows it, see post)
+            return None
+        return self._alloc(nbytes, p)
+
+    def _finish_now(self, p: int, verdict: int, ring: int, result, name, a, op, postscale, out, layout=None,
+                    known=None):
+        """The rest of :meth:`allreduce_now` once position ``p`` is posted (the lock held: it
+        is released here): ring the ranks of ``ring`` (:meth:`_after_native`), poll when the
+        compiled step answered :data:`_NATIVE_PYTHON` (the Python post answers it too), reduce
+        unless the compiled step did (``result``: its result array, or None), else hold the
+        request for the engine and wait on it.  ``known``: :meth:`_known`'s entry, or None."""
+        try:
+            if ring:
+                self._after_native(ring)
+            reduced = verdict == FAST
+            if verdict == _NATIVE_PYTHON:
                 verdict = self._poll_now(p)
+            elif verdict == _NATIVE_RECORD:  # (consumed FAST: _copies below raises)
+                verdict = FAST
             if verdict == FAST:
+                if known is None:
+                    known = self._known(name, a, op, postscale, layout)
+                _, scaling, ufunc, acc, fscale, ints = known[:6]
+                dtype, n = (a.dtype, a.size) if layout is None else (layout.dtype, layout.count)
                 if result is None:
                     result = self._result_array(dtype, n) if out is None else out
                 try:
-                    if native is None:
+                    if not reduced:
                         collectives.reduce_copies(ufunc, self._copies(p, name, dtype, n), result.reshape(-1), acc,
                                                   fscale)
                     if ints:
@@ -429,6 +474,8 @@ class Lane:
         if self.enabled:  # (a timeline being written: not remembered)
             if len(self._now) >= _SIGS_MAX:
                 self._now.clear()
+                if self._ctx is not None:
+                    self._ctx.forget()
             self._now[key] = entry
         return entry
 
@@ -793,7 +840,10 @@ class Lane:
                 self.lock.acquire()
 
     def _alloc(self, nbytes: int, p: int) -> Optional[int]:
-        """Offset in this rank's data ring for ``nbytes`` of position ``p``, or None (full)."""
+        """Offset in this rank's data ring for ``nbytes`` of position ``p``, or None (full).
+        (With the compiled step, its Context keeps this state and runs this.)"""
+        if self._ctx is not None:
+            return self._ctx.alloc(nbytes, p)
         need = -(-nbytes // _ALIGN) * _ALIGN
         w = self._w
         off = w % DATA_BYTES

@@ -9,7 +9,8 @@ stays the reference and runs everything else, and all of it when the extension i
   per cache directory compiles it, ~1 s with gcc) into ``$SDP_CACHE_DIR/native/`` (default
   ``$XDG_CACHE_HOME/sdp`` or ``~/.cache/sdp``), named by a hash of the source, the Python ABI and
   the machine; ``python -m sdp.engine.native`` builds it ahead (``--force`` rebuilds).
-* Needs a C compiler (``$CC``, else ``gcc``, ``cc`` or ``clang``) and Python's headers; without
+* Needs a C compiler (``$CC``, else ``gcc``, ``cc`` or ``clang``), Python's headers and numpy's
+  (in every numpy wheel; the hash names numpy's version too); without
   them, or with ``SDP_NATIVE=0``, the lane runs in Python (the reason is logged once, at debug
   level: nothing changes but speed).
 """
@@ -41,12 +42,16 @@ def enabled() -> bool:
 
 
 def _flags() -> list:
-    return ["-shared", "-fPIC", "-O3", "-fno-strict-aliasing", f"-I{sysconfig.get_paths()['include']}"]
+    import numpy
+    return ["-shared", "-fPIC", "-O3", "-fno-strict-aliasing", f"-I{sysconfig.get_paths()['include']}",
+            f"-I{numpy.get_include()}"]
 
 
 def library_path() -> Path:
     """The extension for this source, Python and machine (it may not exist yet)."""
-    h = native_build.digest(SOURCE, [sys.implementation.cache_tag, platform.machine(), sys.version, *_flags()])
+    import numpy
+    h = native_build.digest(SOURCE, [sys.implementation.cache_tag, platform.machine(), sys.version, numpy.__version__,
+                                     *_flags()])
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     return native_build.cache_dir("native") / f"{MODULE}-{h}{suffix}"
 

@@ -276,10 +276,13 @@ class Runtime:
         #: sdp.engine.lane.Lane: small allreduces when every rank is on this host (None: off)
         self.lane = (lane.Lane(self.mesh, self._enqueue, self._wake, self._result_array, self._float_scale,
                                self._int_scale, self.config.timeout_s, lane.SPIN_S if self._spin_s else 0.0,
-                               lambda: not self._pending and not self._queue, Request)
+                               self, Request)
                      if self.config.fast_lane and ctrl is not None and ctrl.bells and self.mesh.shm is not None
                      and self.mesh.shm.lane_bytes
                      and all(ctrl.senders.values()) else None)
+        #: the compiled step's entry for sdp.allreduce (Lane.front: front(name, a, op, postscale, out) ->
+        #: result, or None to go on as below), None without it or once stopping or failed
+        self.front = self.lane.front if self.lane is not None else None
         #: small allreduces ride the negotiation across hosts (sdp.engine.inline); rank 0's stash
         self._inline = self.config.fast_lane and self.size > 1 and self.mesh.shm is None
         self._stash = inline.Stash(self.size) if self._inline and self._coord is not None else None
@@ -336,6 +339,7 @@ class Runtime:
         """Stop the thread, fail whatever is still pending, and close the sockets (says BYE)."""
         if self._stop.is_set():
             return
+        self.front = None
         self._stop.set()
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=2.0)  # let a collective in flight finish
@@ -358,6 +362,7 @@ class Runtime:
                 log.exception("rank %d: engine failed", self.rank)
                 e = errors.SdpError(f"rank {self.rank}: engine failed: {e!r}")
             self._failed = e
+            self.front = None
             self._fail_all(e)
             # peers learn why, then see us disconnect, and fail fast too
             self.mesh.abort(getattr(e, "rank", None) if isinstance(e, errors.PeerLostError) else None, str(e))

@@ -21,12 +21,17 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
 
 #define MAX_RANKS 64
+#define ALIGN 64             /* bytes: copies in the data ring and new results start on a cache line */
+#define SMALL 4096           /* results of at most this many bytes are carved out of a chunk (fusion.SMALL_BYTES) */
+#define CHUNK (64 << 10)     /* bytes of such a chunk */
 
 /* codes returned to Python (lane.py NATIVE_*) */
 #define R_FAST 1      /* consumed FAST and reduced into the result */
@@ -49,14 +54,25 @@ typedef struct {
     char *data[MAX_RANKS];
     Py_buffer views[3 * MAX_RANKS + 1];
     int nviews;
+    /* front(): the lane and engine it runs on (attach), what it learnt (learn), result chunk */
+    PyObject *lane, *engine, *acquire, *release, *finish, *result_array, *cache, *chunk;
+    Py_ssize_t chunk_used;
+    /* Lane._alloc's state: data ring bytes written and freed, (position, written) extents */
+    int64_t w, tail, floor;
+    int64_t *ext_p, *ext_end, ext_head, ext_len, ext_cap;
 } Ctx;
 
 #define LOAD(x) __atomic_load_n(&(x), __ATOMIC_ACQUIRE)
 #define STORE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELEASE)
 #define FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
 
+static int ctx_clear(Ctx *c);
+
 static void ctx_dealloc(Ctx *c) {
+    PyObject_GC_UnTrack(c);
+    ctx_clear(c);
     for (int i = 0; i < c->nviews; i++) PyBuffer_Release(&c->views[i]);
+    PyMem_Free(c->ext_p), PyMem_Free(c->ext_end);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
@@ -105,6 +121,12 @@ static PyObject *ctx_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!(c->dec = keep(c, dec, depth * 8))) {
         Py_DECREF(c);
         return NULL;
+    }
+    c->ext_cap = 2 * depth + 2; /* (a rank has at most depth positions unconsumed) */
+    c->ext_p = PyMem_Calloc(c->ext_cap, sizeof(int64_t)), c->ext_end = PyMem_Calloc(c->ext_cap, sizeof(int64_t));
+    if (!c->ext_p || !c->ext_end) {
+        Py_DECREF(c);
+        return PyErr_NoMemory();
     }
     return (PyObject *)c;
 }
@@ -205,38 +227,17 @@ static int reduce(int red, char **src, int n, void *out, Py_ssize_t count, doubl
 
 static const Py_ssize_t ITEM[4] = {4, 8, 4, 8};
 
-/* now(ctx, p, sig, off, src, dst, red, scale, spin_s, decided, awake) -> (code, ring mask)
- * ring mask: bit q, the ranks to ring (Lane._ring); rank 0's bit 0: posts wait for Lane._decide.
- * src: the input (C-contiguous, dst's byte size) or None when Python packed the copy already;
- * dst: the result (writable, C-contiguous); decided: rank 0's count of decided positions;
- * awake: this rank's polling callers besides this one. */
-static PyObject *lane_now(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11 || !PyObject_TypeCheck(args[0], &CtxType))
-        return PyErr_Format(PyExc_TypeError, "now() takes a Context and 10 arguments"), NULL;
-    Ctx *c = (Ctx *)args[0];
-    int64_t p = PyLong_AsLongLong(args[1]), sig = PyLong_AsLongLong(args[2]), off = PyLong_AsLongLong(args[3]);
-    int red = (int)PyLong_AsLong(args[6]);
-    double scale = PyFloat_AsDouble(args[7]), spin = PyFloat_AsDouble(args[8]);
-    int64_t decided = PyLong_AsLongLong(args[9]), awake = PyLong_AsLongLong(args[10]);
-    if (PyErr_Occurred()) return NULL;
-    if (red < 0 || (red >> 2) > 3) return PyErr_Format(PyExc_ValueError, "bad reduction %d", red), NULL;
-    Py_buffer in = {0}, res;
-    if (PyObject_GetBuffer(args[5], &res, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    Py_ssize_t nbytes = res.len, item = ITEM[red >> 2];
-    if (args[4] != Py_None && PyObject_GetBuffer(args[4], &in, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&res);
-        return NULL;
-    }
-    if ((in.obj && in.len != nbytes) || nbytes % item || off < 0 || off + nbytes > c->data_bytes) {
-        if (in.obj) PyBuffer_Release(&in);
-        PyBuffer_Release(&res);
-        return PyErr_Format(PyExc_ValueError, "bad lane post: offset %lld, %zd bytes", (long long)off, nbytes), NULL;
-    }
+/* post position p (copy src unless NULL, record, LATEST, POSTED), poll for up to spin seconds
+ * and, when consumed FAST, reduce every rank's copy into dst: returns the code; *ringp: the
+ * ranks to ring (rank 0's bit 0: posts wait for Lane._decide) */
+static int step(Ctx *c, int64_t p, int64_t sig, int64_t off, const char *src, Py_ssize_t nbytes, char *dst,
+                int red, double scale, double spin, int64_t decided, int64_t awake, uint64_t *ringp) {
     int me = c->rank, code = 0;
     uint64_t ring = 0;
+    Py_ssize_t item = ITEM[red >> 2];
     volatile int64_t *mine = c->page[me];
     int64_t i = (p % c->depth) * c->rec_n;
-    if (in.obj) memcpy(c->data[me] + off, in.buf, nbytes);
+    if (src) memcpy(c->data[me] + off, src, nbytes);
     c->rec[me][i] = sig, c->rec[me][i + 1] = off, c->rec[me][i + 2] = nbytes;
     STORE(mine[c->latest], p + 1);
     STORE(mine[c->posted], p + 1); /* last: the record is visible before its count */
@@ -268,29 +269,406 @@ static PyObject *lane_now(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         }
     }
     if (code == R_FAST) {
-        char *src[MAX_RANKS];
+        char *from[MAX_RANKS];
         for (int q = 0; q < c->size; q++) {
             int64_t qoff = c->rec[q][i + 1], got = c->rec[q][i + 2];
             if (got != nbytes || qoff % item || qoff < 0 || qoff > c->data_bytes - nbytes) code = R_RECORD;
-            src[q] = c->data[q] + qoff;
+            from[q] = c->data[q] + qoff;
         }
         if (code == R_FAST) {
             Py_BEGIN_ALLOW_THREADS
-            reduce(red, src, c->size, res.buf, nbytes / item, scale);
+            reduce(red, from, c->size, dst, nbytes / item, scale);
             Py_END_ALLOW_THREADS
         }
     }
+    *ringp = ring;
+    return code;
+}
+
+/* now(ctx, p, sig, off, src, dst, red, scale, spin_s, decided, awake) -> (code, ring mask)
+ * ring mask: bit q, the ranks to ring (Lane._ring); rank 0's bit 0: posts wait for Lane._decide.
+ * src: the input (C-contiguous, dst's byte size) or None when Python packed the copy already;
+ * dst: the result (writable, C-contiguous); decided: rank 0's count of decided positions;
+ * awake: this rank's polling callers besides this one. */
+static PyObject *lane_now(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 11 || !PyObject_TypeCheck(args[0], &CtxType))
+        return PyErr_Format(PyExc_TypeError, "now() takes a Context and 10 arguments"), NULL;
+    Ctx *c = (Ctx *)args[0];
+    int64_t p = PyLong_AsLongLong(args[1]), sig = PyLong_AsLongLong(args[2]), off = PyLong_AsLongLong(args[3]);
+    int red = (int)PyLong_AsLong(args[6]);
+    double scale = PyFloat_AsDouble(args[7]), spin = PyFloat_AsDouble(args[8]);
+    int64_t decided = PyLong_AsLongLong(args[9]), awake = PyLong_AsLongLong(args[10]);
+    if (PyErr_Occurred()) return NULL;
+    if (red < 0 || (red >> 2) > 3) return PyErr_Format(PyExc_ValueError, "bad reduction %d", red), NULL;
+    Py_buffer in = {0}, res;
+    if (PyObject_GetBuffer(args[5], &res, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Py_ssize_t nbytes = res.len, item = ITEM[red >> 2];
+    if (args[4] != Py_None && PyObject_GetBuffer(args[4], &in, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&res);
+        return NULL;
+    }
+    if ((in.obj && in.len != nbytes) || nbytes % item || off < 0 || off + nbytes > c->data_bytes) {
+        if (in.obj) PyBuffer_Release(&in);
+        PyBuffer_Release(&res);
+        return PyErr_Format(PyExc_ValueError, "bad lane post: offset %lld, %zd bytes", (long long)off, nbytes), NULL;
+    }
+    uint64_t ring = 0;
+    int code = step(c, p, sig, off, in.obj ? in.buf : NULL, nbytes, res.buf, red, scale, spin, decided, awake, &ring);
     if (in.obj) PyBuffer_Release(&in);
     PyBuffer_Release(&res);
     return Py_BuildValue("(iK)", code, (unsigned long long)ring);
 }
 
+/* ---- the front door: Lane.allreduce_now's common case whole, from sdp.allreduce ------------- */
+
+/* what Lane._now_entry keeps of a key, for front() (learn()) */
+typedef struct {
+    PyObject *descr, *op; /* strong references */
+    int ndim;
+    npy_intp dims[NPY_MAXDIMS];
+    double postscale, scale;
+    int64_t sig;
+    int red;
+} Entry;
+
+static void entry_free(PyObject *cap) {
+    Entry *e = PyCapsule_GetPointer(cap, NULL);
+    if (e) {
+        Py_XDECREF(e->descr), Py_XDECREF(e->op);
+        PyMem_Free(e);
+    }
+}
+
+static int64_t min_done(Ctx *c) {
+    int64_t m = INT64_MAX;
+    for (int q = 0; q < c->size; q++) {
+        int64_t v = LOAD(c->page[q][c->done]);
+        if (v < m) m = v;
+    }
+    return c->floor = m;
+}
+
+/* Lane._alloc: the offset in this rank's data ring for nbytes of position p, or -1 (full) */
+static int64_t alloc_at(Ctx *c, int64_t nbytes, int64_t p) {
+    int64_t need = (nbytes + ALIGN - 1) / ALIGN * ALIGN, w = c->w, off = w % c->data_bytes;
+    if (off + need > c->data_bytes) w += c->data_bytes - off, off = 0;
+    if (w + need - c->tail > c->data_bytes || c->ext_len > c->depth / 4) {
+        int64_t done = min_done(c); /* free the copies every rank has consumed */
+        while (c->ext_len && c->ext_p[c->ext_head] < done) {
+            c->tail = c->ext_end[c->ext_head];
+            c->ext_head = (c->ext_head + 1) % c->ext_cap, c->ext_len--;
+        }
+        if (w + need - c->tail > c->data_bytes) return -1;
+    }
+    if (c->ext_len == c->ext_cap) return -1;
+    c->w = w + need;
+    int64_t at = (c->ext_head + c->ext_len++) % c->ext_cap;
+    c->ext_p[at] = p, c->ext_end[at] = c->w;
+    return off;
+}
+
+/* ctx.alloc(nbytes, p) -> offset or None (Lane._alloc, whose state this context keeps) */
+static PyObject *ctx_alloc(Ctx *c, PyObject *args) {
+    long long nbytes, p;
+    if (!PyArg_ParseTuple(args, "LL", &nbytes, &p)) return NULL;
+    if (nbytes < 0 || nbytes > c->data_bytes) return PyErr_Format(PyExc_ValueError, "bad size %lld", nbytes), NULL;
+    int64_t off = alloc_at(c, nbytes, p);
+    if (off < 0) Py_RETURN_NONE;
+    return PyLong_FromLongLong(off);
+}
+
+/* ctx.attach(lane, engine): front() reads and updates lane's state (see Lane.allreduce_now);
+ * engine's _pending and _queue say whether its thread has work */
+static PyObject *ctx_attach(Ctx *c, PyObject *args) {
+    PyObject *lane, *engine, *lock;
+    if (!PyArg_ParseTuple(args, "OO", &lane, &engine)) return NULL;
+    if (!(lock = PyObject_GetAttrString(lane, "lock"))) return NULL;
+    Py_CLEAR(c->acquire); Py_CLEAR(c->release); Py_CLEAR(c->finish); Py_CLEAR(c->result_array);
+    c->acquire = PyObject_GetAttrString(lock, "acquire");
+    c->release = PyObject_GetAttrString(lock, "release");
+    Py_DECREF(lock);
+    c->finish = PyObject_GetAttrString(lane, "_finish_now");
+    c->result_array = PyObject_GetAttrString(lane, "_result_array");
+    if (!c->acquire || !c->release || !c->finish || !c->result_array) return NULL;
+    Py_INCREF(lane), Py_INCREF(engine);
+    Py_XSETREF(c->lane, lane);
+    Py_XSETREF(c->engine, engine);
+    Py_RETURN_NONE;
+}
+
+/* ctx.learn(name, dtype, shape, op, postscale, sig, red, scale): front() runs allreduces of
+ * name with exactly these (the last learnt per name) */
+static PyObject *ctx_learn(Ctx *c, PyObject *args) {
+    PyObject *name, *descr, *shape, *op;
+    double postscale, scale;
+    long long sig;
+    int red;
+    if (!PyArg_ParseTuple(args, "OO!O!OdLid", &name, &PyArrayDescr_Type, &descr, &PyTuple_Type, &shape, &op,
+                          &postscale, &sig, &red, &scale))
+        return NULL;
+    Py_ssize_t ndim = PyTuple_GET_SIZE(shape);
+    if (ndim > NPY_MAXDIMS || red < 0 || (red >> 2) > 3) return PyErr_Format(PyExc_ValueError, "bad entry"), NULL;
+    Entry *e = PyMem_Calloc(1, sizeof(Entry));
+    if (!e) return PyErr_NoMemory();
+    for (Py_ssize_t k = 0; k < ndim; k++) e->dims[k] = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, k));
+    Py_INCREF(descr), Py_INCREF(op);
+    e->descr = descr, e->op = op, e->ndim = (int)ndim, e->postscale = postscale, e->scale = scale, e->sig = sig;
+    e->red = red;
+    PyObject *cap = PyCapsule_New(e, NULL, entry_free);
+    if (!cap) {
+        Py_DECREF(descr), Py_DECREF(op), PyMem_Free(e);
+        return NULL;
+    }
+    if (PyErr_Occurred() || (!c->cache && !(c->cache = PyDict_New())) || PyDict_SetItem(c->cache, name, cap) < 0) {
+        Py_DECREF(cap);
+        return NULL;
+    }
+    Py_DECREF(cap);
+    Py_RETURN_NONE;
+}
+
+/* ctx.forget(): front() learns again (Lane._now cleared) */
+static PyObject *ctx_forget(Ctx *c, PyObject *unused) {
+    if (c->cache) PyDict_Clear(c->cache);
+    Py_RETURN_NONE;
+}
+
+static int same_shape(PyArrayObject *a, Entry *e) {
+    return PyArray_NDIM(a) == e->ndim && !memcmp(PyArray_DIMS(a), e->dims, e->ndim * sizeof(npy_intp));
+}
+
+/* an attribute of o as int64 (-1 and an exception when it is not an int) */
+static int64_t int_attr(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (!v) return -1;
+    int64_t x = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return x;
+}
+
+static int set_int(PyObject *o, PyObject *name, int64_t x) {
+    PyObject *v = PyLong_FromLongLong(x);
+    int r = v ? PyObject_SetAttr(o, name, v) : -1;
+    Py_XDECREF(v);
+    return r;
+}
+
+/* 1: attribute `name` of o is None / has length 0 / is true; 0: not; -1: error */
+static int is_none(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (!v) return -1;
+    int r = v == Py_None;
+    Py_DECREF(v);
+    return r;
+}
+
+static int is_empty(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (!v) return -1;
+    Py_ssize_t n = PyObject_Length(v);
+    Py_DECREF(v);
+    return n < 0 ? -1 : n == 0;
+}
+
+static int is_true(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (!v) return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+static PyObject *S_failed, *S_off, *S_enabled, *S_held, *S_batch, *S_deferred, *S_head, *S_heads, *S_posted,
+    *S_done, *S_decided, *S_awake, *S_first_seen, *S_active_until, *S_spin_s, *S_pending, *S_queue, *S_counts,
+    *S_fast, *F_inf, *F_zero, *I_one;
+
+/* release lane.lock, keeping a pending exception: -1 when one is pending after */
+static int unlock(Ctx *c) {
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyObject *r = PyObject_Vectorcall(c->release, NULL, 0, NULL);
+    if (t) {
+        Py_XDECREF(r);
+        PyErr_Clear();
+        PyErr_Restore(t, v, tb);
+        return -1;
+    }
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* a new result of a's dtype and shape: 64-byte aligned, carved out of a 64 KB chunk up to
+ * SMALL bytes (as fusion.aligned_empty), else Lane._result_array's */
+static PyObject *result_like(Ctx *c, PyArrayObject *a) {
+    Py_ssize_t nbytes = PyArray_NBYTES(a);
+    PyArray_Descr *descr = PyArray_DESCR(a);
+    if (nbytes > SMALL) {
+        PyObject *flat = PyObject_CallFunction(c->result_array, "On", (PyObject *)descr, PyArray_SIZE(a));
+        if (!flat) return NULL;
+        PyArray_Dims dims = {PyArray_DIMS(a), PyArray_NDIM(a)};
+        PyObject *r = PyArray_Newshape((PyArrayObject *)flat, &dims, NPY_CORDER);
+        Py_DECREF(flat);
+        return r;
+    }
+    if (!c->chunk || c->chunk_used + nbytes > CHUNK) {
+        npy_intp n = CHUNK + ALIGN;
+        PyObject *chunk = PyArray_SimpleNew(1, &n, NPY_UINT8);
+        if (!chunk) return NULL;
+        Py_XSETREF(c->chunk, chunk);
+        c->chunk_used = (-(intptr_t)PyArray_DATA((PyArrayObject *)chunk)) & (ALIGN - 1);
+    }
+    char *at = (char *)PyArray_DATA((PyArrayObject *)c->chunk) + c->chunk_used;
+    Py_INCREF(descr);
+    PyObject *r = PyArray_NewFromDescr(&PyArray_Type, descr, PyArray_NDIM(a), PyArray_DIMS(a), NULL, at,
+                                       NPY_ARRAY_CARRAY, NULL);
+    if (!r) return NULL;
+    Py_INCREF(c->chunk);
+    if (PyArray_SetBaseObject((PyArrayObject *)r, c->chunk) < 0) {
+        Py_DECREF(r);
+        return NULL;
+    }
+    c->chunk_used += (nbytes > 0 ? nbytes + ALIGN - 1 : ALIGN) / ALIGN * ALIGN;
+    return r;
+}
+
+/* the lane is idle for allreduce_now (Lane._room_now's checks but the ring): 1, 0, -1 error */
+static int lane_idle(Ctx *c, PyObject *name) {
+    PyObject *L = c->lane;
+    int r;
+    if ((r = is_none(L, S_failed)) != 1 || (r = is_true(L, S_off)) != 0 || (r = is_true(L, S_enabled)) != 1 ||
+        (r = is_empty(L, S_held)) != 1 || (r = is_none(L, S_batch)) != 1 || (r = is_empty(L, S_deferred)) != 1 ||
+        (r = is_none(L, S_head)) != 1)
+        return r < 0 ? -1 : 0;
+    PyObject *heads = PyObject_GetAttr(L, S_heads);
+    if (!heads) return -1;
+    r = PySequence_Contains(heads, name);
+    Py_DECREF(heads);
+    return r < 0 ? -1 : !r;
+}
+
+/* ctx.front(name, a, op, postscale, out) -> the result, or None (nothing posted: run
+ * Lane.allreduce_now, or submit) -- Lane.allreduce_now's common case whole: a learnt name,
+ * dtype, shape, op and postscale (learn()); a C-contiguous numpy array; out None or a
+ * C-contiguous writable numpy array of a's dtype and shape; the lane idle and its lock free.
+ * Whatever is not consumed FAST without a doorbell goes on in Lane._finish_now. */
+static PyObject *ctx_front(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) return PyErr_Format(PyExc_TypeError, "front() takes 5 arguments"), NULL;
+    PyObject *name = args[0], *a = args[1], *op = args[2], *ps = args[3], *out = args[4];
+    if (!c->lane || !c->cache || !PyArray_CheckExact(a) || !PyFloat_CheckExact(ps)) Py_RETURN_NONE;
+    PyObject *cap = PyDict_GetItemWithError(c->cache, name);
+    if (!cap) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    Entry *e = PyCapsule_GetPointer(cap, NULL);
+    PyArrayObject *arr = (PyArrayObject *)a, *o = (PyArrayObject *)out;
+    if (!e || (PyObject *)PyArray_DESCR(arr) != e->descr || op != e->op || PyFloat_AS_DOUBLE(ps) != e->postscale ||
+        !same_shape(arr, e) || !PyArray_IS_C_CONTIGUOUS(arr))
+        Py_RETURN_NONE;
+    if (out != Py_None && (!PyArray_CheckExact(out) || (PyObject *)PyArray_DESCR(o) != e->descr || !same_shape(o, e) ||
+                           !PyArray_IS_C_CONTIGUOUS(o) || !PyArray_ISWRITEABLE(o)))
+        Py_RETURN_NONE;
+    /* (copied: the entry may be replaced once the GIL is let go, in lock.acquire or result_array) */
+    int64_t sig = e->sig;
+    int red = e->red;
+    double scale = e->scale;
+    PyObject *no = Py_False, *got = PyObject_Vectorcall(c->acquire, &no, 1, NULL);
+    if (got != Py_True) {
+        Py_XDECREF(got);
+        if (!got) return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_DECREF(got);
+    PyObject *L = c->lane, *result = NULL;
+    int64_t p = int_attr(L, S_posted), done = int_attr(L, S_done), off = -1;
+    Py_ssize_t nbytes = PyArray_NBYTES(arr);
+    int idle = PyErr_Occurred() ? -1 : lane_idle(c, name);
+    int busy = idle == 1 ? (is_empty(c->engine, S_pending) == 1 && is_empty(c->engine, S_queue) == 1 ? 0 : 1) : 1;
+    if (idle == 1 && !PyErr_Occurred() && LOAD(c->page[0][c->decided]) - done < c->depth / 4 &&
+        !(p - c->depth >= c->floor && p - c->depth >= min_done(c)))
+        off = alloc_at(c, nbytes, p);
+    if (off >= 0)
+        result = out != Py_None ? (Py_INCREF(out), out) : result_like(c, arr);
+    if (!result) { /* not idle, no room, or an error */
+        if (unlock(c) < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    double spin = 0.0;
+    if (!busy) {
+        PyObject *s = PyObject_GetAttr(L, S_spin_s);
+        spin = s ? PyFloat_AsDouble(s) : 0.0;
+        Py_XDECREF(s);
+    }
+    int64_t decided = c->rank == 0 ? int_attr(L, S_decided) : 0, awake = int_attr(L, S_awake);
+    uint64_t ring = 0;
+    int code = 0, failed = PyErr_Occurred() || PyObject_SetAttr(L, S_active_until, F_inf) < 0;
+    if (!failed) {
+        code = step(c, p, sig, off, PyArray_DATA(arr), nbytes, PyArray_DATA((PyArrayObject *)result), red, scale,
+                    spin, decided, awake, &ring);
+        failed = PyObject_SetAttr(L, S_active_until, F_zero) < 0 || set_int(L, S_posted, p + 1) < 0 ||
+                 (c->rank == 0 && (code == R_FAST || code == R_RECORD) &&
+                  (set_int(L, S_decided, p + 1) < 0 || PyObject_SetAttr(L, S_first_seen, Py_None) < 0));
+        if (!failed && code == R_FAST && !ring) { /* consumed and reduced: Lane._finish_now's FAST end */
+            PyObject *counts = PyObject_GetAttr(L, S_counts), *n = counts ? PyDict_GetItemWithError(counts, S_fast) : NULL;
+            PyObject *n1 = n ? PyNumber_Add(n, I_one) : NULL;
+            failed = !n1 || PyDict_SetItem(counts, S_fast, n1) < 0;
+            Py_XDECREF(n1), Py_XDECREF(counts);
+            failed |= set_int(L, S_done, p + 1) < 0;
+            STORE(c->page[c->rank][c->done], p + 1); /* (after the reduction read the peers' copies) */
+            if (unlock(c) < 0 || failed) Py_CLEAR(result);
+            return result;
+        }
+    }
+    if (failed) { /* (Python's state could not be read or written: nothing here is expected to fail) */
+        unlock(c);
+        Py_DECREF(result);
+        return NULL;
+    }
+    PyObject *pp = PyLong_FromLongLong(p), *cc = PyLong_FromLong(code), *rr = PyLong_FromUnsignedLongLong(ring);
+    PyObject *r = NULL;
+    if (pp && cc && rr) {
+        PyObject *fargs[9] = {pp, cc, rr, result, name, a, op, ps, out};
+        r = PyObject_Vectorcall(c->finish, fargs, 9, NULL); /* (it releases the lock) */
+    } else {
+        unlock(c);
+    }
+    Py_XDECREF(pp), Py_XDECREF(cc), Py_XDECREF(rr), Py_DECREF(result);
+    return r;
+}
+
+static int ctx_traverse(Ctx *c, visitproc visit, void *arg) {
+    Py_VISIT(c->lane); Py_VISIT(c->engine); Py_VISIT(c->acquire); Py_VISIT(c->release); Py_VISIT(c->finish);
+    Py_VISIT(c->result_array); Py_VISIT(c->cache); Py_VISIT(c->chunk);
+    return 0;
+}
+
+static int ctx_clear(Ctx *c) {
+    Py_CLEAR(c->lane); Py_CLEAR(c->engine); Py_CLEAR(c->acquire); Py_CLEAR(c->release); Py_CLEAR(c->finish);
+    Py_CLEAR(c->result_array); Py_CLEAR(c->cache); Py_CLEAR(c->chunk);
+    return 0;
+}
+
+static PyMethodDef ctx_methods[] = {
+    {"front", (PyCFunction)(void (*)(void))ctx_front, METH_FASTCALL,
+     "front(name, a, op, postscale, out) -> result or None (Lane.allreduce_now's common case)"},
+    {"attach", (PyCFunction)ctx_attach, METH_VARARGS, "attach(lane, engine): the state front() runs on"},
+    {"learn", (PyCFunction)ctx_learn, METH_VARARGS,
+     "learn(name, dtype, shape, op, postscale, sig, red, scale): what front() runs for name"},
+    {"forget", (PyCFunction)ctx_forget, METH_NOARGS, "forget(): front() knows no name"},
+    {"alloc", (PyCFunction)ctx_alloc, METH_VARARGS, "alloc(nbytes, p) -> offset or None (Lane._alloc)"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyTypeObject CtxType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_sdp_lane.Context",
     .tp_basicsize = sizeof(Ctx),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = ctx_new,
     .tp_dealloc = (destructor)ctx_dealloc,
+    .tp_traverse = (traverseproc)ctx_traverse,
+    .tp_clear = (inquiry)ctx_clear,
+    .tp_methods = ctx_methods,
     .tp_doc = "One rank's fast-lane memory (pinned buffers) and geometry.",
 };
 
@@ -304,6 +682,17 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sdp_lane", "sdp's c
                                     methods};
 
 PyMODINIT_FUNC PyInit__sdp_lane(void) {
+    import_array();
+#define NAME(var, text) if (!(var = PyUnicode_InternFromString(text))) return NULL
+    NAME(S_failed, "failed"); NAME(S_off, "off"); NAME(S_enabled, "enabled"); NAME(S_held, "held");
+    NAME(S_batch, "_batch"); NAME(S_deferred, "_deferred"); NAME(S_head, "_head"); NAME(S_heads, "_heads");
+    NAME(S_posted, "_posted"); NAME(S_done, "_done"); NAME(S_decided, "_decided"); NAME(S_awake, "_awake");
+    NAME(S_first_seen, "_first_seen"); NAME(S_active_until, "_active_until"); NAME(S_spin_s, "spin_s");
+    NAME(S_pending, "_pending"); NAME(S_queue, "_queue"); NAME(S_counts, "counts"); NAME(S_fast, "fast");
+#undef NAME
+    if (!(F_inf = PyFloat_FromDouble(Py_HUGE_VAL)) || !(F_zero = PyFloat_FromDouble(0.0)) ||
+        !(I_one = PyLong_FromLong(1)))
+        return NULL;
     if (PyType_Ready(&CtxType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
