@@ -453,29 +453,15 @@ static int set_int(PyObject *o, PyObject *name, int64_t x) {
     return r;
 }
 
-/* 1: attribute `name` of o is None / has length 0 / is true; 0: not; -1: error */
-static int is_none(PyObject *o, PyObject *name) {
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (!v) return -1;
-    int r = v == Py_None;
-    Py_DECREF(v);
-    return r;
-}
+enum { IS_NONE, IS_EMPTY, IS_TRUE };
 
-static int is_empty(PyObject *o, PyObject *name) {
+/* 1 when attribute `name` of o is None / has length 0 / is true (what), 0 when not, -1: error */
+static int attr_is(PyObject *o, PyObject *name, int what) {
     PyObject *v = PyObject_GetAttr(o, name);
     if (!v) return -1;
-    Py_ssize_t n = PyObject_Length(v);
+    Py_ssize_t r = what == IS_NONE ? v == Py_None : what == IS_TRUE ? PyObject_IsTrue(v) : PyObject_Length(v);
     Py_DECREF(v);
-    return n < 0 ? -1 : n == 0;
-}
-
-static int is_true(PyObject *o, PyObject *name) {
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (!v) return -1;
-    int r = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return r;
+    return what == IS_EMPTY ? (r < 0 ? -1 : r == 0) : (int)r;
 }
 
 static PyObject *S_failed, *S_off, *S_enabled, *S_held, *S_batch, *S_deferred, *S_head, *S_heads, *S_posted,
@@ -536,9 +522,10 @@ static PyObject *result_like(Ctx *c, PyArrayObject *a) {
 static int lane_idle(Ctx *c, PyObject *name) {
     PyObject *L = c->lane;
     int r;
-    if ((r = is_none(L, S_failed)) != 1 || (r = is_true(L, S_off)) != 0 || (r = is_true(L, S_enabled)) != 1 ||
-        (r = is_empty(L, S_held)) != 1 || (r = is_none(L, S_batch)) != 1 || (r = is_empty(L, S_deferred)) != 1 ||
-        (r = is_none(L, S_head)) != 1)
+    if ((r = attr_is(L, S_failed, IS_NONE)) != 1 || (r = attr_is(L, S_off, IS_TRUE)) != 0 ||
+        (r = attr_is(L, S_enabled, IS_TRUE)) != 1 || (r = attr_is(L, S_held, IS_EMPTY)) != 1 ||
+        (r = attr_is(L, S_batch, IS_NONE)) != 1 || (r = attr_is(L, S_deferred, IS_EMPTY)) != 1 ||
+        (r = attr_is(L, S_head, IS_NONE)) != 1)
         return r < 0 ? -1 : 0;
     PyObject *heads = PyObject_GetAttr(L, S_heads);
     if (!heads) return -1;
@@ -584,7 +571,7 @@ static PyObject *ctx_front(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
     int64_t p = int_attr(L, S_posted), done = int_attr(L, S_done), off = -1;
     Py_ssize_t nbytes = PyArray_NBYTES(arr);
     int idle = PyErr_Occurred() ? -1 : lane_idle(c, name);
-    int busy = idle == 1 ? (is_empty(c->engine, S_pending) == 1 && is_empty(c->engine, S_queue) == 1 ? 0 : 1) : 1;
+    int busy = idle != 1 || attr_is(c->engine, S_pending, IS_EMPTY) != 1 || attr_is(c->engine, S_queue, IS_EMPTY) != 1;
     if (idle == 1 && !PyErr_Occurred() && LOAD(c->page[0][c->decided]) - done < c->depth / 4 &&
         !(p - c->depth >= c->floor && p - c->depth >= min_done(c)))
         off = alloc_at(c, nbytes, p);
