@@ -241,9 +241,9 @@ class Lane:
                         self._head = (req.name, req.handle)
                 if self._batch is not None:  # (what follows a batch is posted after it)
                     eligible = self._flush_batch() or eligible
-                p = self._posted
-                if self._full(p):
-                    self._wait_room(p)
+                if self._full(self._posted):
+                    self._wait_room()
+                p = self._posted  # (after the wait: another thread may post while it lets the lock go)
                 off = nbytes = 0
                 if sig > 0 and (req.kind == "allreduce" or req.root == self.rank):  # (a broadcast: the root's)
                     nbytes = req.array.nbytes
@@ -577,9 +577,10 @@ class Lane:
         the first position as any other; it decides for the whole batch.  Returns whether it
         was posted for the lane (else its requests go to the engine: the data ring was full)."""
         b, self._batch = self._batch, None
-        p, m = self._posted, len(b.reqs)
-        if self._full(p + m - 1):
-            self._wait_room(p + m - 1)
+        m = len(b.reqs)
+        if self._full(self._posted + m - 1):
+            self._wait_room(m - 1)
+        p = self._posted
         keys = (b.dtype, b.op, b.postscale, tuple(b.ident))  # (what Request.key() adds is the same for all)
         known = self._batch_sigs.get(keys)
         if known is None:
@@ -816,10 +817,12 @@ class Lane:
             sig = self._sigs[key] = (int.from_bytes(digest, "little") >> 2) | 1
         return sig
 
-    def _wait_room(self, p: int) -> None:
-        """Wait (running the lane) until every rank has consumed position ``p - DEPTH``."""
+    def _wait_room(self, ahead: int = 0) -> None:
+        """Wait (running the lane) until every rank has consumed position ``p - DEPTH``, ``p``
+        being ``ahead`` positions past this rank's next (read again after each wait: another
+        thread of this rank may post, or take :meth:`allreduce_now`, while the lock is let go)."""
         deadline = time.monotonic() + self.timeout_s
-        while p - DEPTH >= self._min_done():
+        while (p := self._posted + ahead) - DEPTH >= self._min_done():
             self._progress()
             if self.failed is not None:
                 raise self.failed
