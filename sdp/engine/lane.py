@@ -49,7 +49,9 @@ A **synchronous allreduce** (``sdp.allreduce``) runs whole in its caller while t
 (:meth:`Lane.allreduce_now`): posted, polled for and reduced into its result without a
 :class:`Request` or a handle; what is not consumed while it polls becomes a held request.
 Where :mod:`sdp.engine.native` builds, its common case (post, poll, reduce) is one compiled call
-(``cc/lane_now.c``) that hands everything else back to this code.
+(``cc/lane_now.c``) that hands everything else back to this code; ``sdp.allreduce`` calls its
+entry (:attr:`Lane.front`) first, which runs a learnt name's call whole, checks, allocation and
+result included, and goes on in :meth:`Lane._finish_now` where the common case ends.
 
 Who runs the lane: the caller waiting on a lane handle (:meth:`drive`: it polls for up to
 :data:`SPIN_S` seconds, yielding the core between polls, then sleeps on the handle; it does not

@@ -2,8 +2,10 @@
 
 A synchronous small allreduce between the ranks of one host (:meth:`sdp.engine.lane.Lane.allreduce_now`)
 is ~60 short Python operations (~10 us back to back, ~27 us after 1 ms idle on a 2-core VM);
-its common case (post, poll, reduce) is one call of this C extension instead.  The Python code
-stays the reference and runs everything else, and all of it when the extension is missing.
+its common case (post, poll, reduce) is one call of this C extension instead, and
+``sdp.allreduce`` enters it first (``Context.front``: the lane's checks, data-ring allocation and
+result array too, for a name the Python path has run once).  The Python code stays the reference
+and runs everything else, and all of it when the extension is missing.
 
 * Built at the first lane of a process (every rank at once: under a file lock, so one process
   per cache directory compiles it, ~1 s with gcc) into ``$SDP_CACHE_DIR/native/`` (default
