@@ -1,10 +1,13 @@
 """Fusion-buffer layout (no sockets): bucket plans, packing given element ranges (padding inside them
 zeroed, nothing outside them touched), in-place pieces."""
+import contextlib
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdp.engine import fusion
+from sdp.engine import fusion, native
 
 
 def test_plan_buckets_caps_bytes_and_splits_by_key():
@@ -70,11 +73,38 @@ def test_small_aligned_arrays_never_overlap(counts):
     assert all(a.ctypes.data % 64 == 0 for a in arrays if a.size)
 
 
+@contextlib.contextmanager
+def _compiled_step(on: bool):
+    """The fast lane's C extension loaded in this process (``on``; skipped where it cannot be
+    built), or set aside: fusion.Layout packs and views in C only when it is loaded."""
+    saved = native._state.get("module", _UNSET)
+    if on and native.load() is None:
+        pytest.skip("the compiled step cannot be built here")
+    if not on:
+        native._state["module"] = None
+    try:
+        yield
+    finally:
+        if saved is _UNSET:
+            native._state.pop("module", None)
+        else:
+            native._state["module"] = saved
+
+
+_UNSET = object()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
 @settings(max_examples=60, deadline=None)
 @given(shapes=st.lists(st.sampled_from([(), (0,), (1,), (3,), (16,), (5, 7), (2, 1, 3), (33,)]), min_size=1,
                        max_size=10),
        dtype=st.sampled_from([np.float32, np.float64, np.int8, np.float16]))
-def test_layout_packs_at_the_offsets_and_gives_the_parts_back(shapes, dtype):
+def test_layout_packs_at_the_offsets_and_gives_the_parts_back(compiled, shapes, dtype):
+    with _compiled_step(compiled):
+        _layout_round_trip(shapes, dtype)
+
+
+def _layout_round_trip(shapes, dtype):
     arrays = [(np.arange(int(np.prod(s))) + 100 * i).astype(dtype).reshape(s) for i, s in enumerate(shapes)]
     layout = fusion.Layout(arrays)
     offs = fusion.offsets(arrays)
@@ -88,3 +118,27 @@ def test_layout_packs_at_the_offsets_and_gives_the_parts_back(shapes, dtype):
     parts = layout.views(out)
     assert [p.shape for p in parts] == list(shapes)
     assert all(np.array_equal(p, a) and (p.size == 0 or np.shares_memory(p, out)) for p, a in zip(parts, arrays))
+
+
+def test_the_compiled_pack_leaves_what_it_cannot_copy_to_python_and_refuses_bad_views():
+    with _compiled_step(True):
+        arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(5, dtype=np.float32)]
+        layout = fusion.Layout(arrays)
+        want = np.full(layout.count, 9, np.float32)
+        with _compiled_step(False):
+            layout.pack(arrays, want)
+        for other in ([arrays[0].T.copy().T, arrays[1]],  # (a part not C-contiguous)
+                      [arrays[0], arrays[1].astype(np.float64)],  # (another dtype: numpy casts it)
+                      (arrays[0], arrays[1])):  # (not a list)
+            assert not (type(other) is list and other[0].flags.c_contiguous and other[1].dtype == np.float32)
+            out = np.full(layout.count, 9, np.float32)
+            layout.pack(other, out)
+            assert out.tobytes() == want.tobytes()
+        step = native.loaded()
+        assert step.pack(arrays, np.empty(layout.count - 1, np.float32), layout._starts) is False  # (too short)
+        with pytest.raises(ValueError):
+            step.views(want, [(0, layout.count + 1, None)])
+        with pytest.raises(ValueError):
+            step.views(want, [(0, 4, (5,))])
+        with pytest.raises(ValueError):
+            step.views(want.reshape(1, -1), [(0, 1, None)])

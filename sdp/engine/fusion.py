@@ -5,6 +5,7 @@ forms the same buckets: consecutive-in-order allreduce items with the same dtype
 factors, up to ``threshold`` bytes (SMDDP's ``bucket_cap_mb``, default 25 MB).
 """
 import bisect
+import sys
 import threading
 from typing import Dict, List
 
@@ -110,6 +111,13 @@ def pieces(arrays: List[np.ndarray], offs: List[int], lo: int, hi: int):
     return out
 
 
+def _compiled():
+    """The fast lane's C extension if this process loaded it (``sdp.engine.native``), else None
+    (nothing is built or imported here)."""
+    native = sys.modules.get("sdp.engine.native")
+    return None if native is None else native.loaded()
+
+
 class Layout:
     """Where each array of a flattened group lies in one aligned 1-D buffer of ``dtype``: at
     :func:`offsets` (padding zeroed), so that every part is an aligned view.  Built once per group
@@ -117,7 +125,7 @@ class Layout:
     copies arrays into such a buffer, :meth:`views` gives the parts of a result back.  ``shapes``: every array's
     shape, in order (what ranks must agree on); ``count``: the buffer's elements."""
 
-    __slots__ = ("dtype", "shapes", "count", "_spans", "_seq", "_pads")
+    __slots__ = ("dtype", "shapes", "count", "_spans", "_starts", "_seq", "_pads")
 
     def __init__(self, arrays: List[np.ndarray]):
         offs = offsets(arrays)
@@ -127,6 +135,7 @@ class Layout:
         # (start, end, shape or None where the slice has it already): per part
         self._spans = [(start, start + a.size, None if a.shape == (a.size,) else a.shape)
                        for a, start in zip(arrays, offs)]
+        self._starts = tuple(offs[:-1])
         self._pads = {}  # -(k + 1) -> k zeros (padding of k elements), in self._seq as that key
         seq = []
         for i, (a, start, nxt) in enumerate(zip(arrays, offs, offs[1:])):
@@ -140,7 +149,11 @@ class Layout:
     def pack(self, arrays: List[np.ndarray], out: np.ndarray) -> None:
         """Copy ``arrays`` (this layout's shapes and dtype) into ``out`` (1-D, :attr:`count`
         elements of :attr:`dtype`), padding zeroed: one ``concatenate`` (~0.2 us per array,
-        where a copy each costs ~1.5 us)."""
+        where a copy each costs ~1.5 us; with the compiled step loaded, a copy each in C:
+        100 x 4 KB ~11 instead of ~25 us)."""
+        step = _compiled()
+        if step is not None and type(arrays) is list and step.pack(arrays, out, self._starts):
+            return
         if self._seq is None:
             np.concatenate(arrays, axis=None, out=out)
         else:
@@ -148,7 +161,11 @@ class Layout:
             np.concatenate([arrays[i] if i >= 0 else pads[i] for i in self._seq], axis=None, out=out)
 
     def views(self, flat: np.ndarray) -> List[np.ndarray]:
-        """Views of every part of the 1-D array ``flat`` (a buffer of this layout), no copy."""
+        """Views of every part of the 1-D array ``flat`` (a buffer of this layout), no copy
+        (made in C with the compiled step loaded: 100 views ~6 instead of ~19 us)."""
+        step = _compiled()
+        if step is not None:
+            return step.views(flat, self._spans)
         return [flat[a:b] if shape is None else flat[a:b].reshape(shape) for a, b, shape in self._spans]
 
 

@@ -93,6 +93,12 @@ def load():
         return _state["module"]
 
 
+def loaded():
+    """The extension if this process has loaded it (:func:`load`), else None: nothing is built
+    or imported here (for :class:`sdp.engine.fusion.Layout`, used where no lane loads it too)."""
+    return _state.get("module")
+
+
 def _load():
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"not built for {sys.platform}/{platform.machine()} (its memory ordering is x86-64's)"

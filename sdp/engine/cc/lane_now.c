@@ -659,9 +659,100 @@ static PyTypeObject CtxType = {
     .tp_doc = "One rank's fast-lane memory (pinned buffers) and geometry.",
 };
 
+/* ---- a flattened group's buffer (fusion.Layout): pack and views ---------------------------- */
+
+/* pack(arrays, out, starts) -> True, or False where Python must (a part not C-contiguous or of
+ * another dtype, or not within out): each array copied into out (1-D, C-contiguous, writable)
+ * at its element offset in starts (increasing), every gap before a start and after the last
+ * part zeroed (fusion.Layout.pack's padding) */
+static PyObject *lane_pack(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyArray_Check(args[1]) || !PyTuple_Check(args[2]))
+        return PyErr_Format(PyExc_TypeError, "pack(list, array, tuple)"), NULL;
+    PyArrayObject *out = (PyArrayObject *)args[1];
+    Py_ssize_t n = PyList_GET_SIZE(args[0]);
+    if (PyTuple_GET_SIZE(args[2]) != n || PyArray_NDIM(out) != 1 || !PyArray_IS_C_CONTIGUOUS(out) ||
+        !PyArray_ISWRITEABLE(out))
+        Py_RETURN_FALSE;
+    PyArray_Descr *dt = PyArray_DESCR(out);
+    Py_ssize_t item = PyArray_ITEMSIZE(out), total = PyArray_DIM(out, 0), end = 0;
+    for (Py_ssize_t i = 0; i < n; i++) { /* (everything checked before the first byte moves) */
+        PyObject *o = PyList_GET_ITEM(args[0], i);
+        Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[2], i));
+        if (start == -1 && PyErr_Occurred()) return NULL;
+        if (!PyArray_Check(o)) Py_RETURN_FALSE;
+        PyArrayObject *a = (PyArrayObject *)o;
+        if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_EquivTypes(PyArray_DESCR(a), dt) || start < end ||
+            start > total || PyArray_SIZE(a) > total - start)
+            Py_RETURN_FALSE;
+        end = start + PyArray_SIZE(a);
+    }
+    char *base = PyArray_DATA(out); /* (the GIL kept: the list is the caller's) */
+    end = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyArrayObject *a = (PyArrayObject *)PyList_GET_ITEM(args[0], i);
+        Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[2], i)), size = PyArray_SIZE(a);
+        if (start > end) memset(base + end * item, 0, (start - end) * item);
+        memcpy(base + start * item, PyArray_DATA(a), size * item);
+        end = start + size;
+    }
+    if (total > end) memset(base + end * item, 0, (total - end) * item);
+    Py_RETURN_TRUE;
+}
+
+/* views(flat, spans) -> list: a view of flat (1-D, C-contiguous) per (start, end, shape or
+ * None) of spans (fusion.Layout._spans), as flat[start:end] (reshaped to shape) */
+static PyObject *lane_views(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyArray_Check(args[0]) || !PyList_Check(args[1]))
+        return PyErr_Format(PyExc_TypeError, "views(array, list)"), NULL;
+    PyArrayObject *flat = (PyArrayObject *)args[0];
+    if (PyArray_NDIM(flat) != 1 || !PyArray_IS_C_CONTIGUOUS(flat))
+        return PyErr_Format(PyExc_ValueError, "views(): a 1-D C-contiguous array"), NULL;
+    Py_ssize_t n = PyList_GET_SIZE(args[1]), total = PyArray_DIM(flat, 0), item = PyArray_ITEMSIZE(flat);
+    PyObject *list = PyList_New(n);
+    if (!list) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *span = PyList_GET_ITEM(args[1], i), *shape;
+        Py_ssize_t start, stop;
+        npy_intp dims[NPY_MAXDIMS];
+        int nd = 1;
+        if (!PyTuple_Check(span) || PyTuple_GET_SIZE(span) != 3) goto bad;
+        start = PyLong_AsSsize_t(PyTuple_GET_ITEM(span, 0)), stop = PyLong_AsSsize_t(PyTuple_GET_ITEM(span, 1));
+        shape = PyTuple_GET_ITEM(span, 2);
+        if (PyErr_Occurred() || start < 0 || stop < start || stop > total) goto bad;
+        dims[0] = stop - start;
+        if (shape != Py_None) {
+            npy_intp count = 1;
+            if (!PyTuple_Check(shape) || (nd = (int)PyTuple_GET_SIZE(shape)) > NPY_MAXDIMS) goto bad;
+            for (int k = 0; k < nd; k++) count *= dims[k] = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, k));
+            if (PyErr_Occurred() || count != stop - start) goto bad;
+        }
+        PyArray_Descr *dt = PyArray_DESCR(flat);
+        Py_INCREF(dt);
+        PyObject *v = PyArray_NewFromDescr(&PyArray_Type, dt, nd, dims, NULL, PyArray_BYTES(flat) + start * item,
+                                           PyArray_FLAGS(flat) & (NPY_ARRAY_WRITEABLE | NPY_ARRAY_CARRAY), NULL);
+        if (!v) goto fail;
+        Py_INCREF(flat);
+        if (PyArray_SetBaseObject((PyArrayObject *)v, (PyObject *)flat) < 0) {
+            Py_DECREF(v);
+            goto fail;
+        }
+        PyList_SET_ITEM(list, i, v);
+    }
+    return list;
+bad:
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "views(): a bad span");
+fail:
+    Py_DECREF(list);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"now", (PyCFunction)(void (*)(void))lane_now, METH_FASTCALL,
      "now(ctx, p, sig, off, src, dst, red, scale, spin_s, decided, awake) -> (code, ring mask)"},
+    {"pack", (PyCFunction)(void (*)(void))lane_pack, METH_FASTCALL,
+     "pack(arrays, out, starts) -> True, or False where Python must (fusion.Layout.pack)"},
+    {"views", (PyCFunction)(void (*)(void))lane_views, METH_FASTCALL,
+     "views(flat, spans) -> a view of flat per (start, end, shape or None) (fusion.Layout.views)"},
     {NULL, NULL, 0, NULL},
 };
 
