@@ -192,11 +192,11 @@ class Lane:
         self._decided = 0  # rank 0
         self._closing = None  # rank 0: once a join() was seen, the positions complete then (later: OFF)
         self._first_seen = None  # rank 0: (position, when) of the first position left waiting
-        self._ctx = self._native_step()  # the compiled step's Context (it keeps _alloc's state), or None
+        module, self._ctx = self._native_step()  # the compiled step's Context (it keeps _alloc's state), or None
         self._native = None  # (p, sig, off, src, dst, red, scale, spin, decided, awake) -> (code, ring)
         self.front = None
         if self._ctx is not None:
-            self._native = functools.partial(self._ctx_module.now, self._ctx)
+            self._native = functools.partial(module.now, self._ctx)
             self._ctx.attach(self, engine)
             self.front = self._ctx.front
 
@@ -298,12 +298,12 @@ class Lane:
         return engine is None or not (engine._pending or engine._queue)
 
     def _native_step(self):
-        """The compiled step's Context (:mod:`sdp.engine.native`) of this lane's memory, or None
-        (no extension, or this rank cannot map a peer's region writable)."""
+        """``(extension, Context)`` of the compiled step (:mod:`sdp.engine.native`) on this lane's
+        memory, or ``(None, None)`` (no extension, or this rank cannot map a peer's region writable)."""
         from sdp.engine import native  # (here: ``python -m sdp.engine.native`` runs it as __main__)
-        module = self._ctx_module = native.load()
+        module = native.load()
         if module is None:
-            return None
+            return None, None
         ranks = range(self.size)
         try:
             ctx = module.Context(self.rank, self.size, [self.page[q] for q in ranks], [self.rec[q] for q in ranks],
@@ -311,8 +311,8 @@ class Lane:
                                  (POSTED, DONE, DECIDED, AWAKE, RUNG, WAITING, LATEST, CLAIM), FAST)
         except (ValueError, TypeError, BufferError) as e:
             log.debug("sdp: the fast lane runs in Python (%s)", e)
-            return None
-        return ctx
+            return None, None
+        return module, ctx
 
     def _after_native(self, ring: int) -> None:
         """After the compiled step: ring the ranks of ``ring``'s bits (it fenced after the stores
