@@ -185,6 +185,7 @@ def test_a_synchronous_allreduce_beside_the_engines_work_stays_itself():
 def test_the_compiled_entry_holds_escalates_and_raises_as_the_lane_does(n):
     for rank, seen in enumerate(check_ok(run_workers(n, "workers_lane:front_paths", [6], timeout=120))):
         assert seen["exact"] and seen["apart"] and seen["aligned"] and seen["out"], (rank, seen)
+        assert seen["in place"] == [True] * 3, (rank, seen)
         assert seen["big"] == [[64, 64], float(n), float(n), 0], (rank, seen)
         assert "shape mismatch" in (seen["mismatch"] or ""), (rank, seen)
         assert seen["slow"] >= 1, (rank, seen)  # (the 30 ms late peer's positions: the engine's)

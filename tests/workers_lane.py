@@ -593,5 +593,15 @@ def front_paths(rounds):
     out = np.empty_like(x)
     seen["out"] = all(sdp.allreduce(x, name="fp", op=sdp.Sum, out=out) is out for _ in range(3))
     check(out)
+    inplace, spin = [], rt.lane.spin_s  # (out is the input, on the last rank to post, whose step reduces
+    rt.lane.spin_s = 5.0  # at once: the first pass must not overwrite this rank's operand; the others
+    for _ in range(3):  # poll until it comes)
+        z = np.arange(256, dtype=np.float32) + r
+        sdp.barrier()
+        if r == n - 1:
+            time.sleep(0.001)
+        inplace.append(sdp.allreduce(z, name="fp", op=sdp.Sum, out=z) is z and np.array_equal(z, want))
+    rt.lane.spin_s = spin
+    seen["in place"] = inplace
     seen["entered"] = entered[0]
     return seen
