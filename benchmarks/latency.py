@@ -17,7 +17,8 @@ Called by ``benchmarks/allreduce.py`` (its 1 KB latency section, and alone with
 * **a step of 100 cached 4 KB tensors**: one ``grouped_allreduce`` (the target's), the same
   through ``grouped_allreduce_async`` and a wait per tensor (as a framework face submits a
   gradient list), and the 100 submitted one by one (``allreduce_async`` each, then wait all),
-  against the memory time of its bytes (one ``np.copyto`` of 400 KB, timed here).
+  each way back to back in a run of its own, against the memory time of its bytes (one
+  ``np.copyto`` of 400 KB, timed here).
 
 Everything but the floor is measured twice in the same run: as sdp runs (small allreduces in the
 fast lane, :mod:`sdp.engine.lane`, when every rank is on one host; across hosts inline with the
@@ -201,12 +202,16 @@ def isolated(call, iters: int, name: str, warmup: int = 5) -> float:
     return float(np.median(every[:, :, 1].max(axis=0) - every[:, :, 0].max(axis=0)))
 
 
-def step_times(iters: int, warmup: int = 10):
+def step_times(iters: int, warmup: int = 5):
     """(grouped, grouped asynchronously, one by one, memory) median seconds, max over ranks, of a
-    step of :data:`STEP_COUNT` cached tensors of :data:`STEP_BYTES`, back to back, alternating:
+    step of :data:`STEP_COUNT` cached tensors of :data:`STEP_BYTES`, back to back as the 1 KB
+    rows are: each way in its own run of ``iters`` steps after ``warmup`` and a barrier:
     ``sdp.grouped_allreduce`` (the issue's step), ``grouped_allreduce_async`` and a wait per
     tensor (what a framework face submitting a gradient list does), ``allreduce_async`` each
-    then a wait each."""
+    then a wait each.  (Interleaving the three ways, as this did before, timed the grouped step
+    from the end of a one-by-one step, whose tail ends at different times on different ranks:
+    here 182-190 us on the rank that waited for the other against 97-102 us back to back,
+    125-141 us after a barrier.)"""
     grads = [np.full(STEP_BYTES // 4, i, np.float32) for i in range(STEP_COUNT)]
     names = [f"lat.step.{i}" for i in range(STEP_COUNT)]
     src, dst = np.ones(STEP_COUNT * STEP_BYTES // 4, np.float32), np.empty(STEP_COUNT * STEP_BYTES // 4, np.float32)
@@ -222,22 +227,21 @@ def step_times(iters: int, warmup: int = 10):
         for h in [sdp.allreduce_async(g, name=n, op=sdp.Sum) for g, n in zip(grads, names)]:
             h.wait()
 
-    for _ in range(warmup):
-        grouped()
-        grouped_async()
-        one_by_one()
-    g, a, o, m = [], [], [], []
-    sdp.barrier()
-    for _ in range(iters):
-        for fn, out in ((grouped, g), (grouped_async, a), (one_by_one, o)):
+    def memory():
+        np.copyto(dst, src)
+
+    medians = []
+    for key, fn in (("g", grouped), ("a", grouped_async), ("o", one_by_one), ("m", memory)):
+        for _ in range(warmup):
+            fn()
+        sdp.barrier()
+        times = []
+        for _ in range(iters):
             t0 = time.perf_counter()
             fn()
-            out.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        m.append(time.perf_counter() - t0)
-    return tuple(max_over_ranks(statistics.median(x), f"lat.step.{k}") for k, x in
-                 (("g", g), ("a", a), ("o", o), ("m", m)))
+            times.append(time.perf_counter() - t0)
+        medians.append(max_over_ranks(statistics.median(times), f"lat.step.{key}"))
+    return tuple(medians)
 
 
 @contextlib.contextmanager
@@ -256,7 +260,7 @@ def lane_off():
         rt.lane, rt._inline, rt.front = saved
 
 
-def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 30, rounds: int = 3) -> dict:
+def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 60, rounds: int = 3) -> dict:
     """Every latency of the module docstring (seconds), the same on every rank: ``res[key]``
     as sdp runs, ``res["off"][key]`` with the fast lane set aside.  The two alternate in
     ``rounds`` rounds (each a ``rounds``-th of the iterations) and each latency is the median of

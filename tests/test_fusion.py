@@ -135,7 +135,7 @@ def test_the_compiled_pack_leaves_what_it_cannot_copy_to_python_and_refuses_bad_
             layout.pack(other, out)
             assert out.tobytes() == want.tobytes()
         step = native.loaded()
-        assert step.pack(arrays, np.empty(layout.count - 1, np.float32), layout._starts) is False  # (too short)
+        assert step.pack(arrays, np.empty(layout.count - 1, np.float32), layout.starts) is False  # (too short)
         with pytest.raises(ValueError):
             step.views(want, [(0, layout.count + 1, None)])
         with pytest.raises(ValueError):

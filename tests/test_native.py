@@ -52,4 +52,4 @@ def test_the_lane_runs_in_python_without_the_compiled_step(tmp_path, how):
         path.parent.mkdir(parents=True)
         path.write_bytes(b"not a shared library")
     for bad, _, calls, entered, counts in check_ok(run_workers(2, "workers_lane:edges", [3], env=env, timeout=120)):
-        assert not bad and calls == 0 and entered == 0 and counts["fast"] == 180, (bad, calls, entered, counts)
+        assert not bad and calls == 0 and entered == 0 and counts["fast"] == 200, (bad, calls, entered, counts)

@@ -485,7 +485,8 @@ def edges(seed):
     (wrapping as numpy's), every op, a postscale, shapes from one element to 16 KB; the same
     arithmetic as numpy's ufuncs in rank order (:func:`_expected`), every NaN counted as one.
     Each case runs twice: its second call is the compiled entry's (``Runtime.front``, learnt by
-    the first).  Returns (the cases not exact, a digest of every result, how many calls the
+    the first).  Then flattened groups of three parts (float32 with a postscale, int64; every
+    op), twice each.  Returns (the cases not exact, a digest of every result, how many calls the
     compiled step answered, how many the compiled entry answered, the lane counts)."""
     _never_escalate()  # (as in matrix)
     n, r = sdp.size(), sdp.rank()
@@ -534,6 +535,22 @@ def edges(seed):
                                 bad.append([np.dtype(dtype).name, op.name, post, size, again])
                             digest.update(got.tobytes())
                         cases += 1
+        for dtype in (np.float32, np.int64):  # (a flattened group: this rank's operand read from its parts,
+            for op in OPS:  # the padding between them from its packed copy)
+                post = 0.3 if np.dtype(dtype).kind == "f" else 1.0
+                s = seed + cases
+                parts = [[data(q, dtype, size, s + k).reshape(shape) for k, (size, shape) in
+                          enumerate(((1, ()), (33, (33,)), (35, (5, 7))))] for q in range(n)]
+                want = [_expected(op, [parts[q][k] for q in range(n)], post, n) for k in range(3)]
+                for again in range(2):
+                    got = sdp.grouped_allreduce(parts[r], name=f"e{cases}", op=op, postscale_factor=post)
+                    for k, (g, w) in enumerate(zip(got, want)):
+                        if np.dtype(dtype).kind == "f":
+                            g, w = (np.where(np.isnan(x), np.nan, x).astype(dtype) for x in (g, w))
+                        if g.dtype != w.dtype or g.shape != w.shape or g.tobytes() != w.tobytes():
+                            bad.append(["group", np.dtype(dtype).name, op.name, k, again])
+                        digest.update(g.tobytes())
+                cases += 1
     return [bad, digest.hexdigest(), native_calls[0], front_calls[0], lane.counts]
 
 

@@ -123,9 +123,10 @@ class Layout:
     :func:`offsets` (padding zeroed), so that every part is an aligned view.  Built once per group
     shape (callers cache it: a training step submits the same group every step); :meth:`pack`
     copies arrays into such a buffer, :meth:`views` gives the parts of a result back.  ``shapes``: every array's
-    shape, in order (what ranks must agree on); ``count``: the buffer's elements."""
+    shape, in order (what ranks must agree on); ``count``: the buffer's elements; ``starts``: each
+    array's element offset in it (a tuple)."""
 
-    __slots__ = ("dtype", "shapes", "count", "_spans", "_starts", "_seq", "_pads")
+    __slots__ = ("dtype", "shapes", "count", "starts", "_spans", "_seq", "_pads")
 
     def __init__(self, arrays: List[np.ndarray]):
         offs = offsets(arrays)
@@ -135,7 +136,7 @@ class Layout:
         # (start, end, shape or None where the slice has it already): per part
         self._spans = [(start, start + a.size, None if a.shape == (a.size,) else a.shape)
                        for a, start in zip(arrays, offs)]
-        self._starts = tuple(offs[:-1])
+        self.starts = tuple(offs[:-1])
         self._pads = {}  # -(k + 1) -> k zeros (padding of k elements), in self._seq as that key
         seq = []
         for i, (a, start, nxt) in enumerate(zip(arrays, offs, offs[1:])):
@@ -152,7 +153,7 @@ class Layout:
         where a copy each costs ~1.5 us; with the compiled step loaded, a copy each in C:
         100 x 4 KB ~11 instead of ~25 us)."""
         step = _compiled()
-        if step is not None and type(arrays) is list and step.pack(arrays, out, self._starts):
+        if step is not None and type(arrays) is list and step.pack(arrays, out, self.starts):
             return
         if self._seq is None:
             np.concatenate(arrays, axis=None, out=out)

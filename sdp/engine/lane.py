@@ -364,7 +364,7 @@ class Lane:
                     result = self._result_array(dtype, n) if out is None else out
                     self._active_until = float("inf")
                     try:
-                        verdict, ring = self._native(p, sig, off, a if layout is None else None, result, native[0],
+                        verdict, ring = self._native(p, sig, off, a if layout is None else (a, layout.starts), result, native[0],
                                                      native[1], self.spin_s if self._engine_idle() else 0.0,
                                                      self._decided, self._awake)
                     finally:

@@ -229,6 +229,34 @@ static int reduce(int red, char **src, int n, void *out, Py_ssize_t count, doubl
 
 static const Py_ssize_t ITEM[4] = {4, 8, 4, 8};
 
+/* a flattened group's part (fusion.Layout): its input, and where it lies in the buffer (elements);
+ * data NULL: reduce that span from this rank's packed copy */
+typedef struct {
+    const char *data;
+    Py_ssize_t start, size;
+} Part;
+
+/* reduce the ranks' copies (from) into out, count elements, with this rank's operand read from the
+ * group's parts where they have it (the spans between parts, padding, from its packed copy) */
+static void reduce_parts(int red, char **from, int n, int me, char *out, Py_ssize_t count, double scale,
+                         const Part *parts, Py_ssize_t nparts) {
+    Py_ssize_t item = ITEM[red >> 2], end = 0;
+    char *at[MAX_RANKS];
+    for (Py_ssize_t i = 0; i <= nparts; i++) {
+        Py_ssize_t start = i < nparts ? parts[i].start : count, size = i < nparts ? parts[i].size : 0;
+        if (start > end) { /* a gap: every rank's packed copy */
+            for (int q = 0; q < n; q++) at[q] = from[q] + end * item;
+            reduce(red, at, n, out + end * item, start - end, scale);
+        }
+        if (size) {
+            for (int q = 0; q < n; q++) at[q] = from[q] + start * item;
+            if (parts[i].data) at[me] = (char *)parts[i].data;
+            reduce(red, at, n, out + start * item, size, scale);
+        }
+        end = start + size;
+    }
+}
+
 /* copy into shared memory another core reads next, through the caches: sdprun sets glibc's
  * non-temporal memcpy threshold to 128 KB for the engine's big copies (sdp/launcher/jobenv.py),
  * and a 256 KB lane copy that bypasses the caches made the allreduce 39 us instead of 29 here;
@@ -245,7 +273,8 @@ static void copy_in(char *dst, const char *src, size_t n) {
  * and, when consumed FAST, reduce every rank's copy into dst: returns the code; *ringp: the
  * ranks to ring (rank 0's bit 0: posts wait for Lane._decide) */
 static int step(Ctx *c, int64_t p, int64_t sig, int64_t off, const char *src, Py_ssize_t nbytes, char *dst,
-                int red, double scale, double spin, int64_t decided, int64_t awake, uint64_t *ringp) {
+                int red, double scale, double spin, int64_t decided, int64_t awake, uint64_t *ringp,
+                const Part *parts, Py_ssize_t nparts) {
     int me = c->rank, code = 0;
     uint64_t ring = 0;
     Py_ssize_t item = ITEM[red >> 2];
@@ -295,7 +324,10 @@ static int step(Ctx *c, int64_t p, int64_t sig, int64_t off, const char *src, Py
         if (src && (me == 0 || src + nbytes <= dst || dst + nbytes <= src)) from[me] = (char *)src;
         if (code == R_FAST) {
             Py_BEGIN_ALLOW_THREADS
-            reduce(red, from, c->size, dst, nbytes / item, scale);
+            if (parts)
+                reduce_parts(red, from, c->size, me, dst, nbytes / item, scale, parts, nparts);
+            else
+                reduce(red, from, c->size, dst, nbytes / item, scale);
             Py_END_ALLOW_THREADS
         }
     }
@@ -303,9 +335,45 @@ static int step(Ctx *c, int64_t p, int64_t sig, int64_t off, const char *src, Py
     return code;
 }
 
+/* the parts of (arrays, starts) (a group's list and fusion.Layout.starts) this rank's operand can be
+ * read from (C-contiguous, dst's dtype, in order within dst's count, apart from dst), each array
+ * referenced in *held (a new list: another thread may change the caller's while the GIL is let go);
+ * returns how many, -1 with an error set */
+static Py_ssize_t group_parts(PyObject *group, PyArrayObject *dst, Part **parts, PyObject **held) {
+    PyObject *arrays = PyTuple_GET_ITEM(group, 0), *starts = PyTuple_GET_ITEM(group, 1);
+    if (!PyList_Check(arrays) || !PyTuple_Check(starts) || PyTuple_GET_SIZE(starts) != PyList_GET_SIZE(arrays))
+        return PyErr_Format(PyExc_TypeError, "now(): a group is (list, tuple of starts)"), -1;
+    Py_ssize_t n = PyList_GET_SIZE(arrays), k = 0, end = 0, count = PyArray_SIZE(dst);
+    const char *lo = PyArray_DATA(dst), *hi = lo + PyArray_NBYTES(dst);
+    if (!(*held = PyList_GetSlice(arrays, 0, n)) || !(*parts = PyMem_Malloc((n ? n : 1) * sizeof(Part)))) {
+        Py_CLEAR(*held);
+        return PyErr_NoMemory(), -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PyList_GET_ITEM(*held, i);
+        Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(starts, i));
+        if (start == -1 && PyErr_Occurred()) {
+            PyMem_Free(*parts);
+            Py_CLEAR(*held);
+            return -1;
+        }
+        if (!PyArray_CheckExact(o)) continue;
+        PyArrayObject *a = (PyArrayObject *)o;
+        const char *d = PyArray_DATA(a);
+        Py_ssize_t size = PyArray_SIZE(a);
+        if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_EquivTypes(PyArray_DESCR(a), PyArray_DESCR(dst)) ||
+            start < end || start > count || size > count - start || (d < hi && lo < d + PyArray_NBYTES(a)))
+            continue;
+        (*parts)[k++] = (Part){d, start, size};
+        end = start + size;
+    }
+    return k;
+}
+
 /* now(ctx, p, sig, off, src, dst, red, scale, spin_s, decided, awake) -> (code, ring mask)
  * ring mask: bit q, the ranks to ring (Lane._ring); rank 0's bit 0: posts wait for Lane._decide.
- * src: the input (C-contiguous, dst's byte size) or None when Python packed the copy already;
+ * src: the input (C-contiguous, dst's byte size); or None when Python packed the copy already, or
+ * (arrays, starts) when that copy is a flattened group's (this rank's operand read from its parts);
  * dst: the result (writable, C-contiguous); decided: rank 0's count of decided positions;
  * awake: this rank's polling callers besides this one. */
 static PyObject *lane_now(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
@@ -320,21 +388,36 @@ static PyObject *lane_now(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     if (red < 0 || (red >> 2) > 3) return PyErr_Format(PyExc_ValueError, "bad reduction %d", red), NULL;
     Py_buffer in = {0}, res;
     if (PyObject_GetBuffer(args[5], &res, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    Py_ssize_t nbytes = res.len, item = ITEM[red >> 2];
-    if (args[4] != Py_None && PyObject_GetBuffer(args[4], &in, PyBUF_C_CONTIGUOUS) < 0) {
+    Py_ssize_t nbytes = res.len, item = ITEM[red >> 2], nparts = 0;
+    Part *parts = NULL;
+    PyObject *held = NULL;
+    int group = PyTuple_Check(args[4]) && PyTuple_GET_SIZE(args[4]) == 2;
+    if (group && (!PyArray_CheckExact(args[5]) || PyArray_ITEMSIZE((PyArrayObject *)args[5]) != item)) {
+        PyBuffer_Release(&res);
+        return PyErr_Format(PyExc_TypeError, "now(): a group's result is an array of its dtype"), NULL;
+    }
+    if (group && (nparts = group_parts(args[4], (PyArrayObject *)args[5], &parts, &held)) < 0) {
         PyBuffer_Release(&res);
         return NULL;
     }
-    if ((in.obj && in.len != nbytes) || nbytes % item || off < 0 || off + nbytes > c->data_bytes) {
-        if (in.obj) PyBuffer_Release(&in);
+    if (!group && args[4] != Py_None && PyObject_GetBuffer(args[4], &in, PyBUF_C_CONTIGUOUS) < 0) {
         PyBuffer_Release(&res);
-        return PyErr_Format(PyExc_ValueError, "bad lane post: offset %lld, %zd bytes", (long long)off, nbytes), NULL;
+        return NULL;
     }
-    uint64_t ring = 0;
-    int code = step(c, p, sig, off, in.obj ? in.buf : NULL, nbytes, res.buf, red, scale, spin, decided, awake, &ring);
+    PyObject *r = NULL;
+    if ((in.obj && in.len != nbytes) || nbytes % item || off < 0 || off + nbytes > c->data_bytes) {
+        PyErr_Format(PyExc_ValueError, "bad lane post: offset %lld, %zd bytes", (long long)off, nbytes);
+    } else {
+        uint64_t ring = 0;
+        int code = step(c, p, sig, off, in.obj ? in.buf : NULL, nbytes, res.buf, red, scale, spin, decided, awake,
+                        &ring, parts, nparts);
+        r = Py_BuildValue("(iK)", code, (unsigned long long)ring);
+    }
     if (in.obj) PyBuffer_Release(&in);
     PyBuffer_Release(&res);
-    return Py_BuildValue("(iK)", code, (unsigned long long)ring);
+    PyMem_Free(parts);
+    Py_XDECREF(held);
+    return r;
 }
 
 /* ---- the front door: Lane.allreduce_now's common case whole, from sdp.allreduce ------------- */
@@ -610,7 +693,7 @@ static PyObject *ctx_front(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
     int code = 0, failed = PyErr_Occurred() || PyObject_SetAttr(L, S_active_until, F_inf) < 0;
     if (!failed) {
         code = step(c, p, sig, off, PyArray_DATA(arr), nbytes, PyArray_DATA((PyArrayObject *)result), red, scale,
-                    spin, decided, awake, &ring);
+                    spin, decided, awake, &ring, NULL, 0);
         failed = PyObject_SetAttr(L, S_active_until, F_zero) < 0 || set_int(L, S_posted, p + 1) < 0 ||
                  (c->rank == 0 && (code == R_FAST || code == R_RECORD) &&
                   (set_int(L, S_decided, p + 1) < 0 || PyObject_SetAttr(L, S_first_seen, Py_None) < 0));
