@@ -142,3 +142,24 @@ def test_the_compiled_pack_leaves_what_it_cannot_copy_to_python_and_refuses_bad_
             step.views(want, [(0, 4, (5,))])
         with pytest.raises(ValueError):
             step.views(want.reshape(1, -1), [(0, 1, None)])
+
+
+def test_the_compiled_plan_check_matches_python_s_comparison():
+    # (sdp.api._grouped_submit keeps a group's plan while every array has its (dtype, shape))
+    with _compiled_step(True):
+        step = native.loaded()
+        arrays = [np.zeros((2, 3), np.float32), np.zeros(5, np.float32), np.zeros((), np.int64)]
+        metas = [(a.dtype, a.shape) for a in arrays]
+        others = [[np.zeros((3, 2), np.float32)] + arrays[1:],  # (a shape)
+                  [arrays[0], np.zeros(5, np.float64), arrays[2]],  # (a dtype)
+                  [arrays[0], np.zeros(5, ">f4"), arrays[2]],  # (a byte order)
+                  [arrays[0], np.zeros(4, np.float32), arrays[2]],
+                  arrays[:2],  # (fewer)
+                  [arrays[0], [0.0] * 5, arrays[2]],  # (not an array: Python converts it)
+                  [arrays[0], np.ma.zeros(5, np.float32), arrays[2]],  # (a subclass)
+                  [np.zeros((2, 3), np.dtype("<f4")), np.zeros(5, "=f4"), arrays[2][()] * np.zeros((), np.int64)]]
+        for other in [arrays] + others:
+            python = [(a.dtype, a.shape) for a in other if type(a) is np.ndarray] == metas
+            assert step.same_metas(other, metas) is python, other
+        with pytest.raises(TypeError):
+            step.same_metas(tuple(arrays), metas)

@@ -847,7 +847,38 @@ fail:
     return NULL;
 }
 
+/* same_metas(arrays, metas) -> whether every item of arrays (a list) is a numpy array of the dtype
+ * and shape of metas' item (a list of (dtype, shape tuple)): a flattened group's plan still holds
+ * (sdp.api._grouped_submit; 100 arrays ~1 us, where Python's list of (dtype, shape) compared ~17) */
+static PyObject *lane_same_metas(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1]))
+        return PyErr_Format(PyExc_TypeError, "same_metas(list, list)"), NULL;
+    Py_ssize_t n = PyList_GET_SIZE(args[0]);
+    if (PyList_GET_SIZE(args[1]) != n) Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PyList_GET_ITEM(args[0], i), *m = PyList_GET_ITEM(args[1], i);
+        if (!PyArray_CheckExact(o) || !PyTuple_Check(m) || PyTuple_GET_SIZE(m) != 2) Py_RETURN_FALSE;
+        PyArrayObject *a = (PyArrayObject *)o;
+        PyObject *dt = PyTuple_GET_ITEM(m, 0), *shape = PyTuple_GET_ITEM(m, 1);
+        if ((PyObject *)PyArray_DESCR(a) != dt &&
+            (!PyArray_DescrCheck(dt) || !PyArray_EquivTypes(PyArray_DESCR(a), (PyArray_Descr *)dt)))
+            Py_RETURN_FALSE;
+        int nd = PyArray_NDIM(a);
+        if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) != nd) Py_RETURN_FALSE;
+        for (int k = 0; k < nd; k++) {
+            PyObject *d = PyTuple_GET_ITEM(shape, k);
+            if (!PyLong_CheckExact(d) || PyLong_AsSsize_t(d) != PyArray_DIM(a, k)) {
+                PyErr_Clear();
+                Py_RETURN_FALSE;
+            }
+        }
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
+    {"same_metas", (PyCFunction)(void (*)(void))lane_same_metas, METH_FASTCALL,
+     "same_metas(arrays, metas) -> whether each array has the (dtype, shape) of metas' item"},
     {"now", (PyCFunction)(void (*)(void))lane_now, METH_FASTCALL,
      "now(ctx, p, sig, off, src, dst, red, scale, spin_s, decided, awake) -> (code, ring mask)"},
     {"pack", (PyCFunction)(void (*)(void))lane_pack, METH_FASTCALL,
