@@ -294,6 +294,11 @@ def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor
     Mirrors ``horovod.torch.allreduce_async``.  Raises ``ValueError`` for an unusable ``out`` or
     an unsupported dtype/op (see the module docstring)."""
     rt, name, ps = _engine_and_name("allreduce", name, process_set)  # (positional below: ~1 us less a call)
+    burst = rt.burst  # (a burst's next small allreduce: into the fast lane's batch)
+    if burst is not None and not ps and out is None and prescale_factor == 1.0:
+        handle = burst(name, tensor, op if type(op) is ReduceOp else resolve_op(op), postscale_factor)
+        if handle is not None:
+            return handle
     return rt.submit(Request(name, "allreduce", as_input(tensor),
                              op if type(op) is ReduceOp else resolve_op(op), None, prescale_factor,
                              postscale_factor, None, out, ps))

@@ -69,8 +69,9 @@ def test_a_peer_killed_while_a_rank_waits_in_the_lane():
 
 def test_a_burst_is_gathered_into_one_batch_and_its_first_name_is_learnt():
     values = check_ok(run_workers(2, "workers_lane:bursts", [6], timeout=180))
-    for rank, (ok, after_bursts, end) in enumerate(values):
+    for rank, (ok, after_bursts, end, joined) in enumerate(values):
         assert ok, (rank, after_bursts, end)
+        assert joined >= 3 * 39, (rank, joined)  # (a batch's first call opens it: a Request as usual)
         # the first step's first request may be posted alone (and the rest gathered); from then
         # on its name is learnt and each step's 40 allreduces are one batch, decided FAST (a step
         # whose batches two ranks cut differently, as on a busy machine, goes to the engine)

@@ -193,8 +193,17 @@ def killed_while_waiting():
 def bursts(steps):
     """``steps`` training-like steps of 40 small allreduces submitted one by one, asynchronously
     (a burst), then waited; then the burst's first name alone, synchronously, 5 times.  Returns
-    (all exact, lane counts after the bursts, lane counts at the end)."""
+    (all exact, lane counts after the bursts, lane counts at the end, how many calls joined the
+    open batch through ``Runtime.burst``)."""
     n, r = sdp.size(), sdp.rank()
+    rt = sdp.api.runtime()
+    burst, joined = rt.burst, [0]
+
+    def counted(*a):
+        got = burst(*a)
+        joined[0] += got is not None
+        return got
+    rt.burst = counted
     ok = True
     for step in range(steps):
         hs = [sdp.allreduce_async(np.full(64, float(step * r + i), np.float32), name=f"burst{i}", op=sdp.Sum)
@@ -204,7 +213,7 @@ def bursts(steps):
     for i in range(5):
         ok = ok and bool(np.all(sdp.allreduce(np.full(8, float(r + i)), name="burst0", op=sdp.Sum)
                                 == sum(q + i for q in range(n))))
-    return [ok, after_bursts, sdp.api.runtime().lane.counts]
+    return [ok, after_bursts, sdp.api.runtime().lane.counts, joined[0]]
 
 
 def join_after_burst(count):
@@ -274,7 +283,9 @@ def batches(steps):
         outs = [np.empty(5, np.float64) for _ in range(3)]
         hs, want = [], []
         for i in range(12):
-            hs.append(sdp.allreduce_async(np.full(7 + i, float(r + i + step), np.float32), name=f"f{i}", op=sdp.Sum))
+            x = np.full(7 + i, float(r + i + step), np.float32) if i != 3 else np.full(20, float(r + i + step),
+                                                                                     np.float32)[::2]
+            hs.append(sdp.allreduce_async(x, name=f"f{i}", op=sdp.Sum))  # (f3: not contiguous)
             want.append(np.full(7 + i, n * (i + step) + n * (n - 1) / 2, np.float32))
             if i == 5 and r == 0 and step % 2:
                 hs[-1].wait()  # (rank 0 only: its float32 batch ends here)
@@ -287,6 +298,10 @@ def batches(steps):
             want.append(np.full((2, 3), n - 1 + i, np.int32))
         hs.append(sdp.allreduce_async(np.full(4, 0.5 + r, np.float16), name="h", op=sdp.Sum))
         want.append(np.full(4, n * 0.5 + n * (n - 1) / 2, np.float16))
+        for i in range(3):  # (an integer postscale: a request made as usual, after a batch of floats)
+            hs.append(sdp.allreduce_async(np.full(3, float(r)), name=f"p{i}", op=sdp.Sum,
+                                          postscale_factor=2 if i else 2.0))
+            want.append(np.full(3, float(n * (n - 1))))
         got = [h.wait() for h in hs]
         ok = ok and all(g.dtype == w.dtype and g.shape == w.shape and np.array_equal(g, w) for g, w in zip(got, want))
         same_out = same_out and all(got[12 + i] is outs[i] for i in range(3))

@@ -283,6 +283,24 @@ class Lane:
             self._ring_sleepers()
         return engine
 
+    def burst(self, name: str, a, op, postscale: float):
+        """:meth:`post`'s common case for ``sdp.allreduce_async`` without a :class:`Request`
+        made and checked first: the allreduce of ``a`` (a numpy array) joins the batch being
+        gathered if :meth:`_Batch.takes` it (and ``a`` is C-contiguous, ``postscale`` a float);
+        returns its :class:`Handle`, or None (nothing done: submit it as usual)."""
+        b = self._batch
+        if (b is None or type(a) is not np.ndarray or op is not b.op or type(postscale) is not float
+                or postscale != b.postscale or a.dtype != b.dtype
+                or not a.flags.c_contiguous or not a.nbytes or len(b.reqs) >= _BATCH_MAX or name in b.names
+                or (b.nbytes + a.nbytes + _ALIGN) * (self.size - 1) > READ_BYTES or type(name) is not str):
+            return None
+        with self.lock:
+            if self._batch is not b or self.failed is not None or self.off or self._head is not None:
+                return None
+            req = self._request.burst(name, a, op, postscale)
+            self._batch_append(b, req)
+        return req.handle
+
     def _ring_sleepers(self) -> None:
         """After a post of something rank 0 decides at once (not rank 0's): ring a rank whose
         caller sleeps on a lane handle if it is rank 0 (it decides) or it posted as far (it may
@@ -364,8 +382,9 @@ class Lane:
                     result = self._result_array(dtype, n) if out is None else out
                     self._active_until = float("inf")
                     try:
-                        verdict, ring = self._native(p, sig, off, a if layout is None else (a, layout.starts), result, native[0],
-                                                     native[1], self.spin_s if self._engine_idle() else 0.0,
+                        verdict, ring = self._native(p, sig, off, a if layout is None else (a, layout.starts), result,
+                                                     native[0], native[1],
+                                                     self.spin_s if self._engine_idle() else 0.0,
                                                      self._decided, self._awake)
                     finally:
                         self._active_until = 0.0

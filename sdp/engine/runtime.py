@@ -156,6 +156,18 @@ class Request:
         req.sources = arrays
         return req
 
+    @classmethod
+    def burst(cls, name: str, array: np.ndarray, op, postscale: float) -> "Request":
+        """What ``cls(name, "allreduce", array, op, postscale=postscale)`` makes, without its
+        checks: for an array the fast lane's open batch takes (:meth:`Lane.burst`: a C-contiguous
+        host array of the batch's dtype, op and postscale, which its first request passed)."""
+        req = object.__new__(cls)
+        req.name, req.kind, req.array, req.op, req.root, req.prescale = name, "allreduce", array, op, None, 1.0
+        req.postscale, req.splits, req.out, req.ps, req.device, req.layout = postscale, None, None, 0, None, None
+        req._shapes = req.sources = None
+        req.handle = Handle(name)
+        return req
+
     def fill(self) -> None:
         """Pack a flattened group's arrays into its buffer (``array``) if not done yet."""
         if self.sources is not None:
@@ -283,6 +295,9 @@ class Runtime:
         #: the compiled step's entry for sdp.allreduce (Lane.front: front(name, a, op, postscale, out) ->
         #: result, or None to go on as below), None without it or once stopping or failed
         self.front = self.lane.front if self.lane is not None else None
+        #: the lane's open batch, for sdp.allreduce_async (Lane.burst(name, a, op, postscale) -> handle,
+        #: or None to submit as usual), None without a lane or once stopping or failed
+        self.burst = self.lane.burst if self.lane is not None else None
         #: small allreduces ride the negotiation across hosts (sdp.engine.inline); rank 0's stash
         self._inline = self.config.fast_lane and self.size > 1 and self.mesh.shm is None
         self._stash = inline.Stash(self.size) if self._inline and self._coord is not None else None
@@ -339,7 +354,7 @@ class Runtime:
         """Stop the thread, fail whatever is still pending, and close the sockets (says BYE)."""
         if self._stop.is_set():
             return
-        self.front = None
+        self.front = self.burst = None
         self._stop.set()
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=2.0)  # let a collective in flight finish
@@ -362,7 +377,7 @@ class Runtime:
                 log.exception("rank %d: engine failed", self.rank)
                 e = errors.SdpError(f"rank {self.rank}: engine failed: {e!r}")
             self._failed = e
-            self.front = None
+            self.front = self.burst = None
             self._fail_all(e)
             # peers learn why, then see us disconnect, and fail fast too
             self.mesh.abort(getattr(e, "rank", None) if isinstance(e, errors.PeerLostError) else None, str(e))
