@@ -46,6 +46,19 @@ def _expected(op, arrays, post, n):
     return t.astype(dtype)
 
 
+def _counting(obj, attr: str) -> list:
+    """Replace ``obj.attr`` (a callable that answers None for "not taken") with one that counts
+    its other answers; returns the count (a one-element list)."""
+    fn, count = getattr(obj, attr), [0]
+
+    def counted(*a):
+        got = fn(*a)
+        count[0] += got is not None
+        return got
+    setattr(obj, attr, counted)
+    return count
+
+
 def _never_escalate():
     """No position of the lane is escalated to the engine on time from now on, on any rank: a
     rank late on a busy machine is waited for.  Every rank sets it before a barrier, so a rank
@@ -196,14 +209,7 @@ def bursts(steps):
     (all exact, lane counts after the bursts, lane counts at the end, how many calls joined the
     open batch through ``Runtime.burst``)."""
     n, r = sdp.size(), sdp.rank()
-    rt = sdp.api.runtime()
-    burst, joined = rt.burst, [0]
-
-    def counted(*a):
-        got = burst(*a)
-        joined[0] += got is not None
-        return got
-    rt.burst = counted
+    joined = _counting(sdp.api.runtime(), "burst")
     ok = True
     for step in range(steps):
         hs = [sdp.allreduce_async(np.full(64, float(step * r + i), np.float32), name=f"burst{i}", op=sdp.Sum)
@@ -507,18 +513,8 @@ def edges(seed):
     n, r = sdp.size(), sdp.rank()
     rt = sdp.api.runtime()
     lane = rt.lane
-    native_calls, step, front_calls, front = [0], lane._native, [0], rt.front
-    if step is not None:
-        def counted(*a):
-            native_calls[0] += 1
-            return step(*a)
-        lane._native = counted
-    if front is not None:
-        def counted_front(*a):
-            got = front(*a)
-            front_calls[0] += got is not None
-            return got
-        rt.front = counted_front
+    native_calls = _counting(lane, "_native") if lane._native is not None else [0]  # (it always answers)
+    front_calls = _counting(rt, "front") if rt.front is not None else [0]
     specials = {"f": [np.nan, -0.0, 0.0, np.inf, -np.inf, 3.5, -2.25, 1e30, -1e30, 7.0],
                 "i": [None, None, -1, 0, 1, 2, -7, 5, 1 << 20, -(1 << 20)]}
 
@@ -580,13 +576,7 @@ def front_paths(rounds):
     from sdp.common import errors
     n, r = sdp.size(), sdp.rank()
     rt = sdp.api.runtime()
-    front, entered = rt.front, [0]
-
-    def counted(*a):
-        got = front(*a)
-        entered[0] += got is not None
-        return got
-    rt.front = counted
+    entered = _counting(rt, "front")
     x = np.arange(256, dtype=np.float32) + r
     want = np.arange(256, dtype=np.float32)
     for q in range(1, n):
