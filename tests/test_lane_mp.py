@@ -175,6 +175,16 @@ def test_synchronous_allreduces_and_groups_run_whole_in_the_caller(n, worker, st
         assert counts["slow"] == 0 and counts["fast"] >= steps, (rank, counts)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_synchronous_allreduce_runs_in_the_lane_up_to_its_own_limit(n):
+    from sdp.engine import lane
+    at = lane.NOW_READ_BYTES // (n - 1) // 4 * 4
+    for rank, (ok, fast) in enumerate(check_ok(run_workers(n, "workers_lane:sync_large", [6], timeout=120))):
+        assert ok, (rank, fast)
+        # (a call that finds the ring or the engine busy goes to the engine; the first learns the name)
+        assert fast[str(at)] >= 4 and fast[str(at + 64)] == 0 and fast["async"] == 0, (rank, fast)
+
+
 def test_a_synchronous_allreduce_beside_the_engines_work_stays_itself():
     for ok, counts in check_ok(run_workers(2, "workers_lane:sync_beside_engine", [30], timeout=120)):
         assert ok, counts

@@ -484,6 +484,32 @@ def grouped_sync_mixed(steps, seed):
     return [bad, calls, made[0], lane.counts]
 
 
+def sync_large(rounds):
+    """Synchronous allreduces up to ``lane.NOW_READ_BYTES`` x (size - 1) run in the lane (an
+    asynchronous one stops at ``READ_BYTES``), larger ones in the engine: ``rounds`` of each size
+    at the limit and just above it, then ``rounds`` asynchronous ones at the limit.  Returns (all
+    exact, lane positions consumed FAST per size and for the asynchronous ones)."""
+    from sdp.engine import lane as lanemod
+    n, r = sdp.size(), sdp.rank()
+    lane = sdp.api.runtime().lane
+    at = lanemod.NOW_READ_BYTES // (n - 1) // 4  # (float32 elements)
+    ok, fast = True, {}
+    for count in (at, at + 16):
+        before = lane.counts["fast"]
+        for k in range(rounds):
+            x = np.arange(count, dtype=np.float32) * (r + 1) + k
+            got = sdp.allreduce(x, name=f"big{count}", op=sdp.Sum)
+            want = np.arange(count, dtype=np.float32) * (n * (n + 1) // 2) + n * k
+            ok = ok and got.dtype == np.float32 and np.array_equal(got, want)
+        fast[count * 4] = lane.counts["fast"] - before
+    before = lane.counts["fast"]
+    for k in range(rounds):  # (asynchronous: over READ_BYTES, the engine's)
+        got = sdp.allreduce_async(np.full(at, float(r + k), np.float32), name="big.async", op=sdp.Sum).wait()
+        ok = ok and np.array_equal(got, np.full(at, float(n * (n - 1) // 2 + n * k), np.float32))
+    fast["async"] = lane.counts["fast"] - before
+    return [ok, fast]
+
+
 def sync_beside_engine(steps):
     """Each step every rank submits a 4 MB allreduce (the engine's) and, while the engine thread
     runs it, a small synchronous ``sdp.allreduce``: waited at once, it is posted as itself (not

@@ -6,7 +6,8 @@ When every rank is on this host and the mesh keeps its control in shared memory
 is first **posted** to the lane, in the caller's thread: position ``p`` (this rank's count of
 posts) gets a record in this rank's lane region: a signature, and, for a collective the lane can
 run (*eligible*: an allreduce of a host array, SUM/AVERAGE/MIN/MAX/PRODUCT, no prescale, its bytes
-times ``size - 1`` at most :data:`READ_BYTES`; a broadcast of at most :data:`READ_BYTES`), a copy
+times ``size - 1`` at most :data:`READ_BYTES`, :data:`NOW_READ_BYTES` for :meth:`Lane.allreduce_now`;
+a broadcast of at most :data:`READ_BYTES`), a copy
 of the input in this rank's data ring (a broadcast: the root's only).  The
 signature is a 62-bit hash of everything ranks must agree on (:meth:`Request.key`: name, kind,
 dtype, shape, op, scales, a group's shapes); 0 marks a collective the lane does not run, which
@@ -105,6 +106,7 @@ DEPTH = 256  # positions a rank may run ahead of the slowest rank's consumption
 _REC = 3  # int64 per record: signature, data offset, bytes
 DATA_BYTES = LANE_BYTES - DEPTH * 8 * (_REC + 1)  # each rank's data ring (records, decisions before)
 READ_BYTES = 512 << 10  # eligible: bytes x (size - 1) at most this (every rank reads every copy)
+NOW_READ_BYTES = 1 << 20  # the same for a synchronous allreduce (allreduce_now)
 ESCALATE_S = 0.005  # seconds a position waits for a rank that has not posted it, then SLOW
 SPIN_S = 200e-6  # seconds a waiting caller polls the lane before it sleeps on the handle
 GRACE_S = 200e-6  # seconds after a post during which the engine thread leaves the lane to the caller
@@ -486,7 +488,7 @@ class Lane:
         float scale, or None where it does not reduce: another dtype, or no extension)."""
         req = self._make_request(name, a, op, postscale, None, layout)  # (bad input raises)
         dtype = req.array.dtype
-        sig = self._signature(req) if self._reducible(req) else 0
+        sig = self._signature(req, NOW_READ_BYTES) if self._reducible(req, NOW_READ_BYTES) else 0
         fscale = self._float_scale(req, dtype)
         red = _NATIVE_DTYPES.get(dtype.str) if self._native is not None and sig else None
         entry = (sig, _Scaling(op, req.postscale), UFUNCS.get(op), accumulation_dtype(dtype), fscale,
@@ -816,17 +818,18 @@ class Lane:
         self._floor = floor = min(page[q][DONE] for q in range(self.size))
         return floor
 
-    def _reducible(self, req) -> bool:
+    def _reducible(self, req, limit: int = READ_BYTES) -> bool:
         """Whether the lane can run allreduce ``req`` itself: a host array of a numeric dtype, an
-        op it reduces, no prescale, and every rank's copy readable (:data:`READ_BYTES`)."""
+        op it reduces, no prescale, and every rank's copy readable (bytes x (size - 1) at most
+        ``limit``)."""
         a = req.array
         return (self.enabled and req.kind == "allreduce" and req.device is None and req.prescale == 1.0
                 and req.op in UFUNCS and (a.dtype.kind in "fiu" or a.dtype.name == "bfloat16")
-                and 0 < a.nbytes * (self.size - 1) <= READ_BYTES)
+                and 0 < a.nbytes * (self.size - 1) <= limit)
 
-    def _signature(self, req) -> int:
-        """Positive for an eligible allreduce or broadcast, else 0."""
-        if not (self._reducible(req) or req.kind == "broadcast" and self.enabled and req.device is None
+    def _signature(self, req, limit: int = READ_BYTES) -> int:
+        """Positive for an eligible allreduce (see :meth:`_reducible`) or broadcast, else 0."""
+        if not (self._reducible(req, limit) or req.kind == "broadcast" and self.enabled and req.device is None
                 and 0 < req.array.nbytes <= READ_BYTES and req.root in self.rec):  # (a bad root: the engine's error)
             return 0
         key = req.key()
