@@ -359,7 +359,7 @@ def _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, proce
     arrays = list(tensors)
     key = (tuple(names), rt.fusion_threshold)
     known = _group_plans.get(key) if len(arrays) >= 2 else None
-    step = fusion._compiled()
+    step = fusion.compiled()
     if known is not None and step is not None and step.same_metas(arrays, known[0]):  # (100 arrays: ~1 us in C,
         plan = known[1]  # ~17 us as below)
     else:

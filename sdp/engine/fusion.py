@@ -111,7 +111,7 @@ def pieces(arrays: List[np.ndarray], offs: List[int], lo: int, hi: int):
     return out
 
 
-def _compiled():
+def compiled():
     """The fast lane's C extension if this process loaded it (``sdp.engine.native``), else None
     (nothing is built or imported here)."""
     native = sys.modules.get("sdp.engine.native")
@@ -152,7 +152,7 @@ class Layout:
         elements of :attr:`dtype`), padding zeroed: one ``concatenate`` (~0.2 us per array,
         where a copy each costs ~1.5 us; with the compiled step loaded, a copy each in C:
         100 x 4 KB ~11 instead of ~25 us)."""
-        step = _compiled()
+        step = compiled()
         if step is not None and type(arrays) is list and step.pack(arrays, out, self.starts):
             return
         if self._seq is None:
@@ -164,7 +164,7 @@ class Layout:
     def views(self, flat: np.ndarray) -> List[np.ndarray]:
         """Views of every part of the 1-D array ``flat`` (a buffer of this layout), no copy
         (made in C with the compiled step loaded: 100 views ~6 instead of ~19 us)."""
-        step = _compiled()
+        step = compiled()
         if step is not None:
             return step.views(flat, self._spans)
         return [flat[a:b] if shape is None else flat[a:b].reshape(shape) for a, b, shape in self._spans]

@@ -291,10 +291,8 @@ class Lane:
         gathered if :meth:`_Batch.takes` it (and ``a`` is C-contiguous, ``postscale`` a float);
         returns its :class:`Handle`, or None (nothing done: submit it as usual)."""
         b = self._batch
-        if (b is None or type(a) is not np.ndarray or op is not b.op or type(postscale) is not float
-                or postscale != b.postscale or a.dtype != b.dtype
-                or not a.flags.c_contiguous or not a.nbytes or len(b.reqs) >= _BATCH_MAX or name in b.names
-                or (b.nbytes + a.nbytes + _ALIGN) * (self.size - 1) > READ_BYTES or type(name) is not str):
+        if (b is None or type(postscale) is not float or type(name) is not str
+                or not b.fits(name, a, op, postscale, self.size) or not a.flags.c_contiguous):
             return None
         with self.lock:
             if self._batch is not b or self.failed is not None or self.off or self._head is not None:
@@ -488,7 +486,7 @@ class Lane:
         float scale, or None where it does not reduce: another dtype, or no extension)."""
         req = self._make_request(name, a, op, postscale, None, layout)  # (bad input raises)
         dtype = req.array.dtype
-        sig = self._signature(req, NOW_READ_BYTES) if self._reducible(req, NOW_READ_BYTES) else 0
+        sig = self._signature(req, NOW_READ_BYTES)  # (0 unless the lane can reduce it: _reducible)
         fscale = self._float_scale(req, dtype)
         red = _NATIVE_DTYPES.get(dtype.str) if self._native is not None and sig else None
         entry = (sig, _Scaling(op, req.postscale), UFUNCS.get(op), accumulation_dtype(dtype), fscale,
@@ -1157,11 +1155,15 @@ class _Batch:
         """Whether ``req`` (a burst's) joins this batch: an allreduce of a host array of its
         dtype, op and postscale, no prescale, not a group, a name not in any batch of the lane,
         and the batch's bytes stay readable (:data:`READ_BYTES`)."""
-        a = req.array
-        return (type(a) is np.ndarray and a.dtype == self.dtype and req.op is self.op and req.kind == "allreduce"
-                and req.postscale == self.postscale and req.prescale == 1.0 and req.layout is None
-                and req.device is None and len(self.reqs) < _BATCH_MAX and a.nbytes > 0
-                and (self.nbytes + a.nbytes + _ALIGN) * (size - 1) <= READ_BYTES and req.name not in self.names)
+        return (req.kind == "allreduce" and req.prescale == 1.0 and req.layout is None and req.device is None
+                and self.fits(req.name, req.array, req.op, req.postscale, size))
+
+    def fits(self, name: str, a, op, postscale: float, size: int) -> bool:
+        """Whether an allreduce named ``name`` of ``a`` with ``op`` and ``postscale`` fits this batch
+        (:meth:`takes`'s checks of the array, op and scale; :meth:`Lane.burst`'s)."""
+        return (type(a) is np.ndarray and a.dtype == self.dtype and op is self.op and postscale == self.postscale
+                and len(self.reqs) < _BATCH_MAX and a.nbytes > 0
+                and (self.nbytes + a.nbytes + _ALIGN) * (size - 1) <= READ_BYTES and name not in self.names)
 
     def add(self, req) -> None:
         a = req.array
