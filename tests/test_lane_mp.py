@@ -69,8 +69,11 @@ def test_a_peer_killed_while_a_rank_waits_in_the_lane():
 
 def test_a_burst_is_gathered_into_one_batch_and_its_first_name_is_learnt():
     values = check_ok(run_workers(2, "workers_lane:bursts", [6], timeout=180))
-    for rank, (ok, after_bursts, end, joined) in enumerate(values):
+    for rank, (ok, after_bursts, end, joined, bad) in enumerate(values):
         assert ok, (rank, after_bursts, end)
+        # (bad input while a batch is open: Request's errors, naming the collective; the burst goes on)
+        assert len(bad) == 2 and bad[0].startswith("ValueError") and "bad.dtype" in bad[0], (rank, bad)
+        assert bad[1].startswith("ValueError") and "out=" in bad[1] and "bad.out" in bad[1], (rank, bad)
         assert joined >= 3 * 39, (rank, joined)  # (a batch's first call opens it: a Request as usual)
         # the first step's first request may be posted alone (and the rest gathered); from then
         # on its name is learnt and each step's 40 allreduces are one batch, decided FAST (a step

@@ -205,21 +205,32 @@ def killed_while_waiting():
 
 def bursts(steps):
     """``steps`` training-like steps of 40 small allreduces submitted one by one, asynchronously
-    (a burst), then waited; then the burst's first name alone, synchronously, 5 times.  Returns
-    (all exact, lane counts after the bursts, lane counts at the end, how many calls joined the
-    open batch through ``Runtime.burst``)."""
+    (a burst), then waited, the last step with bad calls in the middle of its burst (while a batch
+    is open); then the burst's first name alone, synchronously, 5 times.  Returns (all exact, lane
+    counts after the bursts, lane counts at the end, how many calls joined the open batch through
+    ``Runtime.burst``, the bad calls' errors)."""
     n, r = sdp.size(), sdp.rank()
     joined = _counting(sdp.api.runtime(), "burst")
-    ok = True
+    ok, bad = True, []
     for step in range(steps):
-        hs = [sdp.allreduce_async(np.full(64, float(step * r + i), np.float32), name=f"burst{i}", op=sdp.Sum)
-              for i in range(40)]
+        hs = []
+        for i in range(40):
+            hs.append(sdp.allreduce_async(np.full(64, float(step * r + i), np.float32), name=f"burst{i}", op=sdp.Sum))
+            if step == steps - 1 and i == 20:
+                for call in (lambda: sdp.allreduce_async(np.array(["x"] * 64), name="bad.dtype", op=sdp.Sum),
+                             lambda: sdp.allreduce_async(np.ones(64, np.float32), name="bad.out", op=sdp.Sum,
+                                                         out=np.empty(63, np.float32))):
+                    try:
+                        call()
+                        bad.append("no error")
+                    except (ValueError, TypeError) as e:
+                        bad.append(f"{type(e).__name__}: {e}")
         ok = ok and all(bool(np.all(h.wait() == sum(step * q + i for q in range(n)))) for i, h in enumerate(hs))
     after_bursts = dict(sdp.api.runtime().lane.counts)
     for i in range(5):
         ok = ok and bool(np.all(sdp.allreduce(np.full(8, float(r + i)), name="burst0", op=sdp.Sum)
                                 == sum(q + i for q in range(n))))
-    return [ok, after_bursts, sdp.api.runtime().lane.counts, joined[0]]
+    return [ok, after_bursts, sdp.api.runtime().lane.counts, joined[0], bad]
 
 
 def join_after_burst(count):
