@@ -2,7 +2,7 @@
 
 ``init()`` reads the topology from the environment (see :mod:`sdp.common.topology`), meets the
 other ranks and starts the engine.  Collectives come in ``*_async`` forms returning a
-:class:`~sdp.engine.runtime.Handle` and synchronous forms returning numpy arrays.
+:class:`~sdp.engine.handles.Handle` and synchronous forms returning numpy arrays.
 
 Names identify a collective across ranks: ranks may submit in different orders, and the engine
 matches them by name.  Without a ``name``, one is generated from a per-process counter, which
@@ -52,7 +52,8 @@ from sdp.common.reduce_ops import ReduceOp, resolve_op
 from sdp.engine import fusion
 from sdp.engine.device_arrays import device_tensor, host_array
 from sdp.engine.process_sets import MAX_SET_ID
-from sdp.engine.runtime import DoneHandle, Handle, PartHandle, Request, Runtime
+from sdp.engine.handles import DoneHandle, Handle, PartHandle
+from sdp.engine.runtime import Request, Runtime
 from sdp.transport import lifeline
 
 _lock = threading.Lock()

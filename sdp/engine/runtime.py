@@ -20,6 +20,7 @@ from sdp.common.reduce_ops import UFUNCS, ReduceOp, accumulation_dtype, check_dt
 from sdp.engine import collectives, fusion, groups, inline, lane, process_sets, timeline
 from sdp.engine.coordinator import JOIN, KINDS, Coordinator, wire_dtype
 from sdp.engine.device_arrays import DeviceTensor
+from sdp.engine.handles import Handle
 from sdp.transport.zmq_mesh import Mesh
 
 log = logging.getLogger("sdp.engine")
@@ -33,104 +34,6 @@ RESPONSE_SPIN_S = 0.002
 # costs ~12 us (allocation, its finalizer, its release) against ~2 us, more than the copy out of
 # the segments that peers writing into it directly saves below ~64 KB
 POOL_MIN_BYTES = 64 << 10
-
-
-class Handle:
-    """The pending result of one submitted collective."""
-
-    __slots__ = ("name", "_lock", "_is_done", "_result", "_error", "_lane", "_waited")
-
-    def __init__(self, name: str):
-        self.name = name
-        # held until the result is set: a bare lock is ~20x cheaper to make than an Event, and
-        # a gradient list makes one handle per tensor per step
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._is_done = False
-        self._result = None
-        self._error: Optional[BaseException] = None
-        self._lane = None  # the sdp.engine.lane.Lane holding this collective, if one does
-        self._waited = False  # wait() was called (the lane learns which submissions start a burst)
-
-    def _set(self, result=None, error=None):
-        if self._is_done:
-            return
-        self._result, self._error = result, error
-        self._is_done = True
-        try:
-            self._lock.release()
-        except RuntimeError:  # a racing second _set (shutdown failing what just completed)
-            pass
-
-    def done(self) -> bool:
-        """True once the result (or error) is available; never blocks (a collective in the fast
-        lane is moved on once if no other thread is running the lane)."""
-        self._waited = True
-        lane = self._lane
-        if lane is not None and not self._is_done:
-            lane.poll(self)
-        return self._is_done
-
-    def wait(self, timeout: Optional[float] = None, _spin: bool = True):
-        """Block until done and return the result (numpy array, or tuple for alltoall).
-
-        Raises the collective's error (e.g. :class:`TensorMismatchError`, :class:`PeerLostError`),
-        or :class:`CollectiveTimeoutError` if ``timeout`` seconds pass first.  (``_spin``: False
-        when the fast lane has just polled for it.)"""
-        self._waited = True
-        lane = self._lane
-        waits = lane is not None and not self._is_done and lane.drive(self, _spin)  # (the fast lane runs here first)
-        if not self._is_done:
-            try:
-                if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
-                    raise errors.CollectiveTimeoutError(f"'{self.name}' did not complete within {timeout} s")
-            finally:
-                if waits:
-                    lane.unwait()
-            self._lock.release()  # let other waiters of this handle through too
-        elif waits:
-            lane.unwait()
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-
-class DoneHandle:
-    """The handle of a collective already done in the caller's thread (the fast lane's
-    synchronous path): ``wait()`` returns its result."""
-
-    __slots__ = ("_result",)
-
-    def __init__(self, result):
-        self._result = result
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: Optional[float] = None):
-        return self._result
-
-
-class PartHandle:
-    """The handle of one tensor of a flattened group (:meth:`Request.group`): ``wait()`` returns
-    its part of the group's result (a view, no copy); the group's error is every part's error."""
-
-    __slots__ = ("name", "_group", "_index")
-
-    def __init__(self, name: str, group: Handle, index: int):
-        self.name, self._group, self._index = name, group, index
-
-    def done(self) -> bool:
-        """True once the group's result (or error) is available; never blocks."""
-        return self._group.done()
-
-    def wait(self, timeout: Optional[float] = None):
-        """Block until the group is done and return this tensor's result (see :meth:`Handle.wait`)."""
-        group = self._group
-        if group._is_done and group._error is None:  # (done, often by another part: ~0.1 us, not ~0.5)
-            group._waited = True  # (for the fast lane: not a burst's first request)
-            return group._result[self._index]
-        return group.wait(timeout)[self._index]
 
 
 class Request:
