@@ -53,3 +53,6 @@ def test_the_lane_runs_in_python_without_the_compiled_step(tmp_path, how):
         path.write_bytes(b"not a shared library")
     for bad, _, calls, entered, counts in check_ok(run_workers(2, "workers_lane:edges", [3], env=env, timeout=120)):
         assert not bad and calls == 0 and entered == 0 and counts["fast"] == 200, (bad, calls, entered, counts)
+    for ok, after_bursts, _, joined, bad in check_ok(run_workers(2, "workers_lane:bursts", [4], env=env,
+                                                                 timeout=120)):
+        assert ok and joined >= 2 * 39 and len(bad) == 2, (after_bursts, joined, bad)  # (Lane.burst in Python)

@@ -201,10 +201,11 @@ class Lane:
         module, self._ctx = self._native_step()  # the compiled step's Context (it keeps _alloc's state), or None
         self._native = None  # (p, sig, off, src, dst, red, scale, spin, decided, awake) -> (code, ring)
         self.front = None
+        self.burst_front = self.burst  # (Runtime.burst: the compiled Lane.burst where there is one)
         if self._ctx is not None:
             self._native = functools.partial(module.now, self._ctx)
-            self._ctx.attach(self, engine)
-            self.front = self._ctx.front
+            self._ctx.attach(self, engine, PartHandle, _BATCH_MAX, READ_BYTES, GRACE_S)
+            self.front, self.burst_front = self._ctx.front, self._ctx.burst
 
     # -- caller side ----------------------------------------------------------------------------
     def post(self, reqs) -> list:
@@ -294,14 +295,16 @@ class Lane:
         a :class:`Handle` of its own: the allreduce of ``a`` (a numpy array) joins the batch being
         gathered if :meth:`_Batch.takes` it (and ``a`` is C-contiguous, ``postscale`` a float);
         returns a :class:`PartHandle` of the batch's handle, or None (nothing done: submit it
-        as usual).  (A Request and a Handle each cost ~0.7 us of a burst's ~2.5 us per call.)"""
-        b = self._batch
-        if (b is None or type(postscale) is not float or type(name) is not str
-                or not b.fits(name, a, op, postscale, self.size) or not a.flags.c_contiguous):
+        as usual).  (A Request and a Handle each cost ~0.7 us of a burst's ~2.5 us per call.)
+        :attr:`burst_front` is this, compiled (``cc/lane_now.c``) where the extension is loaded."""
+        if (self._batch is None or type(postscale) is not float or type(name) is not str
+                or type(a) is not np.ndarray or not a.flags.c_contiguous):
             return None
         with self.lock:
-            if self._batch is not b or self.failed is not None or self.off or self._head is not None:
-                return None
+            b = self._batch
+            if (b is None or self.failed is not None or self.off or self._head is not None
+                    or not b.fits(name, a, op, postscale, self.size)):  # (under the lock: two threads never
+                return None  # both take a batch's last room, or one name)
             self._active_until = time.monotonic() + GRACE_S  # (as _batch_append)
             return b.add_part(name, a)
 

@@ -198,9 +198,9 @@ class Runtime:
         #: the compiled step's entry for sdp.allreduce (Lane.front: front(name, a, op, postscale, out) ->
         #: result, or None to go on as below), None without it or once stopping or failed
         self.front = self.lane.front if self.lane is not None else None
-        #: the lane's open batch, for sdp.allreduce_async (Lane.burst(name, a, op, postscale) -> handle,
+        #: the lane's open batch, for sdp.allreduce_async (Lane.burst_front(name, a, op, postscale) -> handle,
         #: or None to submit as usual), None without a lane or once stopping or failed
-        self.burst = self.lane.burst if self.lane is not None else None
+        self.burst = self.lane.burst_front if self.lane is not None else None
         #: small allreduces ride the negotiation across hosts (sdp.engine.inline); rank 0's stash
         self._inline = self.config.fast_lane and self.size > 1 and self.mesh.shm is None
         self._stash = inline.Stash(self.size) if self._inline and self._coord is not None else None

@@ -59,6 +59,12 @@ typedef struct {
     /* front(): the lane and engine it runs on (attach), what it learnt (learn), result chunk */
     PyObject *lane, *engine, *acquire, *release, *finish, *result_array, *cache, *chunk;
     Py_ssize_t chunk_used;
+    /* burst(): the PartHandle class, and lane.py's _BATCH_MAX, READ_BYTES, GRACE_S (attach); the
+     * batch it last added to and that batch's lists, dict, handle, dtype and op (batch_fields) */
+    PyObject *part_handle, *batch, *b_reqs, *b_arrays, *b_names, *b_ident, *b_handle, *b_dtype, *b_op;
+    double b_postscale;
+    int64_t batch_max, read_bytes;
+    double grace_s;
     /* Lane._alloc's state: data ring bytes written and freed, (position, written) extents */
     int64_t w, tail, floor;
     int64_t *ext_p, *ext_end, ext_head, ext_len, ext_cap;
@@ -481,8 +487,14 @@ static PyObject *ctx_alloc(Ctx *c, PyObject *args) {
 /* ctx.attach(lane, engine): front() reads and updates lane's state (see Lane.allreduce_now);
  * engine's _pending and _queue say whether its thread has work */
 static PyObject *ctx_attach(Ctx *c, PyObject *args) {
-    PyObject *lane, *engine, *lock;
-    if (!PyArg_ParseTuple(args, "OO", &lane, &engine)) return NULL;
+    PyObject *lane, *engine, *lock, *part_handle;
+    long long batch_max, read_bytes;
+    double grace_s;
+    if (!PyArg_ParseTuple(args, "OOOLLd", &lane, &engine, &part_handle, &batch_max, &read_bytes, &grace_s))
+        return NULL;
+    Py_INCREF(part_handle);
+    Py_XSETREF(c->part_handle, part_handle);
+    c->batch_max = batch_max, c->read_bytes = read_bytes, c->grace_s = grace_s;
     if (!(lock = PyObject_GetAttrString(lane, "lock"))) return NULL;
     Py_CLEAR(c->acquire); Py_CLEAR(c->release); Py_CLEAR(c->finish); Py_CLEAR(c->result_array);
     c->acquire = PyObject_GetAttrString(lock, "acquire");
@@ -567,7 +579,8 @@ static int attr_is(PyObject *o, PyObject *name, int what) {
 
 static PyObject *S_failed, *S_off, *S_enabled, *S_held, *S_batch, *S_deferred, *S_head, *S_heads, *S_posted,
     *S_done, *S_decided, *S_awake, *S_first_seen, *S_active_until, *S_spin_s, *S_pending, *S_queue, *S_counts,
-    *S_fast, *F_inf, *F_zero, *I_one;
+    *S_fast, *S_dtype, *S_op, *S_postscale, *S_arrays, *S_names, *S_nbytes, *S_reqs, *S_ident, *S_handle, *S_shape,
+    *F_inf, *F_zero, *I_one;
 
 /* release lane.lock, keeping a pending exception: -1 when one is pending after */
 static int unlock(Ctx *c) {
@@ -725,13 +738,114 @@ static PyObject *ctx_front(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
     return r;
 }
 
+static void forget_batch(Ctx *c) {
+    Py_CLEAR(c->batch); Py_CLEAR(c->b_reqs); Py_CLEAR(c->b_arrays); Py_CLEAR(c->b_names); Py_CLEAR(c->b_ident);
+    Py_CLEAR(c->b_handle); Py_CLEAR(c->b_dtype); Py_CLEAR(c->b_op);
+}
+
+/* c->b_*: batch b's fields (read once per batch: a _Batch keeps these objects), 0 or -1 */
+static int batch_fields(Ctx *c, PyObject *b) {
+    if (b == c->batch) return 0;
+    forget_batch(c);
+    PyObject *ps = PyObject_GetAttr(b, S_postscale);
+    c->b_postscale = ps ? PyFloat_AsDouble(ps) : 0.0;
+    Py_XDECREF(ps);
+    if (!(c->b_reqs = PyObject_GetAttr(b, S_reqs)) || !(c->b_arrays = PyObject_GetAttr(b, S_arrays)) ||
+        !(c->b_names = PyObject_GetAttr(b, S_names)) || !(c->b_ident = PyObject_GetAttr(b, S_ident)) ||
+        !(c->b_handle = PyObject_GetAttr(b, S_handle)) || !(c->b_dtype = PyObject_GetAttr(b, S_dtype)) ||
+        !(c->b_op = PyObject_GetAttr(b, S_op)) || PyErr_Occurred() || !PyList_Check(c->b_reqs) ||
+        !PyList_Check(c->b_arrays) || !PyDict_Check(c->b_names) || !PyList_Check(c->b_ident) ||
+        !PyArray_DescrCheck(c->b_dtype)) {
+        forget_batch(c);
+        return PyErr_Occurred() ? -1 : (PyErr_SetString(PyExc_TypeError, "not a _Batch"), -1);
+    }
+    Py_INCREF(b);
+    c->batch = b;
+    return 0;
+}
+
+/* _Batch.fits(name, a, op, postscale, size) for batch b: 1, 0, -1 error; *held: b.nbytes */
+static int batch_fits(Ctx *c, PyObject *b, PyObject *name, PyArrayObject *arr, PyObject *op, double postscale,
+                      int64_t *held) {
+    if (batch_fields(c, b) < 0) return -1;
+    int64_t nbytes = PyArray_NBYTES(arr);
+    *held = int_attr(b, S_nbytes);
+    if (PyErr_Occurred()) return -1;
+    if (!((PyObject *)PyArray_DESCR(arr) == c->b_dtype ||
+          PyArray_EquivTypes(PyArray_DESCR(arr), (PyArray_Descr *)c->b_dtype)) ||
+        op != c->b_op || postscale != c->b_postscale || PyList_GET_SIZE(c->b_arrays) >= c->batch_max ||
+        nbytes <= 0 || (*held + nbytes + ALIGN) * (c->size - 1) > c->read_bytes)
+        return 0;
+    int in = PyDict_Contains(c->b_names, name);
+    return in < 0 ? -1 : !in;
+}
+
+/* _Batch.add_part(name, a) for batch b (it fits; held: b.nbytes), and lane._active_until as
+ * Lane.burst sets it: the PartHandle, or NULL (error) */
+static PyObject *batch_add(Ctx *c, PyObject *b, PyObject *name, PyArrayObject *arr, int64_t held) {
+    PyObject *shape = PyObject_GetAttr((PyObject *)arr, S_shape), *pair = NULL, *index = NULL,
+             *until = PyFloat_FromDouble(now_s() + c->grace_s), *h = NULL;
+    if (shape && until && PyObject_SetAttr(c->lane, S_active_until, until) == 0 &&
+        PyList_Append(c->b_reqs, Py_None) == 0 && PyList_Append(c->b_arrays, (PyObject *)arr) == 0 &&
+        PyDict_SetItem(c->b_names, name, b) == 0 && (pair = PyTuple_Pack(2, name, shape)) &&
+        PyList_Append(c->b_ident, pair) == 0 && set_int(b, S_nbytes, held + PyArray_NBYTES(arr) + ALIGN) == 0 &&
+        (index = PyLong_FromSsize_t(PyList_GET_SIZE(c->b_arrays) - 1))) {
+        PyObject *hargs[3] = {name, c->b_handle, index};
+        h = PyObject_Vectorcall(c->part_handle, hargs, 3, NULL);
+    }
+    Py_XDECREF(shape), Py_XDECREF(pair), Py_XDECREF(index), Py_XDECREF(until);
+    return h;
+}
+
+/* ctx.burst(name, a, op, postscale) -> a PartHandle, or None (nothing done: the caller submits
+ * as usual) -- Lane.burst whole: the allreduce of a (a C-contiguous numpy array, postscale a
+ * float) joins the batch being gathered (lane._batch) if it fits (_Batch.fits, checked with the
+ * lane's lock held, as is the lane: not failed or off, no head to learn). */
+static PyObject *ctx_burst(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) return PyErr_Format(PyExc_TypeError, "burst() takes 4 arguments"), NULL;
+    PyObject *name = args[0], *a = args[1], *op = args[2], *ps = args[3];
+    if (!c->lane || !c->part_handle || !PyUnicode_CheckExact(name) || !PyArray_CheckExact(a) ||
+        !PyFloat_CheckExact(ps) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)a))
+        Py_RETURN_NONE;
+    PyObject *L = c->lane, *b = PyObject_GetAttr(L, S_batch);
+    if (!b) return NULL;
+    if (b == Py_None) {
+        Py_DECREF(b);
+        Py_RETURN_NONE;
+    }
+    PyObject *got = PyObject_Vectorcall(c->acquire, NULL, 0, NULL); /* (blocking, as `with lane.lock`) */
+    if (!got) {
+        Py_DECREF(b);
+        return NULL;
+    }
+    Py_DECREF(got);
+    PyObject *now_b = PyObject_GetAttr(L, S_batch), *h = NULL;
+    int ok = now_b == b && attr_is(L, S_failed, IS_NONE) == 1 && attr_is(L, S_off, IS_TRUE) == 0 &&
+             attr_is(L, S_head, IS_NONE) == 1 && !PyErr_Occurred();
+    Py_XDECREF(now_b);
+    int64_t held = 0;
+    if (ok && (ok = batch_fits(c, b, name, (PyArrayObject *)a, op, PyFloat_AS_DOUBLE(ps), &held)) == 1)
+        h = batch_add(c, b, name, (PyArrayObject *)a, held);
+    Py_DECREF(b);
+    if (unlock(c) < 0 || (!h && PyErr_Occurred())) {
+        Py_XDECREF(h);
+        return NULL;
+    }
+    if (!h) Py_RETURN_NONE;
+    return h;
+}
+
 static int ctx_traverse(Ctx *c, visitproc visit, void *arg) {
+    Py_VISIT(c->part_handle); Py_VISIT(c->batch); Py_VISIT(c->b_reqs); Py_VISIT(c->b_arrays); Py_VISIT(c->b_names);
+    Py_VISIT(c->b_ident); Py_VISIT(c->b_handle); Py_VISIT(c->b_dtype); Py_VISIT(c->b_op);
     Py_VISIT(c->lane); Py_VISIT(c->engine); Py_VISIT(c->acquire); Py_VISIT(c->release); Py_VISIT(c->finish);
     Py_VISIT(c->result_array); Py_VISIT(c->cache); Py_VISIT(c->chunk);
     return 0;
 }
 
 static int ctx_clear(Ctx *c) {
+    Py_CLEAR(c->part_handle);
+    forget_batch(c);
     Py_CLEAR(c->lane); Py_CLEAR(c->engine); Py_CLEAR(c->acquire); Py_CLEAR(c->release); Py_CLEAR(c->finish);
     Py_CLEAR(c->result_array); Py_CLEAR(c->cache); Py_CLEAR(c->chunk);
     return 0;
@@ -740,7 +854,10 @@ static int ctx_clear(Ctx *c) {
 static PyMethodDef ctx_methods[] = {
     {"front", (PyCFunction)(void (*)(void))ctx_front, METH_FASTCALL,
      "front(name, a, op, postscale, out) -> result or None (Lane.allreduce_now's common case)"},
-    {"attach", (PyCFunction)ctx_attach, METH_VARARGS, "attach(lane, engine): the state front() runs on"},
+    {"burst", (PyCFunction)(void (*)(void))ctx_burst, METH_FASTCALL,
+     "burst(name, a, op, postscale) -> PartHandle or None (Lane.burst's common case)"},
+    {"attach", (PyCFunction)ctx_attach, METH_VARARGS,
+     "attach(lane, engine, PartHandle, batch_max, read_bytes, grace_s): the state front() and burst() run on"},
     {"learn", (PyCFunction)ctx_learn, METH_VARARGS,
      "learn(name, dtype, shape, op, postscale, sig, red, scale): what front() runs for name"},
     {"forget", (PyCFunction)ctx_forget, METH_NOARGS, "forget(): front() knows no name"},
@@ -899,6 +1016,9 @@ PyMODINIT_FUNC PyInit__sdp_lane(void) {
     NAME(S_posted, "_posted"); NAME(S_done, "_done"); NAME(S_decided, "_decided"); NAME(S_awake, "_awake");
     NAME(S_first_seen, "_first_seen"); NAME(S_active_until, "_active_until"); NAME(S_spin_s, "spin_s");
     NAME(S_pending, "_pending"); NAME(S_queue, "_queue"); NAME(S_counts, "counts"); NAME(S_fast, "fast");
+    NAME(S_dtype, "dtype"); NAME(S_op, "op"); NAME(S_postscale, "postscale"); NAME(S_arrays, "arrays");
+    NAME(S_names, "names"); NAME(S_nbytes, "nbytes"); NAME(S_reqs, "reqs"); NAME(S_ident, "ident");
+    NAME(S_handle, "handle"); NAME(S_shape, "shape");
 #undef NAME
     if (!(F_inf = PyFloat_FromDouble(Py_HUGE_VAL)) || !(F_zero = PyFloat_FromDouble(0.0)) ||
         !(I_one = PyLong_FromLong(1)))
