@@ -108,9 +108,9 @@ def test_a_grouped_allreduce_waited_each_step_stays_in_the_lane():
         assert ok and counts == {"fast": 200, "slow": 0, "batches": 0}, (rank, counts)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_a_shape_mismatch_in_a_batch_raises_on_every_rank_and_spares_the_rest(n):
-    for rank, (msg, ok) in enumerate(check_ok(run_workers(n, "workers_lane:burst_mismatch", [], timeout=60))):
+@pytest.mark.parametrize("n, count", [(2, 6), (3, 6), (2, 20)])  # (20: rank 0 decides the batch's positions at once)
+def test_a_shape_mismatch_in_a_batch_raises_on_every_rank_and_spares_the_rest(n, count):
+    for rank, (msg, ok) in enumerate(check_ok(run_workers(n, "workers_lane:burst_mismatch", [count], timeout=60))):
         assert "shape mismatch" in msg and "'m3'" in msg and f"rank {n - 1} has [5]" in msg, (rank, msg)
         assert ok, rank
 

@@ -56,3 +56,5 @@ def test_the_lane_runs_in_python_without_the_compiled_step(tmp_path, how):
     for ok, after_bursts, _, joined, bad in check_ok(run_workers(2, "workers_lane:bursts", [4], env=env,
                                                                  timeout=120)):
         assert ok and joined >= 2 * 39 and len(bad) == 2, (after_bursts, joined, bad)  # (Lane.burst in Python)
+    for msg, ok in check_ok(run_workers(2, "workers_lane:burst_mismatch", [20], env=env, timeout=60)):
+        assert ok and "'m3'" in msg, msg  # (rank 0 decides the batch's positions at once, in Python)

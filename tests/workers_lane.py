@@ -387,14 +387,14 @@ def grouped_steps(steps):
     return [ok, sdp.api.runtime().lane.counts]
 
 
-def burst_mismatch():
-    """A burst of 6 small allreduces (gathered into a batch) in which the last rank gives "m3"
-    another shape: the others complete exactly, "m3" raises the engine's mismatch on every
+def burst_mismatch(count):
+    """A burst of ``count`` small allreduces (gathered into a batch) in which the last rank gives
+    "m3" another shape: the others complete exactly, "m3" raises the engine's mismatch on every
     rank.  Returns (the error's text, the others exact)."""
     n, r = sdp.size(), sdp.rank()
     sdp.barrier()
     hs = [sdp.allreduce_async(np.full(5 if (i == 3 and r == n - 1) else 4, float(r + i), np.float32),
-                              name=f"m{i}", op=sdp.Sum) for i in range(6)]
+                              name=f"m{i}", op=sdp.Sum) for i in range(count)]
     msg, ok = "no error", True
     for i, h in enumerate(hs):
         try:

@@ -990,7 +990,9 @@ class Lane:
                 self._dec_np[at[:run]] = SLOW
                 k += run
         rec, dec, complete = self.rec, self.dec, min(min(posts), top)
-        while complete - k >= 8:  # (a batch's or a burst's positions: at once, to the ring's end at a time)
+        if complete - k >= 8 and self._ctx is not None:  # (a batch's or a burst's positions: at once, in C)
+            k = self._ctx.decide(k, complete, SLOW, JOIN_SIG)
+        while complete - k >= 8:  # (or with slices, to the ring's end at a time)
             at = k % DEPTH
             run = min(complete - k, DEPTH - at)
             sigs = [self._rec_np[q][at:at + run, 0] for q in range(n)]

@@ -509,6 +509,24 @@ static PyObject *ctx_attach(Ctx *c, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ctx.decide(k, complete, slow, join) -> the position from k on that rank 0 decided here: each
+ * position below complete (every rank posted it) FAST when every rank's signature is the same
+ * and positive, else `slow`; it stops at a `join` signature (Lane._decide's loop, for a batch) */
+static PyObject *ctx_decide(Ctx *c, PyObject *args) {
+    long long k, complete, slow, join;
+    if (!PyArg_ParseTuple(args, "LLLL", &k, &complete, &slow, &join)) return NULL;
+    for (; k < complete; k++) {
+        int64_t i = (k % c->depth) * c->rec_n, sig = LOAD(c->rec[0][i]), verdict = sig > 0 ? c->fast : slow;
+        for (int q = 0; q < c->size; q++) {
+            int64_t other = LOAD(c->rec[q][i]);
+            if (other == join) return PyLong_FromLongLong(k);
+            if (other != sig) verdict = slow;
+        }
+        STORE(c->dec[k % c->depth], verdict);
+    }
+    return PyLong_FromLongLong(k);
+}
+
 /* ctx.learn(name, dtype, shape, op, postscale, sig, red, scale): front() runs allreduces of
  * name with exactly these (the last learnt per name) */
 static PyObject *ctx_learn(Ctx *c, PyObject *args) {
@@ -861,6 +879,8 @@ static PyMethodDef ctx_methods[] = {
     {"learn", (PyCFunction)ctx_learn, METH_VARARGS,
      "learn(name, dtype, shape, op, postscale, sig, red, scale): what front() runs for name"},
     {"forget", (PyCFunction)ctx_forget, METH_NOARGS, "forget(): front() knows no name"},
+    {"decide", (PyCFunction)ctx_decide, METH_VARARGS,
+     "decide(k, complete, slow, join) -> the first position not decided (Lane._decide, for a batch)"},
     {"alloc", (PyCFunction)ctx_alloc, METH_VARARGS, "alloc(nbytes, p) -> offset or None (Lane._alloc)"},
     {NULL, NULL, 0, NULL},
 };
