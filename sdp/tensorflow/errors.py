@@ -25,7 +25,6 @@ sdp's: the call that raises is TensorFlow's) with sdp's message.  Without that l
 graphs.  A rank outside a set gets :class:`InvalidCollectiveError` when the op is built (while a
 function is traced, too: AutoGraph re-raises these classes as they are).
 """
-import contextlib
 
 import tensorflow as tf
 
@@ -93,13 +92,28 @@ def as_tf_error(e: BaseException) -> BaseException:
     return e
 
 
-@contextlib.contextmanager
-def tf_errors():
-    """Re-raise sdp's errors of the block as :func:`as_tf_error` says (the original as ``__cause__``)."""
-    try:
-        yield
-    except _errors.TensorMismatchError as e:
+class _TfErrors:
+    """:func:`tf_errors`' context manager (a class: ~0.1 us to enter and leave where a
+    ``contextlib`` generator costs ~0.9 us, on every eager collective)."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, kind, e, tb):
+        if kind is None or not issubclass(kind, _errors.TensorMismatchError):
+            return False
         new = as_tf_error(e)
         if new is e:
-            raise
-        raise new.with_traceback(e.__traceback__) from e
+            return False
+        raise new.with_traceback(tb) from e
+
+
+_TF_ERRORS = _TfErrors()
+
+
+def tf_errors() -> _TfErrors:
+    """A context manager: re-raise sdp's errors of the block as :func:`as_tf_error` says (the
+    original as ``__cause__``)."""
+    return _TF_ERRORS

@@ -182,7 +182,7 @@ def eager_input(t):
     """An eager tensor as the engine takes it: a GPU tensor as a DLPack capsule when sdp can
     reduce on the device (PyCUDA installed: the engine's device path, no host copy), anything
     else as a numpy view."""
-    if "GPU" in (getattr(t, "device", "") or "").upper() and _device_path():
+    if _device_path() and "GPU" in (getattr(t, "device", "") or "").upper():
         return tf.experimental.dlpack.to_dlpack(t)
     return np.asarray(t)
 
@@ -190,9 +190,9 @@ def eager_input(t):
 def _to_tensor(arr, dtype):
     """An engine result as an eager tensor of ``dtype`` (through DLPack without a copy when
     :func:`as_output` can; a device result comes as a DLPack capsule)."""
-    if type(arr).__name__ == "PyCapsule":
+    if type(arr) is not np.ndarray and type(arr).__name__ == "PyCapsule":
         return tf.experimental.dlpack.from_dlpack(arr)
-    out = as_output(np.asarray(arr, dtype=dtype.as_numpy_dtype))
+    out = as_output(np.asarray(arr, dtype=_numpy_dtype(dtype)))
     return out if isinstance(out, tf.Tensor) else tf.convert_to_tensor(out, dtype)
 
 
@@ -239,10 +239,23 @@ def _gathered_shape(t) -> tf.TensorShape:
     return tf.TensorShape([None]).concatenate(t.shape[1:]) if t.shape.rank else tf.TensorShape(None)
 
 
+_NUMPY_DTYPES = {}  # tf.DType -> its numpy dtype (``as_numpy_dtype`` costs ~0.45 us a call)
+
+
+def _numpy_dtype(dtype):
+    got = _NUMPY_DTYPES.get(dtype)
+    if got is None:
+        got = _NUMPY_DTYPES[dtype] = dtype.as_numpy_dtype
+    return got
+
+
 def _check_dtype(t, kind: str, name: str, *reduction) -> None:
     """``check_dtype`` for a tensor, showing TensorFlow's dtype name (``tf.string`` holds Python
     objects: no collective carries it, as with Horovod's ops)."""
-    check_dtype(kind, name, t.dtype.as_numpy_dtype, *reduction, shown=t.dtype.name)
+    dtype = t.dtype
+    if np.dtype(_numpy_dtype(dtype)).kind in "iuf":  # (any collective, op and scale: check_dtype's common case)
+        return
+    check_dtype(kind, name, _numpy_dtype(dtype), *reduction, shown=dtype.name)
 
 
 class Batch:
@@ -604,7 +617,8 @@ def as_output(arr: np.ndarray):
 
 def _grouped_allreduce_raw(tensors, names, op, prescale_factor=1.0, postscale_factor=1.0, process_set=0):
     if len(tensors) == 1 and tf.executing_eagerly():  # (what Batch.run does for one eager tensor, without
-        t, args = tensors[0], (ReduceOp(int(op)), float(prescale_factor), float(postscale_factor))  # the batch:
+        t, args = tensors[0], (op if type(op) is ReduceOp else ReduceOp(int(op)), float(prescale_factor),  # the
+                               float(postscale_factor))  # batch:
         _check_dtype(t, "allreduce", names[0], *args)  # 1 KB ~32 -> ~20 us)
         with tf_errors():
             return [_to_tensor(api.allreduce(eager_input(t), names[0], *args, process_set=process_set), t.dtype)]
@@ -614,14 +628,21 @@ def _grouped_allreduce_raw(tensors, names, op, prescale_factor=1.0, postscale_fa
     return b.run()
 
 
-def _could_record() -> bool:
-    """False when no ``tf.GradientTape`` could record an eager op now (``tf.custom_gradient``
-    costs ~0.1 ms per call, for nothing then)."""
+@functools.lru_cache(maxsize=None)
+def _record_check():
+    """TensorFlow's ``could_possibly_record`` (looked up once), or None where its internals moved."""
     try:
         from tensorflow.python.eager import record
     except ImportError:  # pragma: no cover - TF internals moved
-        return True
-    return record.could_possibly_record()
+        return None
+    return record.could_possibly_record
+
+
+def _could_record() -> bool:
+    """False when no ``tf.GradientTape`` could record an eager op now (``tf.custom_gradient``
+    costs ~0.1 ms per call, for nothing then)."""
+    check = _record_check()
+    return True if check is None else check()
 
 
 def grouped_allreduce_tensors(tensors, names, op, prescale_factor=1.0, postscale_factor=1.0, process_set=0):
@@ -632,9 +653,9 @@ def grouped_allreduce_tensors(tensors, names, op, prescale_factor=1.0, postscale
     tensors = [_as_tensor(t) for t in tensors]
     if not tensors:
         return []
-    op = ReduceOp(int(op))
-    if (op not in (ReduceOp.SUM, ReduceOp.AVERAGE) or not all(t.dtype.is_floating for t in tensors)
-            or (tf.executing_eagerly() and not _could_record())):
+    op = op if type(op) is ReduceOp else ReduceOp(int(op))
+    if ((tf.executing_eagerly() and not _could_record()) or op not in (ReduceOp.SUM, ReduceOp.AVERAGE)
+            or not all(t.dtype.is_floating for t in tensors)):
         return _grouped_allreduce_raw(tensors, names, op, prescale_factor, postscale_factor, process_set)
 
     @tf.custom_gradient
