@@ -7,11 +7,13 @@ on the Python thread that called it, and returns the engine's results as tensors
 (no copy when the engine aligned them on 64 bytes, as it does).  No graph op round trip;
 gradients come from ``tf.custom_gradient``, set up only while a tape may record.
 
-**In graphs** the engine is called from Python ops (sdp's one compiled op, ``SdpCheck``, only
-gives their failures TensorFlow's status classes: :func:`_checked_numpy_function`): every op here
-is a ``tf.numpy_function`` (not ``tf.py_function``: its inputs arrive as numpy
-views of TensorFlow's buffers and aligned numpy outputs are taken without a copy, with no
-``EagerTensor`` wrapping either way, ~10 us less per op here).  A graph op that blocks until the
+**In graphs** the engine is called from Python ops: sdp's compiled ``SdpCall`` op where it is
+built (:func:`_checked_numpy_function`; ~30 us less per op than a ``numpy_function``, and its
+failures get TensorFlow's status classes), else a ``tf.numpy_function`` (followed by sdp's
+compiled ``SdpCheck`` for those classes); submit ops are ``numpy_function``s (not
+``tf.py_function``: inputs arrive as numpy views of TensorFlow's buffers and aligned numpy
+outputs are taken without a copy, with no ``EagerTensor`` wrapping either way, ~10 us less per
+op here).  A graph op that blocks until the
 peers submitted holds one of TensorFlow's inter-op threads (2 on a 2-core machine, 1 with
 ``inter_op_parallelism_threads=1``).  A graph with many independent collectives, created in a
 different order on each rank, could then deadlock: every thread of rank 0 waits in a collective
@@ -72,6 +74,7 @@ when it is built inside a ``jit_compile=True`` function.
 import collections
 import functools
 import threading
+import traceback
 import weakref
 
 import numpy as np
@@ -560,21 +563,33 @@ def _failed_result(lib, dtype, status):
 
 def _checked_numpy_function(fn, inputs, dtypes, name, independent=False, on_op=None):
     """Tensors of ``dtypes`` returned by ``fn(*input arrays)`` (a list of arrays) run as a stateful
-    ``numpy_function`` (the op is passed to ``on_op``; ``independent``: marked as an independent
-    side effect, see :func:`_independent`).
+    op (passed to ``on_op``; ``independent``: marked as an independent side effect, see
+    :func:`_independent`).
 
-    With sdp's compiled op loaded (:func:`sdp.tensorflow.build_ops.load`), an error of ``fn``
-    that has a TensorFlow class (:func:`sdp.tensorflow.errors.graph_status`: a mismatch across
-    ranks) is not raised inside the ``numpy_function``, where TensorFlow would make it an
-    ``InvalidArgumentError``: the ``numpy_function`` returns a registered placeholder
-    (:func:`_failed_result`) and empty arrays, and the ``SdpCheck`` op fed every result fails
-    with that status, as Horovod's kernels do (``FailedPreconditionError``), or forwards the
-    results without a copy.  Any other error is raised as before.  Without the library
-    (``SDP_TF_OPS=0``, no compiler), the plain ``numpy_function``."""
+    With sdp's compiled ``SdpCall`` op (:mod:`sdp.tensorflow.build_ops`, for the dtypes it
+    carries) that op calls ``fn``: ~30 us less than a ``numpy_function`` per call, and an error
+    of ``fn`` becomes the op's status (:func:`_call_status`: a mismatch across ranks
+    ``FailedPreconditionError``, as Horovod's kernels fail it; otherwise the class a
+    ``numpy_function`` would give).  Without it, a stateful ``numpy_function``: with sdp's
+    compiled ``SdpCheck`` op, an error of ``fn`` that has a TensorFlow class
+    (:func:`sdp.tensorflow.errors.graph_status`) is not raised inside the ``numpy_function``, where
+    TensorFlow would make it an ``InvalidArgumentError``: the ``numpy_function`` returns a
+    registered placeholder (:func:`_failed_result`) and empty arrays, and the ``SdpCheck`` op fed
+    every result fails with that status, or forwards the results without a copy.  Any other
+    error is raised as before.  Without the library (``SDP_TF_OPS=0``, no compiler), the plain
+    ``numpy_function``."""
     dtypes = list(dtypes)
     op_name = _sanitize(name)[:100] if name else None
     from sdp.tensorflow import build_ops  # (here: `python -m sdp.tensorflow.build_ops` runs it as __main__)
     lib = build_ops.load()
+    if (lib is not None and lib.calls and dtypes and all(d.name in build_ops.CALL_DTYPES for d in dtypes)
+            and all(t.dtype.name in build_ops.CALL_DTYPES for t in inputs)):
+        outs = lib.call(_call_body(fn, [np.dtype(d.as_numpy_dtype) for d in dtypes]), inputs, dtypes, name=op_name)
+        if independent:
+            _independent(outs[0].op)
+        if on_op is not None:
+            on_op(outs[0].op)
+        return outs
     body = fn
     if lib is not None:
         np_dtypes = [np.dtype(d.as_numpy_dtype) for d in dtypes]
@@ -600,6 +615,43 @@ def _checked_numpy_function(fn, inputs, dtypes, name, independent=False, on_op=N
     if independent:
         _independent(checked[0].op)
     return checked
+
+
+def _call_body(fn, np_dtypes):
+    """``SdpCall``'s function for ``fn``: its results as a list of C-contiguous arrays of
+    ``np_dtypes``, or, when it raises, ``(code, message)`` (:func:`_call_status`)."""
+    def call(*arrays):
+        try:
+            got = fn(*arrays)
+        except Exception as e:  # noqa: BLE001 - the op's status, as a numpy_function's kernel makes one
+            return _call_status(e)
+        got = got if isinstance(got, (list, tuple)) else [got]
+        if len(got) != len(np_dtypes):
+            return 13, f"sdp: {len(got)} results for {len(np_dtypes)} outputs (not one array per output)".encode()
+        out = []
+        for r, d in zip(got, np_dtypes):
+            a = np.asarray(r, dtype=d)
+            out.append(a if a.flags.c_contiguous else a.copy(order="C"))
+        return out
+    return call
+
+
+def _call_status(e: BaseException) -> tuple:
+    """``(absl status code, UTF-8 message)`` for an error of ``SdpCall``'s function: TensorFlow's
+    class where sdp's error has one (:func:`graph_status`: a mismatch across ranks
+    ``FAILED_PRECONDITION``), else the code a ``numpy_function``'s kernel gives the Python class
+    (``ValueError``/``TypeError`` INVALID_ARGUMENT, ``StopIteration`` OUT_OF_RANGE,
+    ``MemoryError`` RESOURCE_EXHAUSTED, ``NotImplementedError`` UNIMPLEMENTED, else UNKNOWN), with
+    its message and traceback."""
+    status = graph_status(e)
+    if status is not None:
+        return status
+    code = next((c for cls, c in _PY_CODES if isinstance(e, cls)), 2)
+    text = f"{type(e).__name__}: {e}\nTraceback (most recent call last):\n\n" + "".join(traceback.format_tb(e.__traceback__))
+    return code, text.encode("utf-8", "replace")
+
+
+_PY_CODES = ((ValueError, 3), (TypeError, 3), (StopIteration, 11), (MemoryError, 8), (NotImplementedError, 12))
 
 
 def as_output(arr: np.ndarray):
