@@ -575,7 +575,7 @@ class Lane:
         return True
 
     def _batch_append(self, b, req) -> None:
-        req.handle._lane = self  # (what the batch's handle is, see _Batch)
+        req.handle._lane = self
         self._active_until = time.monotonic() + GRACE_S  # (the engine thread leaves the batch to us)
         b.add(req)
 

@@ -1,5 +1,7 @@
 /* sdp's compiled fast-lane step (issue 30): a synchronous allreduce of the fast lane
- * (sdp/engine/lane.py, Lane.allreduce_now) posted, polled for and reduced in one call.
+ * (sdp/engine/lane.py, Lane.allreduce_now) posted, polled for and reduced in one call; also
+ * Lane.burst whole (Context.burst: an allreduce_async into the batch being gathered) and rank 0's
+ * decision of a batch's positions (Context.decide).
  *
  * The protocol is the lane's (see lane.py's module docstring); this file runs only its common
  * case and hands everything else back to the Python code, which stays the reference:
@@ -484,8 +486,9 @@ static PyObject *ctx_alloc(Ctx *c, PyObject *args) {
     return PyLong_FromLongLong(off);
 }
 
-/* ctx.attach(lane, engine): front() reads and updates lane's state (see Lane.allreduce_now);
- * engine's _pending and _queue say whether its thread has work */
+/* ctx.attach(lane, engine, PartHandle, batch_max, read_bytes, grace_s): front() and burst() read
+ * and update lane's state (see Lane.allreduce_now, Lane.burst); engine's _pending and _queue say
+ * whether its thread has work */
 static PyObject *ctx_attach(Ctx *c, PyObject *args) {
     PyObject *lane, *engine, *lock, *part_handle;
     long long batch_max, read_bytes;
