@@ -199,7 +199,7 @@ def buckets(threshold, steps):
     for _ in range(steps):
         graph_grads = step()
     submits = [op.name for op in step.get_concrete_function().graph.get_operations()
-               if op.type == "PyFunc" and op.name.startswith("submit")]
+               if op.type in ("PyFunc", "SdpCall") and op.name.startswith("submit")]
     return {"graph": [g.numpy().tolist() for g in graph_grads],
             "eager": [g.numpy().tolist() for g in grads()], "submits": len(submits)}
 

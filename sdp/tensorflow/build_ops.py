@@ -88,12 +88,13 @@ class Library:
         first one's buffer is a registered placeholder."""
         return list(self.module.sdp_check(list(tensors), name=name))
 
-    def call(self, fn, inputs, dtypes, name=None) -> list:
-        """``SdpCall``: tensors of ``dtypes`` (at least one; inputs and outputs of the dtypes in
-        :data:`CALL_DTYPES`) that
-        ``fn(*input arrays)`` returns, a list of C-contiguous arrays of those dtypes, or a
-        ``(code, message bytes)`` tuple: the op fails with that status.  ``fn`` is kept alive by
-        the outermost graph (the op finds it by a token; it is forgotten with that graph)."""
+    def call(self, fn, inputs, dtypes, name=None):
+        """``SdpCall``: the tensors of ``dtypes`` (inputs and outputs of the dtypes in
+        :data:`CALL_DTYPES`) that ``fn(*input arrays)`` returns, a list of C-contiguous arrays
+        of those dtypes, or a ``(code, message bytes)`` tuple: the op fails with that status.
+        With no ``dtypes`` (a side effect: ``fn`` returns ``[]``), the operation.  ``fn`` is kept
+        alive by the outermost graph (the op finds it by a token; it is forgotten with that
+        graph)."""
         import tensorflow as tf
         token = next(self._tokens)
         self._functions[token] = fn
@@ -103,7 +104,8 @@ class Library:
         if not hasattr(graph, "_sdp_calls"):
             graph._sdp_calls = []
         graph._sdp_calls.append(fn)
-        return list(self.module.sdp_call(list(inputs), token=token, Tout=list(dtypes), name=name))
+        outs = self.module.sdp_call(list(inputs), token=token, Tout=list(dtypes), name=name)
+        return list(outs) if dtypes else outs
 
     def placeholder(self, dtype):
         """A new one-element array of ``dtype`` aligned so TensorFlow takes it without a copy."""

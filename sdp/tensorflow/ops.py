@@ -7,10 +7,10 @@ on the Python thread that called it, and returns the engine's results as tensors
 (no copy when the engine aligned them on 64 bytes, as it does).  No graph op round trip;
 gradients come from ``tf.custom_gradient``, set up only while a tape may record.
 
-**In graphs** the engine is called from Python ops: sdp's compiled ``SdpCall`` op where it is
-built (:func:`_checked_numpy_function`; ~30 us less per op than a ``numpy_function``, and its
-failures get TensorFlow's status classes), else a ``tf.numpy_function`` (followed by sdp's
-compiled ``SdpCheck`` for those classes); submit ops are ``numpy_function``s (not
+**In graphs** the engine is called from ops that call Python: sdp's compiled ``SdpCall`` op
+where it is built (:func:`_checked_numpy_function`, :func:`_submit_op`; ~30 us less per op than
+a ``numpy_function``, and its failures get TensorFlow's status classes), else a
+``tf.numpy_function`` (followed by sdp's compiled ``SdpCheck`` for those classes; not
 ``tf.py_function``: inputs arrive as numpy views of TensorFlow's buffers and aligned numpy
 outputs are taken without a copy, with no ``EagerTensor`` wrapping either way, ~10 us less per
 op here).  A graph op that blocks until the
@@ -107,7 +107,8 @@ _autograph_skips_sdp()
 class XlaNotSupportedError(SdpError, NotImplementedError):
     """An sdp collective was placed in a function compiled with XLA (``jit_compile=True``).
 
-    sdp's collectives run as ``tf.numpy_function`` ops, which XLA cannot compile.  Compile the model
+    sdp's collectives run as ops that call Python (sdp's ``SdpCall``, or ``tf.numpy_function``),
+    which XLA cannot compile.  Compile the model
     or function with ``jit_compile=False``."""
 
     # AutoGraph re-raises an error from traced code with its own type only if the type's __init__
@@ -130,7 +131,8 @@ def check_not_xla(what: str) -> None:
     if _in_xla_context():
         raise XlaNotSupportedError(
             f"sdp {what} cannot run inside an XLA-compiled function (jit_compile=True): sdp's "
-            "collectives are tf.numpy_function ops, which XLA cannot compile. Use jit_compile=False "
+            "collectives are ops that call Python (SdpCall or tf.numpy_function), which XLA cannot "
+            "compile. Use jit_compile=False "
             "(for Keras: model.compile(..., jit_compile=False); for tf.function: "
             "tf.function(fn, jit_compile=False)).")
 
@@ -205,7 +207,7 @@ def run_numpy(fn, tensors, out_dtypes, out_shapes, name, blocking=False):
     Inputs reach ``fn`` as read-only views (no copy); each output is cast to its entry of
     ``out_dtypes`` (TensorFlow dtypes), handed out without a copy when it is 64-byte aligned
     (eagerly through :func:`as_output`), then given its entry of ``out_shapes``.  Eagerly ``fn``
-    is called at once (no graph op).  In graphs it is one ``tf.numpy_function``, or with
+    is called at once (no graph op).  In graphs it is one op (:func:`_checked_numpy_function`), or with
     ``blocking=True`` (``fn`` waits for peers) a submit op and
     an asynchronous wait op (see the module docstring), so it holds no inter-op thread.  With no
     ``out_dtypes`` (a side effect) returns ``[]`` eagerly, the operation in graphs."""
@@ -229,6 +231,9 @@ def run_numpy(fn, tensors, out_dtypes, out_shapes, name, blocking=False):
             return results(fn(_read_only(arrays)))
 
         if not out_dtypes:
+            lib = _call_library(tensors, [])
+            if lib is not None:  # (sdp's compiled SdpCall, as _checked_numpy_function)
+                return lib.call(_call_body(body, []), list(tensors), [], name=_sanitize(name)[:100] if name else None)
             return tf.numpy_function(body, list(tensors), [], stateful=True,
                                      name=_sanitize(name)[:100] if name else None)
         outs = _checked_numpy_function(body, list(tensors), out_dtypes, name)
@@ -415,7 +420,8 @@ def _read_only(arrays) -> list:
 
 
 def _submit_op(put, tensors, name):
-    """A ``numpy_function`` without outputs that calls ``put(arrays)`` (read-only input views; it
+    """An op without outputs (``SdpCall`` where built, else a ``numpy_function``) that calls
+    ``put(arrays)`` (read-only input views; it
     must not block) and returns at once.  Inside a ``tf.function`` it is marked as an independent
     side effect: it always runs, but automatic control dependencies do not chain it in program
     order with other stateful ops (which could make it wait for a collective of a peer)."""
@@ -423,8 +429,12 @@ def _submit_op(put, tensors, name):
         put(_read_only(arrays))
         return []
 
-    op = tf.numpy_function(body, list(tensors), [], stateful=True,
-                           name=_sanitize("submit." + name)[:100] if name else None)
+    op_name = _sanitize("submit." + name)[:100] if name else None
+    lib = _call_library(tensors, [])
+    if lib is not None:  # (sdp's compiled SdpCall: ~30 us less a call; see _checked_numpy_function)
+        op = lib.call(_call_body(body, []), list(tensors), [], name=op_name)
+    else:
+        op = tf.numpy_function(body, list(tensors), [], stateful=True, name=op_name)
     _independent(op)
     _SUBMITS.setdefault(op.graph, []).append(op)
     return op
@@ -582,8 +592,7 @@ def _checked_numpy_function(fn, inputs, dtypes, name, independent=False, on_op=N
     op_name = _sanitize(name)[:100] if name else None
     from sdp.tensorflow import build_ops  # (here: `python -m sdp.tensorflow.build_ops` runs it as __main__)
     lib = build_ops.load()
-    if (lib is not None and lib.calls and dtypes and all(d.name in build_ops.CALL_DTYPES for d in dtypes)
-            and all(t.dtype.name in build_ops.CALL_DTYPES for t in inputs)):
+    if dtypes and _call_library(inputs, dtypes) is not None:
         outs = lib.call(_call_body(fn, [np.dtype(d.as_numpy_dtype) for d in dtypes]), inputs, dtypes, name=op_name)
         if independent:
             _independent(outs[0].op)
@@ -615,6 +624,16 @@ def _checked_numpy_function(fn, inputs, dtypes, name, independent=False, on_op=N
     if independent:
         _independent(checked[0].op)
     return checked
+
+
+def _call_library(inputs, dtypes):
+    """sdp's compiled library if its ``SdpCall`` op carries ``inputs``' and ``dtypes``' dtypes, else None."""
+    from sdp.tensorflow import build_ops
+    lib = build_ops.load()
+    if (lib is None or not lib.calls or not all(d.name in build_ops.CALL_DTYPES for d in dtypes)
+            or not all(t.dtype.name in build_ops.CALL_DTYPES for t in inputs)):
+        return None
+    return lib
 
 
 def _call_body(fn, np_dtypes):

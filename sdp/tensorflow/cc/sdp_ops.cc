@@ -226,7 +226,7 @@ absl::Status PythonError(const char* what) {
 REGISTER_OP("SdpCall")
     .Attr("token: int")
     .Attr("Tin: list(type) >= 0")
-    .Attr("Tout: list(type) >= 1")
+    .Attr("Tout: list(type) >= 0")
     .Input("inputs: Tin")
     .Output("outputs: Tout")
     .SetIsStateful()
