@@ -631,8 +631,8 @@ def _call_library(inputs, dtypes):
     from sdp.tensorflow import build_ops
     lib = build_ops.load()
     if (lib is None or not lib.calls or not all(d.name in build_ops.CALL_DTYPES for d in dtypes)
-            or not all(t.dtype.name in build_ops.CALL_DTYPES for t in inputs)):
-        return None
+            or not all(getattr(getattr(t, "dtype", None), "name", None) in build_ops.CALL_DTYPES for t in inputs)):
+        return None  # (an input without a dtype, a Python number: the numpy_function converts it)
     return lib
 
 
