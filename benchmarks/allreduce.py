@@ -26,7 +26,8 @@ Prints (rank 0):
 With ``--api numpy,tf-eager,tf-function`` it prints instead the same allreduce through the engine
 (``sdp.allreduce``), ``sdp.tensorflow.allreduce`` eagerly and inside a ``tf.function``, side by
 side per size, with the TF face's targets and the measured floors (the engine's own time, the call of
-a ``tf.function`` holding one ``numpy_function``, sdp's graph op, and with ``tf-function`` a column
+a ``tf.function`` holding one ``numpy_function``, sdp's graph op where its compiled ``SdpCall`` is
+not built (``SdpCall`` costs ~30 us less), and with ``tf-function`` a column
 ``floor``: a ``tf.function`` whose one ``numpy_function`` calls ``sdp.allreduce``, no sdp.tensorflow
 code); a missed target is printed with the bound those floors put on any design of this kind.
 
@@ -512,7 +513,8 @@ def compare_apis(args, apis, sizes, dtype) -> int:
         import tensorflow as tf
         x = tf.constant(np.ones(max(1, 1024 // dtype.itemsize), dtype))
         empty = tf.function(lambda t: t + 1)
-        # sdp's graph op is a numpy_function (zero-copy in and out, so this floor does not grow with size)
+        # sdp's graph op without SdpCall is a numpy_function (zero-copy in and out, so this floor does not
+        # grow with size); SdpCall costs ~30 us less (benchmarks/tf_call_op.py): a bound from it is an upper one
         one_op = tf.function(lambda t: tf.numpy_function(lambda a: a, [t], t.dtype, stateful=True))
         for key, fn in (("empty", empty), ("op", one_op)):
             times = time_calls(lambda: fn(x), 500, 20, args.target_s, "api.floor")
@@ -576,7 +578,7 @@ def compare_apis(args, apis, sizes, dtype) -> int:
                           f"{'PASS' if ok else 'FAIL'}{why}", flush=True)
         if floors:
             print(f"floor of a graph-mode op (same run, 1 KB, no collective): an empty tf.function call "
-                  f"{floors['empty'] * 1e6:.1f} us; a tf.function with one numpy_function (sdp's graph op) "
+                  f"{floors['empty'] * 1e6:.1f} us; a tf.function with one numpy_function (sdp's graph op without SdpCall) "
                   f"{floors['op'] * 1e6:.1f} us; column 'floor': a tf.function whose one numpy_function calls "
                   f"sdp.allreduce (no sdp.tensorflow code)", flush=True)
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
