@@ -266,7 +266,7 @@ def _check(path: Path) -> str:
 
 
 def main(argv=None) -> int:
-    return native_build.main(argv, "sdp.tensorflow.build_ops", "sdp's TensorFlow op (graph-mode error classes)",
+    return native_build.main(argv, "sdp.tensorflow.build_ops", "sdp's TensorFlow ops (graph collectives, their error classes)",
                              library_path, build, _check)
 
 
