@@ -1,138 +1,29 @@
-"""What a compiled TensorFlow op calling the engine would save over ``tf.numpy_function`` (issue 30, item 4).
+"""What sdp's compiled ``SdpCall`` op saves over ``tf.numpy_function`` (issue 30, item 4).
 
     sdprun -np 2 python benchmarks/tf_call_op.py [--rounds 5] [--iters 500] [--bytes 1024]
 
-sdp's graph collectives are ``tf.numpy_function`` ops.  The alternative is a compiled op whose
-kernel calls the same Python function itself: this script builds a minimal one (``SdpBenchCall``,
-below: input tensors as read-only numpy views, the function's aligned numpy results as output
-tensors without a copy, run inline on the executor's thread) into a temporary directory with
-``tf.sysconfig``'s flags, and times, alternately in ``--rounds`` rounds of ``--iters`` calls:
+sdp's graph collectives were ``tf.numpy_function`` ops; ``SdpCall`` (sdp/tensorflow/cc/sdp_ops.cc,
+built by :mod:`sdp.tensorflow.build_ops`) is a compiled op whose kernel calls the same Python
+function itself (input tensors as read-only numpy views, the function's aligned numpy results as
+output tensors without a copy).  This times, alternately in ``--rounds`` rounds of ``--iters``
+calls:
 
 * ``empty``: a ``tf.function`` returning its input (the call's own cost);
 * ``numpy_function``: one ``tf.numpy_function`` calling ``f``;
-* ``compiled op``: one ``SdpBenchCall`` calling the same ``f``;
+* ``compiled op``: one ``SdpCall`` calling the same ``f``;
 
-where ``f`` is ``sdp.allreduce`` (SUM) of ``--bytes`` of float32.  Rank 0 prints each round's
-median (the maximum over ranks) and the median over rounds.  Needs a C++ compiler.
+where ``f`` is ``sdp.allreduce`` (SUM) of ``--bytes`` of float32, defined outside the traced
+functions (AutoGraph converts a function defined inside one, and the converted function costs
+~100 us more a call).  Rank 0 prints each round's median (the maximum over ranks) and the median
+over rounds.  Needs sdp's compiled op with ``SdpCall`` (a C++ compiler, Python's and numpy's
+headers).
 """
 import argparse
-import os
 import statistics
-import subprocess
 import sys
-import sysconfig
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
-
-SOURCE = r"""
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
-#include <numpy/arrayobject.h>
-#include <mutex>
-#include <vector>
-#include "tensorflow/core/framework/allocation_description.pb.h"
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
-
-using namespace tensorflow;
-namespace {
-std::mutex later_mu;
-std::vector<PyObject*>* later = new std::vector<PyObject*>();  // results TensorFlow let go (GIL not held)
-
-class NumpyBuffer : public TensorBuffer {  // an output tensor's memory: a numpy result, held
- public:
-  explicit NumpyBuffer(PyArrayObject* a) : TensorBuffer(PyArray_DATA(a)), a_(a), n_(PyArray_NBYTES(a)) {
-    Py_INCREF(a);
-  }
-  ~NumpyBuffer() override { std::lock_guard<std::mutex> l(later_mu); later->push_back((PyObject*)a_); }
-  size_t size() const override { return n_; }
-  TensorBuffer* root_buffer() override { return this; }
-  void FillAllocationDescription(AllocationDescription* d) const override { d->set_requested_bytes(n_); }
-  bool OwnsMemory() const override { return false; }
-
- private:
-  PyArrayObject* a_;
-  size_t n_;
-};
-
-void release(PyObject* cap) { delete static_cast<Tensor*>(PyCapsule_GetPointer(cap, "tensor")); }
-}  // namespace
-
-REGISTER_OP("SdpBenchCall").Attr("token: int").Attr("Tin: list(type) >= 0").Attr("Tout: list(type) >= 0")
-    .Input("inputs: Tin").Output("outputs: Tout").SetIsStateful()
-    .SetShapeFn([](shape_inference::InferenceContext* c) {
-      for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->UnknownShape());
-      return absl::OkStatus();
-    });
-
-class SdpBenchCallOp : public OpKernel {
- public:
-  explicit SdpBenchCallOp(OpKernelConstruction* c) : OpKernel(c) { OP_REQUIRES_OK(c, c->GetAttr("token", &token_)); }
-  bool IsExpensive() override { return false; }
-  void Compute(OpKernelContext* ctx) override {
-    PyGILState_STATE g = PyGILState_Ensure();
-    Run(ctx);
-    PyGILState_Release(g);
-  }
-
- private:
-  void Run(OpKernelContext* ctx) {
-    std::vector<PyObject*> drop;
-    { std::lock_guard<std::mutex> l(later_mu); drop.swap(*later); }
-    for (PyObject* o : drop) Py_DECREF(o);
-    static bool numpy = _import_array() >= 0;
-    PyObject* m = PyImport_ImportModule("__main__");
-    PyObject* calls = m ? PyObject_GetAttrString(m, "CALLS") : nullptr;
-    Py_XDECREF(m);
-    PyObject* fn = calls && numpy ? PyList_GetItem(calls, token_) : nullptr;
-    Py_XDECREF(calls);
-    if (!fn) { PyErr_Clear(); ctx->SetStatus(absl::InternalError("no function")); return; }
-    PyObject* args = PyTuple_New(ctx->num_inputs());
-    for (int i = 0; i < ctx->num_inputs(); ++i) {
-      const Tensor& t = ctx->input(i);
-      npy_intp dims[8];
-      for (int d = 0; d < t.dims(); ++d) dims[d] = t.dim_size(d);
-      PyObject* a = PyArray_New(&PyArray_Type, t.dims(), dims, NPY_FLOAT32, nullptr,
-                                const_cast<char*>(t.tensor_data().data()), 0, NPY_ARRAY_CARRAY_RO, nullptr);
-      PyArray_SetBaseObject((PyArrayObject*)a, PyCapsule_New(new Tensor(t), "tensor", release));
-      PyTuple_SET_ITEM(args, i, a);
-    }
-    PyObject* res = PyObject_Call(fn, args, nullptr);
-    Py_DECREF(args);
-    if (!res) { PyErr_Print(); ctx->SetStatus(absl::InternalError("the function raised")); return; }
-    for (int i = 0; i < ctx->num_outputs(); ++i) {
-      PyArrayObject* a = (PyArrayObject*)PyList_GetItem(res, i);
-      TensorShape shape;
-      for (int d = 0; d < PyArray_NDIM(a); ++d) shape.AddDim(PyArray_DIM(a, d));
-      NumpyBuffer* buf = new NumpyBuffer(a);
-      ctx->set_output(i, Tensor(ctx->expected_output_dtype(i), shape, buf));
-      buf->Unref();
-    }
-    Py_DECREF(res);
-  }
-  int64_t token_;
-};
-REGISTER_KERNEL_BUILDER(Name("SdpBenchCall").Device(DEVICE_CPU), SdpBenchCallOp);
-"""
-
-CALLS = []  # token -> the Python function an SdpBenchCall op calls (the kernel reads __main__.CALLS)
-
-
-def build(tmp: Path) -> Path:
-    import tensorflow as tf
-    src, out = tmp / "call.cc", tmp / "call.so"
-    src.write_text(SOURCE)
-    cmd = [os.environ.get("CXX", "g++"), "-shared", "-fPIC", "-O2", "-Wno-deprecated-declarations", str(src), "-o",
-           str(out), f"-I{np.get_include()}", f"-I{sysconfig.get_paths()['include']}",
-           *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-    return out
-
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -144,18 +35,21 @@ def main(argv=None) -> int:
 
     import sdp
     import sdp.tensorflow
+    from sdp.tensorflow import build_ops
     sdp.tensorflow.init()  # (TensorFlow's threads set as for training: not spinning with several ranks a host)
-    with tempfile.TemporaryDirectory() as tmp:
-        lib = tf.load_op_library(str(build(Path(tmp))))
+    lib = build_ops.load()
+    if lib is None or not lib.calls:
+        sys.exit("sdp's compiled SdpCall op is not built here (python -m sdp.tensorflow.build_ops)")
     x = tf.constant(np.ones(args.bytes // 4, np.float32))
 
     def f(a):
         return sdp.allreduce(a, name="bench.call", op=sdp.Sum)
 
-    CALLS.append(lambda a: [f(a)])
+    def call(a):
+        return [f(a)]
     fns = {"empty": tf.function(lambda t: t),
            "numpy_function": tf.function(lambda t: tf.numpy_function(f, [t], tf.float32, stateful=True)),
-           "compiled op": tf.function(lambda t: lib.sdp_bench_call([t], token=0, Tout=[tf.float32])[0])}
+           "compiled op": tf.function(lambda t: lib.call(call, [t], [tf.float32])[0])}
     want = np.full(x.shape, float(sdp.size()), np.float32)
     for name, fn in fns.items():
         for _ in range(100):
