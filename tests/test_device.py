@@ -57,6 +57,33 @@ def test_fused_bucket_of_many_tensors(n, elems):
         assert ok and counters["d2h"] == 0
 
 
+@pytest.mark.parametrize("n, env, ranks", [(2, {}, None), (3, {}, None), (2, {"SDP_GPU_IPC": "0"}, None),
+                                            (3, {}, [0, 2])])
+def test_grouped_device_tensors_go_as_one_request_per_dtype_and_kind(n, env, ranks):
+    """IPC (one and two shots), host-staged and a process set: each part bit-exact and of its own
+    kind, and the engine negotiated one request per group (float32, float16, the DLPack parts),
+    not one per tensor (issue 27: 100 x 256 KB fused)."""
+    values = check_ok(run_workers(n, "workers_device:device_groups", ["fake", ranks], env={**NUMPY, **env}))
+    for r, (oks, negotiated, counters) in enumerate(values):
+        if ranks and r not in ranks:
+            continue
+        assert len(oks) == 16 and all(oks), (r, oks)
+        assert len(negotiated) == 6 and all(" (+" in k for k in negotiated), negotiated
+        staged = bool(ranks) or env.get("SDP_GPU_IPC") == "0"  # (a process set's collectives are staged)
+        assert (counters["d2h"] > 0) is staged and counters["ipc"] is (env.get("SDP_GPU_IPC") != "0"), counters
+
+
+@pytest.mark.parametrize("lane", ["0", "1"])
+def test_device_group_mismatches_raise_on_every_rank(lane):
+    """(With the fast lane on, rank 1's host group would run whole in the lane: it must meet
+    rank 0's device group in the engine instead.)"""
+    env = {**NUMPY, "SDP_FAST_LANE": lane}
+    for msgs in check_ok(run_workers(2, "workers_device:device_group_mismatch", ["fake"], env=env, timeout=60)):
+        assert "'gshape.0 (+5) #" in msgs[0] and "shapes of the grouped tensors mismatch" in msgs[0], msgs
+        assert "rank 1 has [[5], [5], [5], [6], [5], [5]]" in msgs[0], msgs
+        assert "memory (host or device) mismatch, rank 0 has device, rank 1 has host" in msgs[1], msgs
+
+
 @pytest.mark.parametrize("pool", [str(128 << 20), "0"])
 def test_staged_allreduce_slab_by_slab(pool):
     """A lone device tensor staged through 16 KB slabs of shared memory, results in the pool

@@ -66,6 +66,22 @@ def test_fused_bucket_and_errors():
 
 
 @needs_gpu
+@pytest.mark.parametrize("kind, n, ipc", [("cupy", 2, "1"), ("cupy", 4, "1"), ("torch", 2, "1"),
+                                          ("gpuarray", 2, "1"), ("cupy", 2, "0")])
+def test_grouped_device_tensors(kind, n, ipc):
+    """``grouped_allreduce`` of device tensors as one request per dtype (issue 27's fused list),
+    bit-exact, each part of its own kind; then the group mismatches on every rank."""
+    if kind == "cupy" and not _have("cupy") or kind == "torch" and not _have("torch"):
+        pytest.skip(f"{kind} is not installed")
+    for oks, negotiated, counters in check_ok(run_workers(n, "workers_device:device_groups", [kind],
+                                                          env={"SDP_GPU_IPC": ipc}, timeout=120)):
+        assert len(oks) == 16 and all(oks) and len(negotiated) == 4, (oks, negotiated)
+        assert (counters["d2h"] == 0) is (ipc == "1"), counters
+    for msgs in check_ok(run_workers(2, "workers_device:device_group_mismatch", [kind], timeout=60)):
+        assert "shapes of the grouped tensors mismatch" in msgs[0] and "rank 0 has device" in msgs[1], msgs
+
+
+@needs_gpu
 @pytest.mark.parametrize("ipc", ["1", "0"])
 def test_fp16_compression_on_the_device(ipc):
     """float32 -> float16 on the device, allreduced as float16 (IPC or staged), back to float32."""

@@ -226,6 +226,57 @@ def fused_bucket(kind, count, elems):
     return ok, sdp.device_counters()
 
 
+def device_groups(kind, set_ranks=None):
+    """Flattened device groups (``grouped_allreduce`` of device tensors): float32 parts of mixed
+    shapes, float16 parts and, with ``kind`` "fake", parts offered through
+    DLPack instead (another kind: a group of their own), AVERAGE with a postscale; then the same
+    list through ``grouped_allreduce_async`` (a handle per part).  Each part bit for bit against
+    the reference arithmetic and returned as its own kind; ``set_ranks``: in a process set of
+    those ranks (staged through host memory).  Returns ``(oks, negotiated names, counters)``."""
+    n, r = sdp.size(), sdp.rank()
+    ps = sdp.api.add_process_sets([set_ranks])[0] if set_ranks else 0
+    if set_ranks and r not in set_ranks:
+        return [], [], sdp.device_counters()
+    members = len(set_ranks) if set_ranks else n
+    ranks = set_ranks or list(range(n))
+    specs = [([7, 3], "float32", 0), ([1], "float32", 0), ([1000], "float32", 0), ([5], "float16", 0),
+             ([33, 2], "float16", 0), ([16], "float32", 1), ([4, 4], "float32", 1), ([129], "float32", 0)]
+    oks = []
+    for rnd, call in enumerate(("grouped", "async")):
+        seed = 300 + 20 * rnd
+        xs = [FakeDLPack(data_for(r, shape, dt, seed + i)) if other and kind == "fake" else make(kind, data_for(r, shape, dt, seed + i))
+              for i, (shape, dt, other) in enumerate(specs)]
+        names = [f"grp{rnd}.{i}" for i in range(len(specs))]
+        if call == "grouped":
+            got = sdp.api.grouped_allreduce_named(xs, names, op=sdp.Average, postscale_factor=1.7, process_set=ps)
+        else:
+            hs = sdp.api.grouped_allreduce_async(xs, names, op=sdp.Average, postscale_factor=1.7, process_set=ps)
+            got = [h.wait() for h in hs]
+        for i, ((shape, dt, other), res) in enumerate(zip(specs, got)):
+            want = reduce_arrays([data_for(q, shape, dt, seed + i).reshape(-1) for q in ranks], ReduceOp.AVERAGE,
+                                 1.0, 1.7 / members).reshape(shape)
+            kind_ok = type(res).__name__ == ("Exported" if kind == "fake" else type(xs[i]).__name__)
+            vals = to_numpy(kind, res, np_dtype(dt))
+            oks.append(kind_ok and vals.shape == tuple(shape) and vals.dtype == want.dtype
+                       and np.array_equal(vals.view(np.uint8), want.view(np.uint8)))
+    negotiated = sorted(k for k in sdp.api.runtime()._cache if k.startswith("grp"))
+    return oks, negotiated, sdp.device_counters()
+
+
+def device_group_mismatch(kind):
+    """Rank 1's fourth part is longer, then rank 1 sends host arrays where rank 0 sends device
+    arrays: each a TensorMismatchError on every rank."""
+    r, out = sdp.rank(), []
+    for name, make_x in (("gshape", lambda i: make(kind, np.ones(5 + (r if i == 3 else 0), np.float32))),
+                         ("ghostdev", lambda i: make(kind, np.ones(5, np.float32)) if r == 0 else np.ones(5, np.float32))):
+        try:
+            sdp.grouped_allreduce([make_x(i) for i in range(6)], name=name)
+            out.append("no error")
+        except sdp.TensorMismatchError as e:
+            out.append(str(e))
+    return out
+
+
 def fp16_compressed(kind):
     """Horovod's ``Compression.fp16`` on device arrays: float32 cast to float16 on the device,
     averaged in float16 (scaled in float32), cast back; bit-exact against the same arithmetic in

@@ -146,7 +146,7 @@ class DeviceTensor:
     def __init__(self, ptr, shape, dtype, device_id=0, source=None, kind="module", stream=None,
                  managed=None):
         self.ptr = int(ptr)
-        self.shape = tuple(int(s) for s in shape)
+        self.shape = tuple(map(int, shape))
         self.dtype = np.dtype(dtype)
         self.device_id = int(device_id)
         self.source, self.kind, self.stream = source, kind, stream
@@ -213,6 +213,37 @@ class DeviceTensor:
         return from_dlpack(exported)
 
 
+class DeviceGroup(DeviceTensor):
+    """A flattened group of device tensors (``parts``: :class:`DeviceTensor`\\ s of one dtype,
+    device and kind) allreduced as one 1-D tensor of ``count`` elements, each part at element
+    offset ``starts[i]`` (a :class:`~sdp.engine.fusion.Layout`'s; padding between parts is
+    reduced and never read).  The parts are not contiguous: ``ptr`` is the first part's, naming
+    the device only; the engine reads the parts themselves (one gather into its window)."""
+
+    def __init__(self, parts: list, starts, count: int):
+        first = parts[0]
+        super().__init__(first.ptr, (count,), first.dtype, first.device_id, first.source, first.kind)
+        self.parts, self.starts = parts, starts
+
+    def pieces(self, base: int) -> list:
+        """``(part pointer, byte offset, bytes)`` of every part, the group starting at byte ``base``."""
+        size = self.dtype.itemsize
+        return [(p.ptr, base + s * size, p.nbytes) for p, s in zip(self.parts, self.starts)]
+
+    def views(self, base: int) -> list:
+        """``(byte offset, shape)`` of every part, the group starting at byte ``base``."""
+        size = self.dtype.itemsize
+        return [(base + s * size, p.shape) for p, s in zip(self.parts, self.starts)]
+
+
+def same_kind(tensors) -> bool:
+    """Whether every one of ``tensors`` (:class:`DeviceTensor`) came as the same kind of array
+    (the same ``kind`` and type of source), so one :meth:`DeviceTensor.wrap_views` serves them all."""
+    first = tensors[0]
+    kind, typ = first.kind, type(first.source)
+    return all(t.kind == kind and type(t.source) is typ for t in tensors)
+
+
 _cupy_wrap_works = True
 
 
@@ -234,8 +265,10 @@ def is_capsule(obj) -> bool:
     return type(obj).__name__ == "PyCapsule"
 
 
-def _from_cai(obj, kind) -> Optional[DeviceTensor]:
-    cai = obj.__cuda_array_interface__
+def _from_cai(obj, kind, cai=None) -> Optional[DeviceTensor]:
+    """The tensor ``obj``'s ``__cuda_array_interface__`` (or ``cai``, read already) describes."""
+    if cai is None:
+        cai = obj.__cuda_array_interface__
     shape = tuple(cai["shape"])
     dtype = _typestr_dtype(cai["typestr"])
     if dtype.kind == "V":  # (PyTorch gives bfloat16 as '<V2': the interface has no name for it)
@@ -337,9 +370,8 @@ def device_tensor(obj) -> Optional[DeviceTensor]:
         t.source = obj  # results go back through the producer's module
         t._capsule = capsule
         return t
-    if hasattr(obj, "__cuda_array_interface__"):
-        return _from_cai(obj, "module")
-    return None
+    cai = getattr(obj, "__cuda_array_interface__", None)  # (a property: read once)
+    return None if cai is None else _from_cai(obj, "module", cai)
 
 
 def _peek_capsule(capsule) -> Tuple[int, int]:

@@ -46,7 +46,7 @@ import numpy as np
 from sdp.common.reduce_ops import UFUNCS, ReduceOp
 from sdp.engine import barrier, collectives, fusion
 from sdp.engine.backends import Allocation, Backend, NumpyBackend, accumulation_type
-from sdp.engine.device_arrays import DeviceTensor
+from sdp.engine.device_arrays import DeviceGroup, DeviceTensor, same_kind
 
 log = logging.getLogger("sdp.engine.device")
 
@@ -212,6 +212,34 @@ class DevicePath:
         """The result at ``alloc.ptr + offset`` (bytes), as ``like``'s kind."""
         return like.wrap_result(self._tensor(dtype, shape, alloc, offset))
 
+    def _results(self, tensors: List[DeviceTensor], offs: List[int], alloc: Allocation) -> list:
+        """The results of a bucket of ``tensors`` (the requests' inputs) reduced into ``alloc`` at
+        element offsets ``offs``: for each tensor a view of its place, as its kind (a group: the
+        list of its parts' views).  Views of one array of the whole bucket where the kinds agree
+        and allow (CuPy: a ``cupy.ndarray`` each), else a result object per place."""
+        dtype = tensors[0].dtype
+        size, likes, places = dtype.itemsize, [], []
+        for t, off in zip(tensors, offs):
+            if type(t) is DeviceGroup:
+                likes.extend(t.parts)
+                places.extend(t.views(off * size))
+            else:
+                likes.append(t)
+                places.append((off * size, t.shape))
+        views = None
+        if len(places) > 1 and same_kind(likes):
+            views = likes[0].wrap_views(self._tensor(dtype, (offs[-1],), alloc), places)
+        if views is None:
+            views = [self._result(like, dtype, shape, alloc, off) for like, (off, shape) in zip(likes, places)]
+        if len(views) == len(tensors):
+            return views
+        out, k = [], 0
+        for t in tensors:  # (a group's views as one list)
+            n = len(t.parts) if type(t) is DeviceGroup else 0
+            out.append(views[k:k + n] if n else views[k])
+            k += n or 1
+        return out
+
     # -- the IPC path ----------------------------------------------------------------------------------
     def allreduce(self, reqs, scale: Optional[float], divide: int) -> list:
         """Allreduce a bucket (same dtype, op, scales) through the windows; results in request
@@ -224,8 +252,15 @@ class DevicePath:
         if not self._ensure_window(total * size):
             return None
         mine, peers = self._next_window()
-        b.wait_inputs([r.array for r in reqs])
-        b.gather(mine, [(r.array.ptr, offs[i] * size, r.array.nbytes) for i, r in enumerate(reqs)])
+        tensors = [r.array for r in reqs]
+        b.wait_inputs([p for t in tensors for p in (t.parts if type(t) is DeviceGroup else (t,))])
+        pieces = []
+        for t, off in zip(tensors, offs):
+            if type(t) is DeviceGroup:
+                pieces.extend(t.pieces(off * size))
+            else:
+                pieces.append((t.ptr, off * size, t.nbytes))
+        b.gather(mine, pieces)
         seq = self.rt._next_seq()
         self._sync(seq, 0)
         n, me = self.rt.size, self.rt.rank
@@ -244,12 +279,7 @@ class DevicePath:
             b.gather(out.ptr, [(peers[q] + edges[q] * size, edges[q] * size, (edges[q + 1] - edges[q]) * size)
                                for q in range(n) if q != me])
         b.synchronize()
-        if len(reqs) > 1:  # one array of the bucket, each result a view of it where the kind allows
-            views = first.array.wrap_views(self._tensor(dtype, (total,), out),
-                                           [(offs[i] * size, r.array.shape) for i, r in enumerate(reqs)])
-            if views is not None:
-                return views
-        return [self._result(r.array, dtype, r.array.shape, out, offs[i] * size) for i, r in enumerate(reqs)]
+        return self._results(tensors, offs, out)
 
     def _across_hosts(self, first, total: int, mine: int, peers: List[int], seq: int, scale: Optional[float]):
         """The hierarchical allreduce of a bucket already packed into this host's windows: the
@@ -340,11 +370,18 @@ class DevicePath:
 
     # -- the host-staged path ----------------------------------------------------------------------------
     def stage_in(self, req) -> None:
-        """Replace ``req.array`` (a DeviceTensor) by a host copy; ``req.device`` keeps the tensor."""
+        """Replace ``req.array`` (a DeviceTensor) by a host copy; ``req.device`` keeps the tensor
+        (a :class:`DeviceGroup`'s parts are copied to their places, padding zeroed)."""
         t = req.array
-        self.backend.wait_inputs([t])
         host = self.rt._result_array(t.dtype, t.size).reshape(t.shape)  # page-locked shared memory if room
-        self.backend.to_host(host.reshape(-1).view(np.uint8), t.ptr)
+        if type(t) is DeviceGroup:
+            self.backend.wait_inputs(t.parts)
+            for p, start in zip(t.parts, t.starts):
+                self.backend.to_host(host[start:start + p.size].view(np.uint8), p.ptr)
+            fusion.zero_padding(host, t.parts, list(t.starts) + [t.size])
+        else:
+            self.backend.wait_inputs([t])
+            self.backend.to_host(host.reshape(-1).view(np.uint8), t.ptr)
         req.device, req.array = t, host
 
     def allreduce_staged(self, req, out: np.ndarray, ufunc, seq: int, acc, scale: Optional[float]):
@@ -383,6 +420,8 @@ class DevicePath:
         arr = np.ascontiguousarray(result)
         out = self.backend.alloc(arr.nbytes)
         self.backend.to_device(out.ptr, arr.reshape(-1).view(np.uint8))
+        if type(like) is DeviceGroup:
+            return self._results([like], [0, like.size], out)[0]
         return self._result(like, arr.dtype, arr.shape, out)
 
     def close(self) -> None:

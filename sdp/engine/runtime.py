@@ -19,7 +19,7 @@ from sdp.common.config import Config
 from sdp.common.reduce_ops import UFUNCS, ReduceOp, accumulation_dtype, check_dtype, scale_in_place
 from sdp.engine import collectives, fusion, groups, inline, lane, process_sets, timeline
 from sdp.engine.coordinator import JOIN, KINDS, Coordinator, wire_dtype
-from sdp.engine.device_arrays import DeviceTensor
+from sdp.engine.device_arrays import DeviceGroup, DeviceTensor
 from sdp.engine.handles import Handle
 from sdp.transport.zmq_mesh import Mesh
 
@@ -53,8 +53,13 @@ class Request:
         not change until the result is there (as for any asynchronous collective).  Every rank
         must group the same shapes in the same order: the shapes are part of the agreed meta
         (``gs``).  The result is the list of the arrays' results (views of one buffer);
-        :class:`PartHandle` gives each."""
+        :class:`PartHandle` gives each.  Device tensors (:class:`DeviceTensor` objects of one dtype,
+        device and kind) make a :class:`DeviceGroup` instead, gathered into the device path's
+        window when the engine runs it; its result is the list of the parts' results as their
+        kind (views of one device allocation where the kind allows)."""
         layout = layout or fusion.Layout(arrays)
+        if type(arrays[0]) is not np.ndarray:  # device tensors: packed by the device path's gather
+            return cls(name, "allreduce", DeviceGroup(arrays, layout.starts, layout.count), layout=layout, **kw)
         req = cls(name, "allreduce", fusion.aligned_empty(layout.dtype, layout.count), layout=layout, **kw)
         req.sources = arrays
         return req
@@ -637,7 +642,8 @@ class Runtime:
         final); None where that route does not apply (the caller stages the input first)."""
         req = reqs[0]
         t = req.array
-        if (len(reqs) > 1 or req.ps or req.out is not None or self.hierarchy is not None or req.prescale != 1.0
+        if (len(reqs) > 1 or type(t) is DeviceGroup or req.ps or req.out is not None or self.hierarchy is not None
+                or req.prescale != 1.0
                 or t.dtype.kind != "f" and (req.op == ReduceOp.AVERAGE or req.postscale != 1.0)
                 or self.size == 1 or not collectives.uses_shm(self.mesh, t.nbytes, t.size)):
             return None
@@ -719,9 +725,10 @@ class Runtime:
 
     def _complete(self, req: Request, result, staged: bool = True) -> None:
         del self._pending[req.name]
-        if staged and req.device is not None:  # a device array staged through host memory
-            result = self._device.stage_out(req.device, result)
-        if req.layout is not None:
+        if req.device is not None:  # (a device group's result is already the list of its parts')
+            if staged:  # a device array staged through host memory
+                result = self._device.stage_out(req.device, result)
+        elif req.layout is not None:
             result = req.layout.views(result.reshape(-1))
         req.handle._set(result=result)
 
