@@ -143,29 +143,35 @@ class DeviceTensor:
     ``"capsule"``.  ``stream``: a CUDA stream handle to wait on before reading (None: none named).
     ``release()`` gives a consumed capsule back to its producer (calls its deleter) once."""
 
+    device_type = KDL_CUDA  # of results (set per result: the numpy backend's stand-in memory is kDLCPU)
+    _managed = None  # DLManagedTensor* of a consumed capsule, until release()
+
     def __init__(self, ptr, shape, dtype, device_id=0, source=None, kind="module", stream=None,
                  managed=None):
         self.ptr = int(ptr)
-        self.shape = tuple(map(int, shape))
-        self.dtype = np.dtype(dtype)
+        self.shape = shape = tuple(map(int, shape))
+        self.dtype = dtype = np.dtype(dtype)
         self.device_id = int(device_id)
         self.source, self.kind, self.stream = source, kind, stream
-        self.size = math.prod(self.shape)
-        self.nbytes = self.size * self.dtype.itemsize
-        self.ndim = len(self.shape)
-        self._managed = managed  # DLManagedTensor* of a consumed capsule, until release()
-        self.device_type = KDL_CUDA  # of results: the numpy backend's stand-in memory is kDLCPU
+        self.size = size = math.prod(shape)
+        self.nbytes = size * dtype.itemsize
+        self.ndim = len(shape)
+        if managed is not None:
+            self._managed = managed
 
     def release(self) -> None:
-        m, self._managed = self._managed, None
-        if m is not None and m.contents.deleter:
-            m.contents.deleter(m)
+        m = self._managed
+        if m is not None:
+            self._managed = None
+            if m.contents.deleter:
+                m.contents.deleter(m)
 
     def __del__(self):
-        try:
-            self.release()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+        if self._managed is not None:  # (a consumed capsule's tensor only)
+            try:
+                self.release()
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
 
     def __repr__(self):
         return f"DeviceTensor(cuda:{self.device_id}, {self.dtype}, {self.shape}, 0x{self.ptr:x})"
