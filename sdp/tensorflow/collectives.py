@@ -17,6 +17,12 @@ from sdp.process_sets import set_size
 from sdp.tensorflow.gradients import check_devices, check_process_set, global_process_set
 
 
+try:
+    from tensorflow.python.framework.ops import EagerTensor as _EagerTensor  # (internal: else no fast path)
+except ImportError:  # pragma: no cover - TensorFlow internals moved
+    _EagerTensor = None
+
+
 def _check_op(op):
     if op == ReduceOp.ADASUM:
         raise NotImplementedError("op=Adasum is not supported by sdp; use Average or Sum")
@@ -128,6 +134,13 @@ def allreduce(tensor, param_index=0, num_params=1, compression=Compression.none,
     ``ValueError``.  ``tf.IndexedSlices`` are allgathered (values and indices) and stay
     ``IndexedSlices``.  Mirrors ``smdistributed.dataparallel.tensorflow.allreduce`` and
     ``horovod.tensorflow.allreduce``."""
+    if (type(tensor) is _EagerTensor and type(param_index) is int and param_index == 0 and num_params == 1
+            and compression is Compression.none and average is None and not device_dense and not device_sparse
+            and process_set is global_process_set):  # (the common eager call: ops.eager_allreduce, or below)
+        out = ops.eager_allreduce(tensor, name or "allreduce.eager", ReduceOp.AVERAGE if op is None else op,
+                                  prescale_factor, postscale_factor)
+        if out is not None:
+            return out
     if param_index is None or isinstance(param_index, bool):  # horovod: allreduce(tensor, average, ...)
         if average is not None:
             raise ValueError("average given twice (positionally and as a keyword)")
