@@ -163,3 +163,20 @@ def test_the_compiled_plan_check_matches_python_s_comparison():
             assert step.same_metas(other, metas) is python, other
         with pytest.raises(TypeError):
             step.same_metas(tuple(arrays), metas)
+
+
+def test_the_compiled_exportable_check_matches_python_s():
+    """sdp.tensorflow.ops.as_output's check (TensorFlow wraps a result through DLPack only when it
+    is not empty, C-contiguous, writeable and 64-byte aligned), in C and as numpy's attributes say."""
+    with _compiled_step(True):
+        step = native.loaded()
+        base = fusion.aligned_empty(np.float32, 64)
+        readonly = fusion.aligned_empty(np.float32, 16)
+        readonly.flags.writeable = False
+        cases = [base, base[16:32], base[1:17], base[::2], readonly, base[:0], base.reshape(8, 8).T,
+                 base.reshape(8, 8), np.float32(1.0), [1.0]]
+        for arr in cases:
+            want = bool(isinstance(arr, np.ndarray) and arr.size and arr.flags.c_contiguous and arr.flags.writeable
+                        and arr.ctypes.data % fusion.ALIGN_BYTES == 0)
+            assert step.exportable(arr) is want, (arr, want)
+        assert [step.exportable(a) for a in cases[:4]] == [True, True, False, False]
