@@ -258,3 +258,58 @@ def failures(kind):
     except Exception as e:  # noqa: BLE001 - the test inspects whatever TensorFlow raised
         return [type(e).__name__, str(e), time.monotonic() - t0]
     return ["none", "", time.monotonic() - t0]
+
+
+def eager_fast_path():
+    """``hvd.allreduce`` of one eager tensor through ``ops.eager_allreduce`` (counted) and the same
+    calls through the layers (``grouped_allreduce`` of one tensor): the same values and dtypes, the
+    same error class for a shape mismatch; a recording tape, a tf.function, bool and a Variable
+    take the layers.  Returns ``(fast path hits per case, results equal, error classes)``."""
+    import tensorflow as tf
+
+    import sdp.tensorflow as hvd
+    from sdp.tensorflow import ops
+    r = hvd.rank()
+    orig, hits = ops.eager_allreduce, []
+
+    def counted(*a):
+        out = orig(*a)
+        hits.append(out is not None)
+        return out
+
+    ops.eager_allreduce = counted
+    cases = {"avg": (tf.constant(_data(r)), {}), "sum": (tf.constant(_data(r)), {"op": hvd.Sum}),
+             "int_sum": (tf.constant(_data(r, dtype=np.int32)), {"op": hvd.Sum}),
+             "f16_min": (tf.constant(_data(r, dtype=np.float16)), {"op": hvd.Min}),
+             "scaled": (tf.constant(_data(r, dtype=np.float64)), {"op": hvd.Sum, "prescale_factor": 0.5,
+                                                                  "postscale_factor": 3.0}),
+             "bool_max": (tf.constant([True, r == 1]), {"op": hvd.Max}),
+             "variable": (tf.Variable(_data(r)), {})}
+    fast, equal = {}, {}
+    for case, (x, kw) in cases.items():
+        del hits[:]
+        got = hvd.allreduce(x, name=f"fast.{case}", **kw)
+        fast[case] = hits[:]
+        ref = hvd.grouped_allreduce([x], name=f"slow.{case}", **kw)[0]
+        equal[case] = bool(got.dtype == ref.dtype and np.array_equal(got.numpy(), ref.numpy()))
+    x = tf.constant(_data(r))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        del hits[:]
+        y = hvd.allreduce(x, name="fast.tape")
+    fast["tape"] = hits[:]
+    equal["tape"] = bool(np.array_equal(tape.gradient(y, x).numpy(), np.ones((2, 3), np.float32)))
+    del hits[:]
+    tf.function(lambda t: hvd.allreduce(t, name="fast.graph"))(x)
+    fast["graph"] = hits[:]
+    errors = []
+    bad = tf.constant(_data(r, shape=(2 + r,)))
+    for fn in (lambda: hvd.allreduce(bad, name="fast.bad"), lambda: hvd.grouped_allreduce([bad], name="slow.bad")):
+        try:
+            fn()
+            errors.append("no error")
+        except tf.errors.OpError as e:
+            errors.append(f"{type(e).__name__} {isinstance(e, tf.errors.FailedPreconditionError)}: "
+                          + ("shape mismatch" if "shape mismatch" in str(e) else str(e)))
+    ops.eager_allreduce = orig
+    return fast, equal, errors
