@@ -220,8 +220,8 @@ class DeviceTensor:
 
 
 class DeviceGroup(DeviceTensor):
-    """A flattened group of device tensors (``parts``: :class:`DeviceTensor`\\ s of one dtype,
-    device and kind) allreduced as one 1-D tensor of ``count`` elements, each part at element
+    """A flattened group of device tensors (``parts``: :class:`DeviceTensor` objects of one
+    dtype, device and kind) allreduced as one 1-D tensor of ``count`` elements, each part at element
     offset ``starts[i]`` (a :class:`~sdp.engine.fusion.Layout`'s; padding between parts is
     reduced and never read).  The parts are not contiguous: ``ptr`` is the first part's, naming
     the device only; the engine reads the parts themselves (one gather into its window)."""

@@ -231,7 +231,7 @@ class DevicePath:
             views = likes[0].wrap_views(self._tensor(dtype, (offs[-1],), alloc), places)
         if views is None:
             views = [self._result(like, dtype, shape, alloc, off) for like, (off, shape) in zip(likes, places)]
-        if len(views) == len(tensors):
+        if not any(type(t) is DeviceGroup for t in tensors):
             return views
         out, k = [], 0
         for t in tensors:  # (a group's views as one list)
