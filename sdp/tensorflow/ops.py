@@ -693,10 +693,13 @@ def as_output(arr: np.ndarray):
     if (step.exportable(arr) if step is not None else  # (~0.1 us, where the attributes below take ~1.5)
             arr.size and arr.flags.c_contiguous and arr.flags.writeable and arr.ctypes.data % ALIGN_BYTES == 0):
         try:
-            return tf.experimental.dlpack.from_dlpack(arr.__dlpack__())
+            return _from_dlpack(arr.__dlpack__())
         except (BufferError, TypeError, ValueError, tf.errors.OpError):  # a dtype DLPack does not carry
             pass
     return arr
+
+
+_from_dlpack = tf.experimental.dlpack.from_dlpack
 
 
 def eager_allreduce(t, name: str, op: ReduceOp, prescale_factor, postscale_factor):
@@ -722,16 +725,11 @@ def eager_allreduce(t, name: str, op: ReduceOp, prescale_factor, postscale_facto
         if new is e:
             raise
         raise new from e
-    step = fusion.compiled()
-    if type(got) is np.ndarray and got.dtype is x.dtype and step is not None and step.exportable(got):
-        try:  # (as_output's common case, inline)
-            return _from_dlpack(got.__dlpack__())
-        except (BufferError, TypeError, ValueError, tf.errors.OpError):  # a dtype DLPack does not carry
-            pass
+    if type(got) is np.ndarray and got.dtype is x.dtype:
+        out = as_output(got)
+        if out is not got:  # (a tensor over the result's memory)
+            return out
     return _to_tensor(got, t.dtype, x.dtype)
-
-
-_from_dlpack = tf.experimental.dlpack.from_dlpack
 
 
 def _grouped_allreduce_raw(tensors, names, op, prescale_factor=1.0, postscale_factor=1.0, process_set=0):
