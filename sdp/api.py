@@ -50,7 +50,7 @@ from sdp.common.config import Config
 from sdp.common.errors import AlreadyInitializedError, NotInitializedError
 from sdp.common.reduce_ops import ReduceOp, resolve_op
 from sdp.engine import fusion
-from sdp.engine.device_arrays import DeviceTensor, device_tensor, host_array
+from sdp.engine.device_arrays import DeviceTensor, device_tensor, device_tensors, host_array
 from sdp.engine.process_sets import MAX_SET_ID
 from sdp.engine.handles import DoneHandle, Handle, PartHandle
 from sdp.engine.runtime import Request, Runtime
@@ -367,7 +367,7 @@ def _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, proce
         plan = None
         metas = [(a.dtype, a.shape) for a in arrays if type(a) is np.ndarray]  # (one pass: the plan's key)
         if len(metas) < len(arrays):
-            arrays = [as_input(t) for t in arrays]
+            arrays = [t if t is not None else host_array(a) for a, t in zip(arrays, device_tensors(arrays))]
             metas = [(a.dtype, a.shape) for a in arrays if type(a) is np.ndarray]
         device = not metas and len(arrays) >= 2 and all(isinstance(a, DeviceTensor) for a in arrays)
         if device:  # (every array in device memory: groups of one dtype, device and kind)

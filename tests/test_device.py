@@ -3,6 +3,7 @@ for device memory) runs the same IPC and host-staged algorithms over real proces
 DLPack / ``__cuda_array_interface__`` readers are checked with numpy's own capsules and fakes."""
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -161,6 +162,51 @@ def test_cuda_array_interface_reader_checks_layout():
     Strided.__cuda_array_interface__ = dict(Strided.__cuda_array_interface__, strides=(16, 4))
     t = device_arrays.device_tensor(Strided())
     assert (t.shape, t.dtype, t.ptr, t.stream, t.nbytes) == ((4, 4), np.float32, 1 << 20, 7, 64)
+
+
+class _CupyLike:
+    """What :func:`device_arrays.device_tensors` reads of a CuPy array (its public attributes and
+    both interfaces), over host memory; registered as ``cupy.ndarray`` for the test."""
+
+    def __init__(self, arr, stream):
+        self.arr, self.stream = arr, stream
+        self.shape, self.dtype = arr.shape, arr.dtype
+        self.flags = types.SimpleNamespace(c_contiguous=arr.flags.c_contiguous)
+        self.data = types.SimpleNamespace(ptr=arr.ctypes.data)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.arr.ctypes.data, False),
+                "strides": None if self.arr.flags.c_contiguous else self.arr.strides, "version": 3,
+                "stream": self.stream}
+
+    def __dlpack_device__(self):
+        return 2, 0
+
+    def __dlpack__(self, stream=None):
+        raise AssertionError("read through __cuda_array_interface__")
+
+
+def test_a_list_of_cupy_arrays_reads_as_each_alone(monkeypatch):
+    """``device_tensors`` (a fused list: CuPy arrays after the first read from their attributes)
+    gives what ``device_tensor`` gives each array, the first one's stream for all, and the same
+    error for a non-contiguous array."""
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=_CupyLike))
+    host = [np.arange(12, dtype=np.float32).reshape(3, 4), np.ones(5, np.float16), np.zeros((), np.int64),
+            np.ones((2, 0), np.float32)]
+    objs = [_CupyLike(a, 7) for a in host] + [w.FakeDevice(host[0]), host[1], _CupyLike(host[0], 7)]
+    fields = ("ptr", "shape", "dtype", "device_id", "kind", "stream", "nbytes", "size", "ndim")
+    got = device_arrays.device_tensors(objs)
+    for o, t in zip(objs, got):
+        want = device_arrays.device_tensor(o)
+        assert (t is None) == (want is None)
+        if t is not None:
+            assert [getattr(t, f) for f in fields] == [getattr(want, f) for f in fields] and t.source is o
+    assert got[5] is None and got[3].nbytes == 0 and got[2].shape == ()
+    strided = objs[:2] + [_CupyLike(host[0].T, 7)]
+    for fn in (device_arrays.device_tensors, lambda xs: [device_arrays.device_tensor(x) for x in xs]):
+        with pytest.raises(ValueError, match="C-contiguous"):
+            fn(strided)
 
 
 def test_nothing_imports_pycuda_without_a_device_array():

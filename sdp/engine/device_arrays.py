@@ -13,8 +13,8 @@ capsule) or device memory, recognised without importing any GPU library:
   its deleter called once the collective no longer needs the memory.
 
 :func:`device_tensor` turns such an input into a :class:`DeviceTensor` (pointer, shape, dtype,
-device id; C-contiguous only), or returns None for host input.  :func:`host_array` turns a CPU
-DLPack capsule into a numpy array.  Results go back as the input's own kind
+device id; C-contiguous only), or returns None for host input (:func:`device_tensors`: a list of
+them).  :func:`host_array` turns a CPU DLPack capsule into a numpy array.  Results go back as the input's own kind
 (:meth:`DeviceTensor.wrap_result`): a ``GPUArray`` for a ``GPUArray``, the producer's own module's
 ``from_dlpack`` (``torch``, ``cupy``, ...) for ``__dlpack__``/``__cuda_array_interface__`` objects,
 and a new ``dltensor`` capsule (built here with ctypes) for a capsule.
@@ -158,6 +158,19 @@ class DeviceTensor:
         self.ndim = len(shape)
         if managed is not None:
             self._managed = managed
+
+    @classmethod
+    def of(cls, ptr: int, shape: tuple, dtype: np.dtype, source, stream) -> "DeviceTensor":
+        """A ``"module"`` tensor from values already of their types (``shape`` a tuple of ints,
+        ``dtype`` a numpy dtype), as a CuPy array's attributes give them: what ``__init__`` makes,
+        without its conversions (~0.6 us less per tensor here)."""
+        t = cls.__new__(cls)
+        t.ptr, t.shape, t.dtype, t.device_id = ptr, shape, dtype, _pointer_device(ptr)
+        t.source, t.kind, t.stream = source, "module", stream
+        t.size = size = math.prod(shape)
+        t.nbytes = size * dtype.itemsize
+        t.ndim = len(shape)
+        return t
 
     def release(self) -> None:
         m = self._managed
@@ -378,6 +391,25 @@ def device_tensor(obj) -> Optional[DeviceTensor]:
         return t
     cai = getattr(obj, "__cuda_array_interface__", None)  # (a property: read once)
     return None if cai is None else _from_cai(obj, "module", cai)
+
+
+def device_tensors(objs) -> list:
+    """``[device_tensor(o) for o in objs]`` (same results, same errors), quicker for a list of
+    CuPy arrays (a fused gradient list: ~7 us per array on the H200 machine, most of it CuPy's
+    ``__dlpack_device__`` and ``__cuda_array_interface__``): after the first, whose interface
+    names the stream (the caller's current one, the same for the whole call), each contiguous
+    array of the same type is read from its attributes (pointer, shape, dtype)."""
+    cupy_type = getattr(sys.modules.get("cupy"), "ndarray", None)
+    out, stream, first = [], None, None
+    for obj in objs:
+        if type(obj) is first and obj.flags.c_contiguous:
+            out.append(DeviceTensor.of(obj.data.ptr, obj.shape, obj.dtype, obj, stream))
+            continue
+        t = device_tensor(obj)
+        if first is None and t is not None and type(obj) is cupy_type and t._managed is None:
+            first, stream = cupy_type, t.stream
+        out.append(t)
+    return out
 
 
 def _peek_capsule(capsule) -> Tuple[int, int]:
