@@ -278,8 +278,9 @@ class DevicePath:
             self._sync(seq, 1)
             b.gather(out.ptr, [(peers[q] + edges[q] * size, edges[q] * size, (edges[q + 1] - edges[q]) * size)
                                for q in range(n) if q != me])
+        results = self._results(tensors, offs, out)  # (views made while the last kernels run)
         b.synchronize()
-        return self._results(tensors, offs, out)
+        return results
 
     def _across_hosts(self, first, total: int, mine: int, peers: List[int], seq: int, scale: Optional[float]):
         """The hierarchical allreduce of a bucket already packed into this host's windows: the
