@@ -226,8 +226,8 @@ class DevicePath:
             else:
                 likes.append(t)
                 places.append((off * size, t.shape))
-        views = None
-        if len(places) > 1 and same_kind(likes):
+        views = None  # (one group's parts are of one kind by construction: api._grouped_submit's plan)
+        if len(places) > 1 and (len(tensors) == 1 or same_kind(likes)):
             views = likes[0].wrap_views(self._tensor(dtype, (offs[-1],), alloc), places)
         if views is None:
             views = [self._result(like, dtype, shape, alloc, off) for like, (off, shape) in zip(likes, places)]
