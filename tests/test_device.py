@@ -183,8 +183,10 @@ class _CupyLike:
     def __dlpack_device__(self):
         return 2, 0
 
-    def __dlpack__(self, stream=None):
-        raise AssertionError("read through __cuda_array_interface__")
+    def __dlpack__(self, stream=None):  # (only for what the interface cannot name: bfloat16)
+        assert self.dtype.kind == "V", "read through __cuda_array_interface__"
+        return device_arrays.make_capsule(self.arr.ctypes.data, self.shape, self.dtype, device_arrays.KDL_CUDA, 0,
+                                          self)
 
 
 def test_a_list_of_cupy_arrays_reads_as_each_alone(monkeypatch):
@@ -193,7 +195,7 @@ def test_a_list_of_cupy_arrays_reads_as_each_alone(monkeypatch):
     error for a non-contiguous array."""
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=_CupyLike))
     host = [np.arange(12, dtype=np.float32).reshape(3, 4), np.ones(5, np.float16), np.zeros((), np.int64),
-            np.ones((2, 0), np.float32)]
+            np.ones((2, 0), np.float32), np.ones(3, w.np_dtype("bfloat16"))]
     objs = [_CupyLike(a, 7) for a in host] + [w.FakeDevice(host[0]), host[1], _CupyLike(host[0], 7)]
     fields = ("ptr", "shape", "dtype", "device_id", "kind", "stream", "nbytes", "size", "ndim")
     got = device_arrays.device_tensors(objs)
@@ -202,7 +204,7 @@ def test_a_list_of_cupy_arrays_reads_as_each_alone(monkeypatch):
         assert (t is None) == (want is None)
         if t is not None:
             assert [getattr(t, f) for f in fields] == [getattr(want, f) for f in fields] and t.source is o
-    assert got[5] is None and got[3].nbytes == 0 and got[2].shape == ()
+    assert got[6] is None and got[3].nbytes == 0 and got[2].shape == () and got[4].stream is None
     strided = objs[:2] + [_CupyLike(host[0].T, 7)]
     for fn in (device_arrays.device_tensors, lambda xs: [device_arrays.device_tensor(x) for x in xs]):
         with pytest.raises(ValueError, match="C-contiguous"):
