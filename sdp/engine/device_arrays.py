@@ -173,6 +173,19 @@ class DeviceTensor:
         t.ndim = len(shape)
         return t
 
+    @property
+    def parts(self) -> tuple:
+        """The tensors whose memory this one reads: itself (a :class:`DeviceGroup`: its parts)."""
+        return (self,)
+
+    def pieces(self, base: int) -> list:
+        """``(pointer, byte offset, bytes)`` of what this tensor packs, placed at byte ``base``."""
+        return [(self.ptr, base, self.nbytes)]
+
+    def views(self, base: int) -> list:
+        """``(byte offset, shape)`` of each result this tensor gets, placed at byte ``base``."""
+        return [(base, self.shape)]
+
     def release(self) -> None:
         m = self._managed
         if m is not None:
@@ -243,7 +256,11 @@ class DeviceGroup(DeviceTensor):
     def __init__(self, parts: list, starts, count: int):
         first = parts[0]
         super().__init__(first.ptr, (count,), first.dtype, first.device_id, first.source, first.kind)
-        self.parts, self.starts = parts, starts
+        self._parts, self.starts = parts, starts
+
+    @property
+    def parts(self) -> list:
+        return self._parts
 
     def pieces(self, base: int) -> list:
         """``(part pointer, byte offset, bytes)`` of every part, the group starting at byte ``base``."""

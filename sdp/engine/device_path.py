@@ -220,12 +220,8 @@ class DevicePath:
         dtype = tensors[0].dtype
         size, likes, places = dtype.itemsize, [], []
         for t, off in zip(tensors, offs):
-            if type(t) is DeviceGroup:
-                likes.extend(t.parts)
-                places.extend(t.views(off * size))
-            else:
-                likes.append(t)
-                places.append((off * size, t.shape))
+            likes.extend(t.parts)
+            places.extend(t.views(off * size))
         views = None  # (one group's parts are of one kind by construction: api._grouped_submit's plan)
         if len(places) > 1 and (len(tensors) == 1 or same_kind(likes)):
             views = likes[0].wrap_views(self._tensor(dtype, (offs[-1],), alloc), places)
@@ -253,14 +249,8 @@ class DevicePath:
             return None
         mine, peers = self._next_window()
         tensors = [r.array for r in reqs]
-        b.wait_inputs([p for t in tensors for p in (t.parts if type(t) is DeviceGroup else (t,))])
-        pieces = []
-        for t, off in zip(tensors, offs):
-            if type(t) is DeviceGroup:
-                pieces.extend(t.pieces(off * size))
-            else:
-                pieces.append((t.ptr, off * size, t.nbytes))
-        b.gather(mine, pieces)
+        b.wait_inputs([p for t in tensors for p in t.parts])
+        b.gather(mine, [piece for t, off in zip(tensors, offs) for piece in t.pieces(off * size)])
         seq = self.rt._next_seq()
         self._sync(seq, 0)
         n, me = self.rt.size, self.rt.rank
