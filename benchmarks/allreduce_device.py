@@ -11,7 +11,9 @@ time-slices between the processes and every synchronisation waits ~130 us for a 
 Prints (rank 0), per message size, the SUM allreduce of a float32 CuPy array: median time and busbw
 (algbw * 2(n-1)/n, GB/s = 1e9 B/s) on the CUDA IPC path, on the host-staged path (the same job
 switched to it), and of a numpy array of the same size on the CPU path; then the 1 KB latency and
-a fused list of 100 x 256 KB on the IPC path; then the ceilings measured in the same run:
+a fused list of 100 x 256 KB on the IPC path; the IPC path twice: as it runs (the fast lane takes a
+synchronous allreduce of every rank into the calling thread) and through the engine thread (the
+lane set aside, ``ipc engine``); then the ceilings measured in the same run:
 device-to-device copy bandwidth (bytes read + written per second) and page-locked
 device-to-host / host-to-device bandwidth; and PASS/FAIL against the targets below.
 """
@@ -96,22 +98,30 @@ def main(args, sizes) -> int:
 
     log0(f"# sdp device allreduce: {n} ranks, device {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
          f"float32 SUM, busbw = algbw*2(n-1)/n")
-    rows = {}
-    for path in ("ipc", "staged"):
+    rows, lat, fused = {}, {}, {}
+    lane = sdp.api.runtime().lane  # (None: ranks on several hosts, or SDP_FAST_LANE=0)
+    for path in ("ipc", "engine", "staged"):
+        sdp.barrier()
+        if path == "engine":  # the IPC path through the engine thread: the same job, the lane set aside
+            if lane is None:
+                continue
+            lane.enabled = False
         if path == "staged":  # the same job, switched to host staging on every rank at once
-            sdp.barrier()
+            if lane is not None:
+                lane.enabled = True
             dp = sdp.api.runtime()._device
             dp.ipc, dp._why_staged = False, "benchmark: staged path"
         for nbytes in sizes:
             x = cp.ones(nbytes // 4, cp.float32)
-            t = _median_time(lambda: sdp.allreduce(x, op=sdp.Sum, name=f"d{nbytes}"), _iters_for(nbytes, path))
+            t = _median_time(lambda: sdp.allreduce(x, op=sdp.Sum, name=f"d{nbytes}"),
+                             _iters_for(nbytes, "host" if path == "staged" else "ipc"))
             rows.setdefault(nbytes, {})[path] = t
             if path == "ipc" and nbytes == sizes[-1]:
                 ipc_counters = dict(sdp.device_counters())
-        if path == "ipc":
-            lat = _median_time(lambda: sdp.allreduce(cp.ones(256, cp.float32), op=sdp.Sum, name="lat"), 500, 20)
+        if path != "staged":
+            lat[path] = _median_time(lambda: sdp.allreduce(cp.ones(256, cp.float32), op=sdp.Sum, name="lat"), 500, 20)
             grads = [cp.full(65536, i, cp.float32) for i in range(100)]
-            fused = _median_time(lambda: sdp.grouped_allreduce(grads, op=sdp.Sum, name="fused"), 50, 5)
+            fused[path] = _median_time(lambda: sdp.grouped_allreduce(grads, op=sdp.Sum, name="fused"), 50, 5)
     for nbytes in sizes:
         h = np.ones(nbytes // 4, np.float32)
         rows[nbytes]["host"] = _median_time(lambda: sdp.allreduce(h, op=sdp.Sum, name=f"h{nbytes}"),
@@ -119,13 +129,18 @@ def main(args, sizes) -> int:
     sdp.barrier()
     d2d, d2h, h2d = _ceilings(cp) if rank == 0 else (0.0, 0.0, 0.0)  # alone: the copies share the link
     sdp.barrier()
-    log0(f"{'size':>8} {'ipc us':>10} {'busbw':>8} {'staged us':>10} {'busbw':>8} {'cpu us':>10} {'busbw':>8}")
+    paths = [p for p in ("ipc", "engine", "staged", "host") if p in rows[sizes[0]]]
+    heads = {"ipc": "ipc", "engine": "ipc engine", "staged": "staged", "host": "cpu"}
+    log0(f"{'size':>8}" + "".join(f" {heads[p] + ' us':>14} {'busbw':>8}" for p in paths))
     for nbytes in sizes:
         r = rows[nbytes]
-        bw = {k: nbytes / v / 1e9 * factor for k, v in r.items()}
-        log0(f"{_fmt(nbytes):>8} {r['ipc'] * 1e6:10.1f} {bw['ipc']:8.2f} {r['staged'] * 1e6:10.1f} "
-             f"{bw['staged']:8.2f} {r['host'] * 1e6:10.1f} {bw['host']:8.2f}")
-    log0(f"1 KB latency (ipc): {lat * 1e3:.3f} ms;  100 x 256 KB fused (ipc): {fused * 1e3:.3f} ms")
+        log0(f"{_fmt(nbytes):>8}" + "".join(f" {r[p] * 1e6:14.1f} {nbytes / r[p] / 1e9 * factor:8.2f}" for p in paths))
+    log0("(ipc: the fast lane runs each synchronous allreduce in the calling thread where it can; "
+         "ipc engine: the same path through the engine thread, the lane set aside)")
+    for path in lat:
+        log0(f"1 KB latency ({heads[path]}): {lat[path] * 1e3:.3f} ms;  100 x 256 KB fused ({heads[path]}): "
+             f"{fused[path] * 1e3:.3f} ms")
+    lat, fused = lat["ipc"], fused["ipc"]
     log0(f"ceilings: device-to-device copy {d2d:.1f} GB/s (read+write), pinned D2H {d2h:.1f} GB/s, "
          f"pinned H2D {h2d:.1f} GB/s")
     log0(f"ipc path counters after the sizes: {ipc_counters}")

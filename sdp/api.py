@@ -265,7 +265,8 @@ def device_counters() -> dict:
     """What the device path did in this process: bytes copied device-to-host (``d2h``),
     host-to-device (``h2d``), device-to-device (``d2d``), kernels launched, whether the CUDA IPC
     path is in use (``ipc``), whether it runs per host with parts allreduced across hosts
-    (``hierarchical``) and the backend's name.  For tests and benchmarks."""
+    (``hierarchical``), the backend's name and how many device allreduces the fast lane ran in
+    the calling thread (``lane``).  For tests and benchmarks."""
     return runtime("device_counters()").device_counters()
 
 
@@ -324,8 +325,12 @@ def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: floa
                                   else float(postscale_factor), out)
         if result is not None:
             return result
-    return rt.submit(Request(name, "allreduce", as_input(tensor), op, None, prescale_factor, postscale_factor,
-                             None, out, ps)).wait()
+    req = Request(name, "allreduce", as_input(tensor), op, None, prescale_factor, postscale_factor, None, out, ps)
+    if req.device is not None:  # (device memory: the fast lane may run it whole here too)
+        result = rt.device_now(req)
+        if result is not None:
+            return result
+    return rt.submit(req).wait()
 
 
 def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = None, op=None,
@@ -387,6 +392,15 @@ def _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, proce
         result = rt.allreduce_now(plan[0][1], arrays, op, float(postscale_factor), None, plan[0][2])
         if result is not None:
             return DoneHandle(result)
+    if (not parts and plan is not None and len(plan) == 1 and plan[0][2] is not None and not ps
+            and prescale_factor == 1.0 and isinstance(arrays[0], DeviceTensor)):  # (one device group of
+        # every array, waited at once: the fast lane may run it whole here)
+        req = Request.group(plan[0][1], arrays, plan[0][2], **kw)
+        result = rt.device_now(req)
+        if result is not None:
+            return DoneHandle(result)
+        rt.submit_many([req])
+        return req.handle
     if plan is None:  # (large host arrays, or mixed host and device: a request each, fused by the engine)
         reqs = [Request(n, "allreduce", a, **kw) for a, n in zip(arrays, names)]
         return rt.submit_many(reqs) if reqs else []

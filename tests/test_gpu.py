@@ -39,21 +39,38 @@ def test_kernels_against_numpy_for_every_op_and_dtype():
 
 
 @needs_gpu
-@pytest.mark.parametrize("kind, n, ipc", [("cupy", 2, "1"), ("gpuarray", 2, "1"), ("torch", 2, "1"),
-                                          ("capsule", 2, "1"), ("cupy", 4, "1"), ("cupy", 2, "0"),
-                                          ("torch", 4, "0")])
-def test_collectives_of_device_arrays(kind, n, ipc):
+@pytest.mark.parametrize("kind, n, ipc, lane", [("cupy", 2, "1", "1"), ("cupy", 2, "1", "0"), ("gpuarray", 2, "1", "1"),
+                                                ("torch", 2, "1", "1"), ("capsule", 2, "1", "1"), ("cupy", 4, "1", "1"),
+                                                ("cupy", 2, "0", "0"), ("torch", 4, "0", "0")])
+def test_collectives_of_device_arrays(kind, n, ipc, lane):
+    """IPC: against the reference arithmetic, through the engine thread (lane "0") or with the
+    fast lane running synchronous allreduces in the calling thread; staged: against the engine's
+    host collectives."""
     if kind in ("cupy", "capsule") and not _have("cupy") or kind == "torch" and not _have("torch"):
         pytest.skip(f"{kind} is not installed")
     cases = w.matrix()
     values = check_ok(run_workers(n, "workers_device:device_matrix",
                                   [kind, cases, "reference" if ipc == "1" else "host"],
-                                  env={"SDP_GPU_IPC": ipc, **ENGINE}, timeout=300))
+                                  env={"SDP_GPU_IPC": ipc, "SDP_FAST_LANE": lane}, timeout=300))
     _check(values, cases)
     for _, counters in values:
         assert counters["ipc"] is (ipc == "1") and counters["backend"] == "cuda"
+        assert (counters["lane"] > 0) is (lane == "1"), counters
         if ipc == "1":
             assert counters["d2h"] == 0, counters  # the IPC path never copies to the host
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind, n", [("cupy", 2), ("torch", 2), ("cupy", 4)])
+def test_synchronous_device_allreduces_in_the_calling_thread(kind, n):
+    """The fast lane's device allreduces (tests/test_device.py's test of the same name, on the GPU)."""
+    if kind == "cupy" and not _have("cupy") or kind == "torch" and not _have("torch"):
+        pytest.skip(f"{kind} is not installed")
+    env = {"SDP_FAST_LANE": "1", "SDP_FUSION_THRESHOLD": str(1 << 20)}
+    for r, (oks, counters, counts) in enumerate(check_ok(run_workers(n, "workers_device:lane_device",
+                                                                     [kind, 1 << 19], env=env, timeout=120))):
+        assert len(oks) == 23 and all(oks), (r, oks)
+        assert counters["lane"] >= 1 and counters["d2h"] == 0, (r, counters, counts)
 
 
 @needs_gpu

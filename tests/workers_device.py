@@ -367,6 +367,48 @@ def kernel_matrix(count=1003):
     return bad, ran
 
 
+def lane_device(kind, big):
+    """Synchronous device allreduces the fast lane runs in the calling thread: the first opens
+    the windows (the engine's), then ops and dtypes in step, the last rank late by 1 ms (past
+    the caller's poll: held, decided later) and by 20 ms (past the escalation: the engine's),
+    one beside an asynchronous one (the engine's), a group, one of ``big`` float32 elements
+    (over the windows: the engine grows them) and one after it (the lane, in the new windows).
+    Returns ``(per call: bit-exact, the device counters, the lane's counts)``."""
+    import time
+    n, r = sdp.size(), sdp.rank()
+    oks, seed = [], 500
+
+    def one(name, shape, dtype="float32", op="SUM", post=1.0, late=0.0):
+        nonlocal seed
+        seed += 1
+        if late and r == n - 1:
+            time.sleep(late)
+        got = sdp.allreduce(make(kind, data_for(r, shape, dtype, seed)), name=name, op=getattr(ReduceOp, op),
+                            postscale_factor=post)
+        ref = _ref(np_dtype(dtype), n, shape, dtype, seed, getattr(ReduceOp, op), 1.0, post)
+        oks.append(bool(np.array_equal(to_numpy(kind, got, np_dtype(dtype)).view(np.uint8), ref.view(np.uint8))))
+
+    one("warm", [1000])
+    for i, (dtype, op, post) in enumerate([("float32", "SUM", 1.0), ("float16", "AVERAGE", 1.7),
+                                           ("int32", "AVERAGE", 3.0), ("float64", "MIN", 1.0),
+                                           ("int64", "PRODUCT", 1.0), ("uint8", "MAX", 1.0)]):
+        one(f"step{i}", [37, 3], dtype, op, post)
+    one("late1ms", [1000], late=0.001)
+    one("late20ms", [1000], late=0.02)
+    h = sdp.allreduce_async(make(kind, np.full(10, r, np.float32)), name="async", op=sdp.Sum)
+    one("beside", [100])
+    oks.append(bool(np.array_equal(to_numpy(kind, h.wait(), np.float32), np.full(10, n * (n - 1) / 2, np.float32))))
+    parts = [data_for(r, [5 + i], "float32", 900 + i) for i in range(10)]
+    got = sdp.grouped_allreduce([make(kind, a) for a in parts], name="group", op=sdp.Sum)
+    for i, x in enumerate(got):
+        ref = reduce_arrays([data_for(q, [5 + i], "float32", 900 + i) for q in range(n)], ReduceOp.SUM)
+        oks.append(bool(np.array_equal(to_numpy(kind, x, np.float32), ref)))
+    one("big", [big])
+    one("after big", [big])
+    lane = sdp.api.runtime().lane
+    return oks, sdp.device_counters(), dict(lane.counts) if lane is not None else {}
+
+
 def killed_peer(kind):
     """Rank 1 dies before a device allreduce; returns rank 0's error type and seconds to it."""
     import os

@@ -28,6 +28,14 @@ the same collectives in the same order, so all agree on whose turn it is).  A co
    reads this turn's window until it posts the first barrier of its next collective, and this
    rank writes the same window again only in the collective after that, past that barrier.
 
+**In the calling thread** (:meth:`DevicePath.lane_pack`, :meth:`DevicePath.lane_reduce`, driven by
+:meth:`sdp.engine.lane.Lane.device_now`): a synchronous allreduce of every rank on the IPC path of
+one host, in one shot, once the windows are open, is packed by its caller into a second pair of
+windows (exported and grown with the first), agreed through the fast lane (a record without data:
+every rank packed before it posted, so no barrier) and reduced by the caller from every rank's
+lane window with the one-shot kernel above; no engine thread, no negotiation.  The lane's windows
+alternate per collective decided FAST, alike on every rank.
+
 **Host-staged path** (ranks on several hosts, process sets, ``SDP_GPU_IPC=0``, a window that
 cannot be opened on some rank, more than :data:`MAX_LOCAL` local ranks): the input is copied to
 host memory (page-locked), the host collective runs as for numpy arrays, and the result is copied
@@ -39,6 +47,7 @@ Results are synchronised before they are handed out, and go back as the input's 
 import logging
 import os
 import struct
+import threading
 from typing import List, Optional
 
 import numpy as np
@@ -52,9 +61,11 @@ log = logging.getLogger("sdp.engine.device")
 
 MAX_LOCAL = 8  # ranks of one host the IPC path serves (sources of one reduce launch)
 MAX_HANDLE = 128  # bytes of an exported handle (CUDA's is 64; a shm path fits too)
-WINDOWS = 2  # windows per rank, used in turn
+WINDOWS = 2  # windows per rank the engine thread uses in turn
+LANE_WINDOWS = 2  # and the ones the fast lane uses in turn (device allreduces in the calling thread)
 ONE_SHOT_BYTES = 1 << 20  # with more than 2 ranks, larger allreduce buckets take two shots
-_RECORD = struct.Struct("<q" + f"B{MAX_HANDLE}s" * WINDOWS)  # window bytes, then each handle's length and bytes
+_RECORD = struct.Struct("<q" + f"B{MAX_HANDLE}s" * (WINDOWS + LANE_WINDOWS))  # window bytes, then each
+# handle's length and bytes
 
 
 def backend_name() -> str:
@@ -89,6 +100,11 @@ class DevicePath:
         self.peers: List[List[int]] = []  # per turn, every rank's window pointer (this rank's at its rank)
         self._opened: List[Allocation] = []
         self._turn = 0
+        self._lane_turn = 0
+        self.lane_runs = 0  # device allreduces the fast lane ran in a calling thread
+        #: held by whichever thread runs device work: the engine thread, or a caller running a
+        #: device allreduce in the fast lane (they share the backend's stream and buffers)
+        self.lock = threading.Lock()
         hosts = {p["host"] for p in self.mesh.peers}
         setting = runtime.config.gpu_ipc
         self.hier = runtime.hierarchy  # ranks on several hosts: windows among this host's ranks
@@ -145,7 +161,7 @@ class DevicePath:
         if self.windows:
             size = max(size, 2 * self.windows[0].nbytes)
         self._opened, self.windows, self.peers = [], [], []
-        own = [b.alloc(size, exportable=True) for _ in range(WINDOWS)]
+        own = [b.alloc(size, exportable=True) for _ in range(WINDOWS + LANE_WINDOWS)]
         handles = [b.ipc_export(a) or b"" for a in own]
         if max(len(h) for h in handles) > MAX_HANDLE:
             raise ValueError(f"{b.name} window handle of {max(len(h) for h in handles)} bytes (at most {MAX_HANDLE})")
@@ -153,7 +169,7 @@ class DevicePath:
         ptrs, opened, ok = [[] for _ in own], [], all(handles)
         for q, rec in enumerate(records):
             qsize, *fields = _RECORD.unpack(rec)
-            for k in range(WINDOWS):
+            for k in range(WINDOWS + LANE_WINDOWS):
                 hlen, qhandle = fields[2 * k], fields[2 * k + 1]
                 if q == self.comm.rank:
                     ptrs[k].append(own[k].ptr)
@@ -357,6 +373,52 @@ class DevicePath:
                      scale, divide, req.postscale)
             result = self._result(a, a.dtype, (mine,) + a.shape[1:], out)
         b.synchronize()
+        return result
+
+    # -- the fast lane's device allreduce (the calling thread) ------------------------------------------
+    def lane_takes(self, req) -> bool:
+        """Whether the fast lane may run allreduce ``req`` (of a :class:`DeviceTensor` or
+        :class:`DeviceGroup`) in the calling thread: the IPC path on one host, with windows already
+        open (the engine's first device collective opens them) that hold it, in one shot (2
+        ranks, or at most :data:`ONE_SHOT_BYTES`: the lane has no barrier for a second)."""
+        nbytes = req.array.nbytes
+        return (self.ipc and self.hier is None and self.backend is not None and bool(self.windows)
+                and nbytes <= self.windows[0].nbytes and (self.rt.size == 2 or nbytes <= ONE_SHOT_BYTES))
+
+    def lane_pack(self, req) -> bool:
+        """(Before the lane posts ``req``.)  Pack ``req``'s input into this rank's lane window of
+        this turn and wait for the copy, so that a peer that sees the post may read it; False,
+        with nothing done, while the engine thread runs device work or the windows changed."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            if not self.lane_takes(req):
+                return False
+            b, t = self.backend, req.array
+            with b:
+                b.wait_inputs(t.parts)
+                b.gather(self.windows[WINDOWS + self._lane_turn].ptr, t.pieces(0))
+                b.synchronize()
+            return True
+        finally:
+            self.lock.release()
+
+    def lane_reduce(self, req, scale: Optional[float], divide: int):
+        """(The lane decided ``req``'s position FAST: every rank packed the same collective into
+        its lane window of this turn.)  Reduce every rank's window, in rank order, into a new
+        allocation (the engine's one-shot arithmetic, so the bits are the engine's), synchronised;
+        returns the result as :meth:`allreduce` gives it.  The turn moves on for every rank alike:
+        a rank packs a window again only after every peer posted its next position, which each
+        does only after its read of this one finished."""
+        with self.lock, self.backend:
+            b, t = self.backend, req.array
+            k = WINDOWS + self._lane_turn
+            self._lane_turn = (self._lane_turn + 1) % LANE_WINDOWS
+            self.lane_runs += 1
+            out = b.alloc(t.nbytes)
+            b.reduce(self.peers[k], [out.ptr], t.size, t.dtype, req.op, req.prescale, scale, divide, req.postscale)
+            result = self._results([t], [0, t.size], out)[0]  # (views made while the kernel runs)
+            b.synchronize()
         return result
 
     # -- the host-staged path ----------------------------------------------------------------------------

@@ -49,6 +49,10 @@ claim; so either it sees the claim or rank 0 sees the records it saw; see the do
 A **synchronous allreduce** (``sdp.allreduce``) runs whole in its caller while the lane is idle
 (:meth:`Lane.allreduce_now`): posted, polled for and reduced into its result without a
 :class:`Request` or a handle; what is not consumed while it polls becomes a held request.
+A synchronous allreduce of **device memory** (:meth:`Lane.device_now`) is posted the same way
+with a record that carries no data: its caller first packs its input where every peer reads it
+(:mod:`sdp.engine.device_path`'s lane windows), and once every rank posted the same signature each
+reduces every rank's copy there.
 Where :mod:`sdp.engine.native` builds, its common case (post, poll, reduce) is one compiled call
 (``cc/lane_now.c``) that hands everything else back to this code; ``sdp.allreduce`` calls its
 entry (:attr:`Lane.front`) first, which runs a learnt name's call whole, checks, allocation and
@@ -187,6 +191,7 @@ class Lane:
         #: this rank's eligible requests the lane ran ("fast") or handed to the engine ("slow")
         self.counts = {"fast": 0, "slow": 0, "batches": 0}
         self._sigs = {}
+        self._device_reduce = None  # (req) -> result: device_now's, for a held device allreduce decided FAST
         self._handoff: List = []  # requests for the engine, handed over once the lock is released
         self._deferred: List = []  # requests for the engine submitted while this lane held some
         self._batch: Optional[_Batch] = None  # a burst's small allreduces gathered, not yet posted
@@ -430,14 +435,17 @@ class Lane:
     def _room_now(self, name: str, nbytes: int, p: int) -> Optional[int]:
         """(Lock held.) Where :meth:`allreduce_now` copies position ``p`` in the data ring, or
         None when the lane is not idle (the call then goes to the engine as usual)."""
+        return self._alloc(nbytes, p) if self._idle_now(name, p) else None
+
+    def _idle_now(self, name: str, p: int) -> bool:
+        """(Lock held.) Whether a synchronous call may post position ``p`` now: nothing held,
+        gathered or deferred here, room, and ``name`` not learnt as a burst's head."""
         if (self.failed is not None or self.off or not self.enabled or self.held or self._batch is not None
                 or self._deferred or self.page[0][DECIDED] - self._done >= _BACKLOG or self._full(p)):
-            return None  # (a busy engine thread is no reason: a call waited at once is no burst; it
+            return False  # (a busy engine thread is no reason: a call waited at once is no burst; it
             # only does not poll then, see _poll_now)
         self._head_to_learn()
-        if name in self._heads:  # (learnt: a burst follows it, see post)
-            return None
-        return self._alloc(nbytes, p)
+        return name not in self._heads  # (learnt: a burst follows it, see post)
 
     def _finish_now(self, p: int, verdict: int, ring: int, result, name, a, op, postscale, out, layout=None,
                     known=None):
@@ -475,11 +483,58 @@ class Lane:
                     return layout.views(result)
                 return result if out is not None else result.reshape(a.shape)
             req = self._make_request(name, a, op, postscale, out, layout)
-            req.handle._lane = self
-            self.held[name] = req
-            self._out.append((p, req))
-            self._progress()  # (decided SLOW or OFF: to the engine)
-            engine = self._take_handoff()
+            engine = self._hold(p, req)
+        finally:
+            self.lock.release()
+        if engine:
+            self._to_engine(engine)
+        return req.handle.wait(_spin=False)
+
+    def _hold(self, p: int, req) -> list:
+        """(Lock held.)  Position ``p``, ``req``'s, was not consumed while its caller polled (a
+        rank late) or was decided SLOW or OFF: the lane holds ``req`` as a posted request (a later
+        FAST decision runs it wherever the lane runs; SLOW sends it to the engine).  Returns the
+        requests to hand the engine once the lock is let go; the caller then waits on ``req``."""
+        req.handle._lane = self
+        self.held[req.name] = req
+        self._out.append((p, req))
+        self._progress()  # (decided SLOW or OFF: to the engine)
+        return self._take_handoff()
+
+    def device_now(self, req, pack, reduce):
+        """A synchronous allreduce of device memory (``req``: a :class:`Request` of every rank, no
+        prescale, of a :class:`~sdp.engine.device_arrays.DeviceTensor` or group), run in the
+        calling thread while the lane is idle and the engine thread has no work: ``pack()`` puts
+        this rank's input where every peer reads it (the device path's lane window) and returns
+        False if it cannot now; then a record without data is posted and polled for as
+        :meth:`allreduce_now` does; once every rank posted the same signature, ``reduce(req)``
+        gives the result (every rank reads every window; :mod:`sdp.engine.device_path`).  Not
+        consumed while polling (a rank late, or SLOW): held like any posted request (a later FAST
+        decision calls ``reduce`` in whichever thread runs the lane).  Returns the result, or None
+        with nothing posted (the caller submits ``req`` to the engine)."""
+        sig = self._sig(req.key()) if self.enabled else 0
+        if not sig or not self.lock.acquire(blocking=False):
+            return None
+        p = self._posted
+        try:
+            if not (self._idle_now(req.name, p) and self._engine_idle() and pack()):
+                return None
+            self._device_reduce = reduce
+            i, mine, rec = (p % DEPTH) * _REC, self.page[self.rank], self.rec[self.rank]
+            rec[i], rec[i + 1], rec[i + 2] = sig, 0, 0
+            self._posted = p + 1
+            mine[LATEST] = p + 1
+            mine[POSTED] = p + 1  # last: the record is visible before its count
+            if self.rank != 0:
+                self._ring_sleepers()
+            if self._poll_now(p) == FAST:
+                try:
+                    return reduce(req)
+                finally:
+                    self._done = p + 1
+                    self.page[self.rank][DONE] = p + 1  # (after the reduction read the peers' windows)
+                    self.counts["fast"] += 1
+            engine = self._hold(p, req)
         finally:
             self.lock.release()
         if engine:
@@ -843,7 +898,10 @@ class Lane:
         if not (self._reducible(req, limit) or req.kind == "broadcast" and self.enabled and req.device is None
                 and 0 < req.array.nbytes <= READ_BYTES and req.root in self.rec):  # (a bad root: the engine's error)
             return 0
-        key = req.key()
+        return self._sig(req.key())
+
+    def _sig(self, key: tuple) -> int:
+        """The signature of a :meth:`Request.key` (a positive 62-bit hash, remembered)."""
         sig = self._sigs.get(key)
         if sig is None:
             if len(self._sigs) >= _SIGS_MAX:
@@ -922,7 +980,8 @@ class Lane:
                 self._handoff.append(req)
                 continue
             try:
-                result = self._broadcast(p, req) if req.kind == "broadcast" else self._reduce(p, req)
+                result = (self._broadcast(p, req) if req.kind == "broadcast" else self._device_reduce(req)
+                          if req.device is not None else self._reduce(p, req))
             except Exception as e:  # noqa: BLE001 - this request fails, not the lane
                 req.handle._set(error=e)
             else:

@@ -225,6 +225,21 @@ class Runtime:
             return None
         return self.lane.allreduce_now(name, array, op, postscale, out, layout)
 
+    def device_now(self, req: Request):
+        """The result of synchronous allreduce ``req`` of device memory (every rank, no prescale),
+        run whole in the calling thread through the fast lane and the device path's own windows
+        (:meth:`Lane.device_now`, :meth:`DevicePath.lane_pack`); None where they do not take it
+        now (nothing done: submit ``req``).  The first device collective always goes to the
+        engine, which opens the windows."""
+        dp = self._device
+        if (self.lane is None or dp is None or req.prescale != 1.0 or req.ps or self._failed is not None
+                or self._stop.is_set() or not dp.lane_takes(req)):
+            return None
+        return self.lane.device_now(req, lambda: dp.lane_pack(req), self._lane_device_reduce)
+
+    def _lane_device_reduce(self, req: Request):
+        return self._device.lane_reduce(req, *self._device_args(req))
+
     def submit(self, req: Request) -> Handle:
         """Queue ``req`` for the background thread; returns its handle at once.
 
@@ -480,7 +495,7 @@ class Runtime:
         if not device and not joined:
             return self._execute_items(items, inl)
         dp = self._device_path(device[0].device if device else None)
-        with dp.backend:
+        with dp.lock, dp.backend:
             for req in device:  # (allreduces: in _allreduce_bucket, which may stage them directly)
                 if req.kind != "allreduce" and not dp.uses_ipc(req.ps):
                     dp.stage_in(req)
@@ -496,12 +511,14 @@ class Runtime:
     def device_counters(self) -> dict:
         """Bytes the device path moved (``d2h``, ``h2d``, ``d2d``) and kernels it launched, plus
         ``ipc`` (whether the IPC path is in use) and ``hierarchical`` (IPC windows per host, parts
-        allreduced across hosts); zeros before any device array ran."""
+        allreduced across hosts) and ``lane`` (device allreduces the fast lane ran in the calling
+        thread); zeros before any device array ran."""
         dp = self._device
         if dp is None or dp.backend is None:
-            return {"d2h": 0, "h2d": 0, "d2d": 0, "kernels": 0, "ipc": False, "backend": None, "hierarchical": False}
+            return {"d2h": 0, "h2d": 0, "d2d": 0, "kernels": 0, "ipc": False, "backend": None, "hierarchical": False,
+                    "lane": 0}
         return {**dp.backend.counters, "ipc": dp.ipc, "backend": dp.backend.name,
-                "hierarchical": dp.ipc and dp.hier is not None}
+                "hierarchical": dp.ipc and dp.hier is not None, "lane": dp.lane_runs}
 
     def _execute_items(self, items: List[dict], inl=None) -> None:
         """Run response ``items`` in order; ``inl``: results that came inline, by name."""
