@@ -138,8 +138,11 @@ class Backend:
         """Device to device, in stream order."""
         raise NotImplementedError
 
-    def gather(self, dst: int, pieces: Sequence[tuple]) -> None:
-        """Copy ``(src_ptr, dst_offset, nbytes)`` pieces into ``dst`` (one launch where it can)."""
+    def gather(self, dst: int, pieces) -> None:
+        """Copy ``(src_ptr, dst_offset, nbytes)`` pieces (tuples, or the rows of an (n, 3) uint64
+        array) into ``dst`` (one launch where it can)."""
+        if type(pieces) is np.ndarray:
+            pieces = pieces.tolist()
         for src, off, nbytes in pieces:
             self.copy(dst + off, src, nbytes)
 

@@ -21,7 +21,7 @@ import collections
 import ctypes
 import logging
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import numpy as np
 import pycuda.driver as cuda
@@ -263,7 +263,7 @@ class CudaBackend(Backend):
             cuda.memcpy_dtod_async(dst, src, nbytes, self.stream)
             self.counters["d2d"] += nbytes
 
-    def gather(self, dst: int, pieces: Sequence[tuple]) -> None:
+    def gather(self, dst: int, pieces) -> None:
         if len(pieces) <= 2:
             return super().gather(dst, pieces)
         n = len(pieces)
@@ -274,13 +274,13 @@ class CudaBackend(Backend):
         table = self._pieces_host[:3 * n].reshape(n, 3)
         table[:] = pieces
         # the table's previous use has finished (every operation is synchronised before the
-        # engine moves on), so it can be overwritten
+        # thread that ran it lets DevicePath.lock go), so it can be overwritten
         cuda.memcpy_htod_async(self._pieces, table, self.stream)
-        largest = max(p[2] for p in pieces)
+        largest = int(table[:, 2].max())
         blocks_x = max(1, min(64, -(-largest // (THREADS * 16))))
         self._gather.prepared_async_call((blocks_x, min(n, 65535)), (THREADS, 1, 1), self.stream,
                                          self._pieces, n, dst)
-        self.counters["d2d"] += sum(p[2] for p in pieces)
+        self.counters["d2d"] += int(table[:, 2].sum())
         self.counters["h2d"] += table.nbytes
         self.counters["kernels"] += 1
 

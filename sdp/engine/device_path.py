@@ -266,7 +266,8 @@ class DevicePath:
         mine, peers = self._next_window()
         tensors = [r.array for r in reqs]
         b.wait_inputs([p for t in tensors for p in t.parts])
-        b.gather(mine, [piece for t, off in zip(tensors, offs) for piece in t.pieces(off * size)])
+        b.gather(mine, first.array.pieces(0) if len(reqs) == 1 else  # (a group's: an array already)
+                 np.array([piece for t, off in zip(tensors, offs) for piece in t.pieces(off * size)], np.uint64))
         seq = self.rt._next_seq()
         self._sync(seq, 0)
         n, me = self.rt.size, self.rt.rank
