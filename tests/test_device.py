@@ -188,13 +188,14 @@ def test_cuda_array_interface_reader_checks_layout():
 
 
 class _CupyLike:
-    """What :func:`device_arrays.device_tensors` reads of a CuPy array (its public attributes and
-    both interfaces), over host memory; registered as ``cupy.ndarray`` for the test."""
+    """What :func:`device_arrays.device_tensors` reads of a CuPy array (its attributes and both
+    interfaces), over host memory; registered as ``cupy.ndarray`` for the test."""
 
     def __init__(self, arr, stream):
         self.arr, self.stream = arr, stream
         self.shape, self.dtype = arr.shape, arr.dtype
         self.flags = types.SimpleNamespace(c_contiguous=arr.flags.c_contiguous)
+        self._c_contiguous = arr.flags.c_contiguous  # (CuPy's own flag, which flags.c_contiguous returns)
         self.data = types.SimpleNamespace(ptr=arr.ctypes.data)
 
     @property
