@@ -144,6 +144,19 @@ def test_killed_peer_during_device_collectives_is_reported(lane):
     assert err == "PeerLostError" and seconds < 15, (err, seconds, res[0].stderr[-2000:])
 
 
+@pytest.mark.parametrize("lane", ["0", "1"])
+def test_a_device_error_on_one_rank_fails_every_rank(lane):
+    """A device reduction that fails on rank 1 (through the engine thread, or in the calling
+    thread with the fast lane) is an sdp error there, and every peer raises within the usual
+    bounds, told why."""
+    res = check_ok(run_workers(2, "workers_device:device_error", ["fake"], env={**NUMPY, "SDP_FAST_LANE": lane},
+                               timeout=60))
+    for r, (err, seconds, msg) in enumerate(res):
+        assert err in ("SdpError", "PeerLostError") and seconds < 15, (r, err, seconds, msg)
+    assert res[1][0] == "SdpError" and "simulated device error" in res[1][2], res[1]
+    assert "simulated device error" in res[0][2], res[0]
+
+
 def test_reference_arithmetic_scales_16_bit_floats_in_float32():
     """A factor not representable in float16 is not rounded first (Horovod scales in float32)."""
     x = np.array([1.0, 3.0, 1000.0, -7.5], np.float16)

@@ -409,6 +409,28 @@ def lane_device(kind, big):
     return oks, sdp.device_counters(), dict(lane.counts) if lane is not None else {}
 
 
+def device_error(kind):
+    """After a warm-up (the engine opens the windows, then the lane runs one), rank 1's device
+    reductions fail (the numpy backend's, patched: a CUDA error stands in); returns each rank's
+    error type, seconds to it and message."""
+    import time
+    from sdp.engine.backends import NumpyBackend
+    x = make(kind, np.ones(1000, np.float32))
+    sdp.allreduce(x, name="warm")
+    sdp.allreduce(x, name="second")
+    if sdp.rank() == 1:
+        def failing(*args, **kw):
+            raise RuntimeError("simulated device error")
+        NumpyBackend.reduce = failing
+    t0 = time.monotonic()
+    try:
+        for i in range(5):
+            sdp.allreduce(x, name=f"after{i}")
+        return ["no error", time.monotonic() - t0, ""]
+    except Exception as e:  # noqa: BLE001
+        return [type(e).__name__, time.monotonic() - t0, str(e)]
+
+
 def killed_peer(kind):
     """Rank 1 dies before a device allreduce; returns rank 0's error type and seconds to it."""
     import os

@@ -186,6 +186,9 @@ class Runtime:
                                   self.config.fusion_threshold, self.config.cache_capacity) if self.rank == 0 else None
         self._seq = 0
         self._failed: Optional[BaseException] = None
+        self._aborted = threading.Event()  # set once the engine thread told the peers why it fails
+        self._device_error: Optional[BaseException] = None  # a caller's device failure (_lane_device): the
+        # engine thread fails the job with it
         self._stop = threading.Event()
         self._last_request_at = 0.0
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -235,10 +238,29 @@ class Runtime:
         if (self.lane is None or dp is None or req.prescale != 1.0 or req.ps or self._failed is not None
                 or self._stop.is_set() or not dp.lane_takes(req)):
             return None
-        return self.lane.device_now(req, lambda: dp.lane_pack(req), self._lane_device_reduce)
+        try:
+            return self.lane.device_now(req, lambda: self._lane_device(dp.lane_pack, req), self._lane_device_reduce)
+        except errors.SdpError:
+            if self._device_error is not None:  # (the lane's lock let go: peers hear why before this rank leaves)
+                self._aborted.wait(self.config.timeout_s)
+            raise
 
     def _lane_device_reduce(self, req: Request):
-        return self._device.lane_reduce(req, *self._device_args(req))
+        return self._lane_device(self._device.lane_reduce, req, *self._device_args(req))
+
+    def _lane_device(self, fn, *args):
+        """``fn(*args)``: device work of :meth:`device_now` in whichever thread runs it.  A failure
+        there (a CUDA error: out of memory, a bad pointer) fails the job as one in the engine
+        thread does: raised here as :class:`SdpError`, and by the engine thread, which tells
+        every peer why before it leaves (they raise within the usual bounds)."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - any device failure ends the job on every rank
+            err = errors.SdpError(f"rank {self.rank}: device path failed: {e!r}")
+            log.error("%s", err)
+            self._device_error = err
+            self._wake()
+            raise err from e
 
     def submit(self, req: Request) -> Handle:
         """Queue ``req`` for the background thread; returns its handle at once.
@@ -307,10 +329,13 @@ class Runtime:
             self._fail_all(e)
             # peers learn why, then see us disconnect, and fail fast too
             self.mesh.abort(getattr(e, "rank", None) if isinstance(e, errors.PeerLostError) else None, str(e))
+            self._aborted.set()
             return
         self.mesh.close()
 
     def _cycle(self) -> None:
+        if self._device_error is not None:
+            raise self._device_error
         cycle_s = self.config.cycle_time_ms / 1000.0
         wait_ms = 1000.0
         if self._queue:
