@@ -97,6 +97,20 @@ def test_staged_allreduce_slab_by_slab(pool):
         assert oks == [True, True, True] and counters["ipc"] is False and counters["kernels"] == 0, (oks, counters)
 
 
+@pytest.mark.parametrize("counts", [[1, 1], [1, 1, 1]])
+def test_staged_allreduce_across_hosts_segment_by_segment(counts):
+    """One rank per (fake) host: a lone device tensor's allreduce goes over the mesh in a host
+    buffer, each segment copied from the device as the ring first sends it and back as it is
+    final (4 KB segments: 30 of them for 30001 float32); bit for bit against the same allreduce
+    of numpy arrays."""
+    from test_hierarchical_mp import fake_hosts
+    n, per_rank = fake_hosts(counts)
+    env = {**NUMPY, "SDP_SEGMENT_BYTES": "4096"}
+    for oks, counters in check_ok(run_workers(n, "workers_device:staged_slabs", ["fake", 30001], env=env,
+                                              per_rank_env=per_rank)):
+        assert oks == [True, True, True] and counters["ipc"] is False and counters["kernels"] == 0, (oks, counters)
+
+
 @pytest.mark.parametrize("counts", [[2, 2], [2, 1, 2]])
 def test_device_allreduce_across_hosts_is_hierarchical(counts):
     """Ranks on several (fake) hosts: each host's ranks share windows, each part is reduced on

@@ -458,6 +458,28 @@ class DevicePath:
         b.synchronize()
         return self._result(t, t.dtype, t.shape, dev)
 
+    def allreduce_wire(self, req, ufunc, seq: int, acc, scale: Optional[float]):
+        """Allreduce device tensor ``req.array`` over the mesh (ranks on several hosts, one each)
+        in a page-locked host buffer, pipelined: the ring copies each segment from the device just
+        before it first sends it, and each segment of the result goes back to a new device
+        allocation as soon as it is final, while the rest is in flight
+        (:func:`collectives.allreduce`'s ``fill`` and ``done``)."""
+        b, t = self.backend, req.array
+        b.wait_inputs([t])
+        size = t.dtype.itemsize
+        host = b.host_buffer(t.nbytes).view(t.dtype)
+        dev = b.alloc(t.nbytes)
+
+        def fill(lo, hi):
+            b.to_host(host[lo:hi], t.ptr + lo * size)
+
+        def done(lo, hi):
+            b.to_device(dev.ptr + lo * size, host[lo:hi], wait=False)
+
+        collectives.allreduce(self.mesh, host, host, ufunc, seq, self.rt.config.segment_bytes, acc, scale, fill, done)
+        b.synchronize()
+        return self._result(t, t.dtype, t.shape, dev)
+
     def to_device(self, arr: np.ndarray) -> DeviceTensor:
         """A new device array holding a copy of host ``arr``."""
         arr = np.ascontiguousarray(arr)

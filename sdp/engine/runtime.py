@@ -682,19 +682,22 @@ class Runtime:
                 self.size if req.op == ReduceOp.AVERAGE and req.array.dtype.kind in "iu" else 1)
 
     def _staged_directly(self, reqs: List[Request]) -> Optional[list]:
-        """A lone device tensor's allreduce through shared memory, staged between the device and
-        the segments slab by slab (no host copy of the input; results copied back as they are
-        final); None where that route does not apply (the caller stages the input first)."""
+        """A lone device tensor's allreduce staged between the device and host memory piece by
+        piece: through shared memory slab by slab (no host copy of the input), else over the
+        mesh (ranks on several hosts, one each) segment by segment as the ring sends them; results
+        copied back as they are final.  None where that route does not apply (the caller stages
+        the input first)."""
         req = reqs[0]
         t = req.array
         if (len(reqs) > 1 or type(t) is DeviceGroup or req.ps or req.out is not None or self.hierarchy is not None
                 or req.prescale != 1.0
                 or t.dtype.kind != "f" and (req.op == ReduceOp.AVERAGE or req.postscale != 1.0)
-                or self.size == 1 or not collectives.uses_shm(self.mesh, t.nbytes, t.size)):
+                or self.size == 1):
             return None
-        out = self._result_array(t.dtype, t.size)
-        return [self._device.allreduce_staged(req, out, UFUNCS[req.op], self._next_seq(),
-                                              accumulation_dtype(t.dtype), self._float_scale(req, t.dtype))]
+        args = (UFUNCS[req.op], self._next_seq(), accumulation_dtype(t.dtype), self._float_scale(req, t.dtype))
+        if not collectives.uses_shm(self.mesh, t.nbytes, t.size):
+            return [self._device.allreduce_wire(req, *args)]
+        return [self._device.allreduce_staged(req, self._result_array(t.dtype, t.size), *args)]
 
     def _allreduce_bucket(self, reqs: List[Request]) -> None:
         """One collective for ``reqs`` (same dtype/op/scales).  A fused bucket's fusion buffer is
