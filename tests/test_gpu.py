@@ -126,3 +126,17 @@ def test_device_allreduce_across_fake_hosts():
     _check(values, cases)
     for _, counters in values:
         assert counters["hierarchical"] and counters["kernels"] > 0, counters
+
+
+@needs_gpu
+def test_staged_allreduce_across_fake_hosts_segment_by_segment():
+    """2 fake hosts x 1 rank on the one GPU: lone allreduces through a page-locked host buffer,
+    copied from and to the device segment by segment as the ring moves them."""
+    if not _have("cupy"):
+        pytest.skip("cupy is not installed")
+    from test_hierarchical_mp import fake_hosts
+    n, per_rank = fake_hosts([1, 1])
+    for oks, counters in check_ok(run_workers(n, "workers_device:staged_slabs", ["cupy", (1 << 20) + 3],
+                                              env={**ENGINE, "SDP_SEGMENT_BYTES": str(64 << 10)},
+                                              per_rank_env=per_rank, timeout=120)):
+        assert oks == [True, True, True] and counters["ipc"] is False and counters["d2h"] > 0, (oks, counters)
