@@ -486,20 +486,24 @@ class Lane:
             engine = self._hold(p, req)
         finally:
             self.lock.release()
-        if engine:
-            self._to_engine(engine)
-        return req.handle.wait(_spin=False)
+        return self._wait_held(req, engine)
 
     def _hold(self, p: int, req) -> list:
         """(Lock held.)  Position ``p``, ``req``'s, was not consumed while its caller polled (a
         rank late) or was decided SLOW or OFF: the lane holds ``req`` as a posted request (a later
         FAST decision runs it wherever the lane runs; SLOW sends it to the engine).  Returns the
-        requests to hand the engine once the lock is let go; the caller then waits on ``req``."""
+        requests to hand the engine once the lock is let go (:meth:`_wait_held`)."""
         req.handle._lane = self
         self.held[req.name] = req
         self._out.append((p, req))
         self._progress()  # (decided SLOW or OFF: to the engine)
         return self._take_handoff()
+
+    def _wait_held(self, req, engine: list):
+        """(Lock let go.)  Hand ``engine`` (:meth:`_hold`'s) over, then wait for held ``req``'s result."""
+        if engine:
+            self._to_engine(engine)
+        return req.handle.wait(_spin=False)
 
     def device_now(self, req, pack, reduce):
         """A synchronous allreduce of device memory (``req``: a :class:`Request` of every rank, no
@@ -537,9 +541,7 @@ class Lane:
             engine = self._hold(p, req)
         finally:
             self.lock.release()
-        if engine:
-            self._to_engine(engine)
-        return req.handle.wait(_spin=False)
+        return self._wait_held(req, engine)
 
     def _now_entry(self, key, name, a, op, postscale, layout) -> tuple:
         """What :meth:`allreduce_now` keeps per key: (signature or 0, the op and postscale for
