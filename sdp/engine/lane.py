@@ -147,11 +147,12 @@ class Lane:
     1-D result array; ``float_scale(req, dtype)`` and ``int_scale(buf, req)`` finish a reduction
     as the engine does (AVERAGE, postscale); ``spin_s``: how long :meth:`drive` polls, and only
     while the engine thread has no work (``engine``'s ``_pending`` and ``_queue`` empty; None:
-    never).  ``front``: the compiled step's entry for :meth:`allreduce_now` (``front(name, a,
+    never).  ``device_reduce(req)``: the result of a device allreduce every rank posted alike
+    (:meth:`device_now`).  ``front``: the compiled step's entry for :meth:`allreduce_now` (``front(name, a,
     op, postscale, out)``, see ``cc/lane_now.c``), or None."""
 
     def __init__(self, mesh, to_engine, wake_engine, result_array, float_scale, int_scale, timeout_s: float,
-                 spin_s: float = SPIN_S, engine=None, request=None):
+                 spin_s: float = SPIN_S, engine=None, request=None, device_reduce=None):
         seg, ctrl = mesh.shm, mesh.ctrl
         self.rank, self.size = mesh.rank, mesh.size
         self.page, self.bells = ctrl.page, ctrl.bells
@@ -191,7 +192,7 @@ class Lane:
         #: this rank's eligible requests the lane ran ("fast") or handed to the engine ("slow")
         self.counts = {"fast": 0, "slow": 0, "batches": 0}
         self._sigs = {}
-        self._device_reduce = None  # (req) -> result: device_now's, for a held device allreduce decided FAST
+        self._device_reduce = device_reduce  # (req) -> result of a device allreduce decided FAST (device_now)
         self._handoff: List = []  # requests for the engine, handed over once the lock is released
         self._deferred: List = []  # requests for the engine submitted while this lane held some
         self._batch: Optional[_Batch] = None  # a burst's small allreduces gathered, not yet posted
@@ -505,16 +506,17 @@ class Lane:
             self._to_engine(engine)
         return req.handle.wait(_spin=False)
 
-    def device_now(self, req, pack, reduce):
+    def device_now(self, req, pack):
         """A synchronous allreduce of device memory (``req``: a :class:`Request` of every rank, no
         prescale, of a :class:`~sdp.engine.device_arrays.DeviceTensor` or group), run in the
         calling thread while the lane is idle and the engine thread has no work: ``pack()`` puts
         this rank's input where every peer reads it (the device path's lane window) and returns
         False if it cannot now; then a record without data is posted and polled for as
-        :meth:`allreduce_now` does; once every rank posted the same signature, ``reduce(req)``
-        gives the result (every rank reads every window; :mod:`sdp.engine.device_path`).  Not
-        consumed while polling (a rank late, or SLOW): held like any posted request (a later FAST
-        decision calls ``reduce`` in whichever thread runs the lane).  Returns the result, or None
+        :meth:`allreduce_now` does; once every rank posted the same signature, the lane's
+        ``device_reduce(req)`` gives the result (every rank reads every window;
+        :mod:`sdp.engine.device_path`).  Not consumed while polling (a rank late, or SLOW): held
+        like any posted request (a later FAST decision calls ``device_reduce`` in whichever thread
+        runs the lane).  Returns the result, or None
         with nothing posted (the caller submits ``req`` to the engine)."""
         sig = self._sig(req.key()) if self.enabled else 0
         if not sig or not self.lock.acquire(blocking=False):
@@ -523,7 +525,6 @@ class Lane:
         try:
             if not (self._idle_now(req.name, p) and self._engine_idle() and pack()):
                 return None
-            self._device_reduce = reduce
             i, mine, rec = (p % DEPTH) * _REC, self.page[self.rank], self.rec[self.rank]
             rec[i], rec[i + 1], rec[i + 2] = sig, 0, 0
             self._posted = p + 1
@@ -533,7 +534,7 @@ class Lane:
                 self._ring_sleepers()
             if self._poll_now(p) == FAST:
                 try:
-                    return reduce(req)
+                    return self._device_reduce(req)
                 finally:
                     self._done = p + 1
                     self.page[self.rank][DONE] = p + 1  # (after the reduction read the peers' windows)

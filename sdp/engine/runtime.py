@@ -202,7 +202,7 @@ class Runtime:
         #: grouped async 152-179 -> 150-167 us, alternating in one job, one outlier each way)
         self.lane = (lane.Lane(self.mesh, self._enqueue, self._wake, fusion.aligned_empty, self._float_scale,
                                self._int_scale, self.config.timeout_s, lane.SPIN_S if self._spin_s else 0.0,
-                               self, Request)
+                               self, Request, self._lane_device_reduce)
                      if self.config.fast_lane and ctrl is not None and ctrl.bells and self.mesh.shm is not None
                      and self.mesh.shm.lane_bytes
                      and all(ctrl.senders.values()) else None)
@@ -239,7 +239,7 @@ class Runtime:
                 or self._stop.is_set() or not dp.lane_takes(req)):
             return None
         try:
-            return self.lane.device_now(req, lambda: self._lane_device(dp.lane_pack, req), self._lane_device_reduce)
+            return self.lane.device_now(req, lambda: self._lane_device(dp.lane_pack, req))
         except errors.SdpError:
             if self._device_error is not None:  # (the lane's lock let go: peers hear why before this rank leaves)
                 self._aborted.wait(self.config.timeout_s)
