@@ -557,6 +557,34 @@ def test_help_groups_options_and_requires_only_the_command():
     assert res.returncode == 2 and "no command given" in res.stderr
 
 
+def test_a_rank_that_crashes_after_a_stop_signal_shows_its_stacks(tmp_path):
+    """A stop signal silences a rank's fd 2, but a crash after it (here os.abort, as glibc's
+    ``free(): ...`` checks end) still writes every thread's Python stack to the original
+    standard error, naming the crashing line; what the script writes to stderr stays hidden."""
+    script = tmp_path / "crash.py"
+    script.write_text(textwrap.dedent("""\
+        import os, signal, sys, time
+        import sdp
+        from sdp.common import rank_signals
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        except KeyboardInterrupt:
+            deadline = time.monotonic() + 30
+            while rank_signals._stderr_fd is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # (the watcher thread silences fd 2)
+            print("hidden after the stop", file=sys.stderr, flush=True)
+            os.abort()  # the crashing line
+        """))
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "1", sys.executable, str(script)],
+                       capture_output=True, text=True, cwd=REPO, env=_env(), timeout=60)
+    out = p.stdout + p.stderr
+    assert "Fatal Python error: Aborted" in out, out
+    assert "crash.py\", line 12" in out, out
+    assert "hidden after the stop" not in out, out
+    assert "killed by signal 6" in out, out
+
+
 def test_ctrl_c_while_a_rank_waits_in_a_collective_is_quiet(tmp_path):
     """SIGINT to sdprun while rank 0 waits inside a tf.function's collective for rank 1 (which is
     in Python): rank 1 stops at once, so rank 0's collective fails with PeerLostError inside

@@ -99,13 +99,23 @@ def test_segment_layout_keeps_the_pool_and_flags_clear_of_the_rings():
         seg.unlink()
 
 
-def test_close_empties_the_doorbells_that_the_fast_lane_shares(pair):
-    # (the lane keeps the same dict: after close it must find no descriptor number to write a
-    # byte to, since a closed number soon names another file of the process)
+def test_a_ring_after_close_writes_to_no_descriptor(pair):
+    # (the fast lane rings through the same object from callers' threads: after close it must
+    # find no descriptor number to write a byte to, since a closed number soon names another
+    # file of the process)
     rings, _ = pair
-    shared = rings[0].bells
-    fd = shared[1]
+    fd = rings[0].bells[1]
     rings[0].close()
-    assert shared == {} and rings[0].bells is shared
+    assert rings[0].bells == {}
     with pytest.raises(OSError):
         os.fstat(fd)
+    r, w = os.pipe()  # (the lowest free numbers: the doorbell's, or lower)
+    try:
+        os.set_blocking(r, False)
+        for q in (0, 1):
+            rings[0].ring(q)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 8)
+    finally:
+        os.close(r)
+        os.close(w)

@@ -25,6 +25,13 @@ Stacks on request
     ``STACK_SIGNAL`` (SIGUSR1) makes the rank write every thread's Python stack to standard error
     (:func:`faulthandler.register`).  ``sdprun`` sends it to the ranks its stall check names (see
     :mod:`sdp.launcher.procs`); ``kill -USR1 PID`` works too.
+
+Stacks at a crash
+    A rank that dies of a fatal signal (SIGSEGV, SIGFPE, SIGABRT -- glibc's ``free(): ...``
+    aborts --, SIGBUS, SIGILL) writes every thread's Python stack first
+    (:func:`faulthandler.enable`), to the original standard error: a crash after a stop signal
+    silenced fd 2 is still seen, with the thread it happened in.  Not where the script or
+    ``PYTHONFAULTHANDLER`` enabled faulthandler already.
 """
 import atexit
 import faulthandler
@@ -43,6 +50,7 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _received: Optional[int] = None  # the stop signal this process got, if any
 _raised = False  # KeyboardInterrupt raised for it
 _stderr_fd: Optional[int] = None  # the original standard error, once fd 2 is silenced
+_fault_fd: Optional[int] = None  # a copy of the original standard error for crash stacks
 _installed = False
 
 
@@ -147,6 +155,7 @@ def install() -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
+    _enable_crash_stacks()
     for s in _STOP_SIGNALS:
         if signal.getsignal(s) in (signal.default_int_handler, signal.SIG_DFL):
             signal.signal(s, _on_stop)
@@ -162,6 +171,18 @@ def install() -> bool:
     sys.excepthook = _excepthook(sys.excepthook)
     _installed = True
     return True
+
+
+def _enable_crash_stacks() -> None:
+    """faulthandler on fatal signals, writing to a copy of fd 2 that silencing leaves alone."""
+    global _fault_fd
+    if faulthandler.is_enabled():
+        return
+    try:
+        _fault_fd = os.dup(2)
+    except OSError:  # pragma: no cover - no standard error
+        return
+    faulthandler.enable(file=_fault_fd, all_threads=True)
 
 
 def install_from_env(environ=os.environ) -> bool:

@@ -62,7 +62,7 @@ Who runs the lane: the caller waiting on a lane handle (:meth:`drive`: it polls 
 :data:`SPIN_S` seconds, yielding the core between polls, then sleeps on the handle; it does not
 poll when this host has fewer cores than local ranks, as for the engine's spin, nor while the
 engine thread has work), else the engine thread, which a **doorbell** wakes
-(:func:`shm_ctrl.ring_bell`) only where needed, since ringing costs the ringer its core for up
+(:meth:`shm_ctrl.ControlRings.ring`) only where needed, since ringing costs the ringer its core for up
 to ~0.7 ms when the woken thread takes it: a post rings rank 0 (and a rank that posted as far),
 and a decision the ranks that posted it, only if a caller of theirs sleeps on a lane handle
 (``WAITING``); a caller that stops
@@ -103,7 +103,7 @@ from sdp.common.reduce_ops import UFUNCS, ReduceOp, accumulation_dtype
 from sdp.engine import collectives, fusion
 from sdp.engine.coordinator import JOIN
 from sdp.engine.handles import Handle, PartHandle
-from sdp.transport.shm_ctrl import LANE_BYTES, ring_bell
+from sdp.transport.shm_ctrl import LANE_BYTES
 
 log = logging.getLogger("sdp.engine")
 
@@ -155,7 +155,7 @@ class Lane:
                  spin_s: float = SPIN_S, engine=None, request=None, device_reduce=None):
         seg, ctrl = mesh.shm, mesh.ctrl
         self.rank, self.size = mesh.rank, mesh.size
-        self.page, self.bells = ctrl.page, ctrl.bells
+        self.page, self._ring_bell = ctrl.page, ctrl.ring
         self._to_engine, self._wake_engine = to_engine, wake_engine
         self._result_array, self._float_scale, self._int_scale = result_array, float_scale, int_scale
         self.timeout_s = timeout_s
@@ -782,9 +782,7 @@ class Lane:
         page = self.page[q]
         if not page[AWAKE] and not page[RUNG]:
             page[RUNG] = 1
-            fd = self.bells.get(q)  # (none once the mesh is closed)
-            if fd is not None:
-                ring_bell(fd)
+            self._ring_bell(q)  # (nothing once the mesh is closed)
 
     def _set_awake(self, delta: int) -> None:
         with self.lock:

@@ -155,6 +155,7 @@ class Runtime:
         # (the doorbell of sdp.transport.shm_ctrl)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        self._wake_lock = threading.Lock()  # a wake and shutdown's close never overlap (see _wake)
         try:
             self.mesh = Mesh(topology, timeout_s=self.config.timeout_s,
                              start_timeout_s=self.config.start_timeout_s,
@@ -294,9 +295,12 @@ class Runtime:
             self._wake()
 
     def _wake(self) -> None:
-        """Wake the engine thread (any thread; nothing after shutdown)."""
-        if self._wake_w >= 0:
-            os.write(self._wake_w, b"x")
+        """Wake the engine thread (any thread; nothing after shutdown).  The descriptor is read and
+        written under the lock shutdown takes to retire it: a number closed in between is soon
+        another file's, which would get the byte."""
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"x")
 
     def shutdown(self) -> None:
         """Stop the thread, fail whatever is still pending, and close the sockets (says BYE)."""
@@ -311,7 +315,8 @@ class Runtime:
         self._fail_all(errors.NotInitializedError("waiting on a collective: sdp was shut down"))
         if self._device is not None and not self._thread.is_alive():
             self._device.close()
-        wake_r, wake_w, self._wake_w = self._wake_r, self._wake_w, -1  # (a late _wake writes nowhere)
+        with self._wake_lock:
+            wake_r, wake_w, self._wake_w = self._wake_r, self._wake_w, -1  # (a late _wake writes nowhere)
         os.close(wake_r)
         os.close(wake_w)
 
