@@ -155,6 +155,7 @@ class Runtime:
         # (the doorbell of sdp.transport.shm_ctrl)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # (full: the engine wakes anyway; never blocks under the lock)
         self._wake_lock = threading.Lock()  # a wake and shutdown's close never overlap (see _wake)
         try:
             self.mesh = Mesh(topology, timeout_s=self.config.timeout_s,
@@ -300,7 +301,10 @@ class Runtime:
         another file's, which would get the byte."""
         with self._wake_lock:
             if self._wake_w >= 0:
-                os.write(self._wake_w, b"x")
+                try:
+                    os.write(self._wake_w, b"x")
+                except BlockingIOError:  # full: the engine thread has bytes to wake it
+                    pass
 
     def shutdown(self) -> None:
         """Stop the thread, fail whatever is still pending, and close the sockets (says BYE)."""
@@ -308,7 +312,7 @@ class Runtime:
             return
         self.front = self.burst = None
         self._stop.set()
-        os.write(self._wake_w, b"x")
+        self._wake()
         self._thread.join(timeout=2.0)  # let a collective in flight finish
         self.mesh.stopping = True  # then cut any wait short
         self._thread.join(timeout=30.0)
