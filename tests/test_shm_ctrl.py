@@ -120,21 +120,27 @@ def test_a_ring_racing_the_close_never_writes_to_a_reused_descriptor(pair):
             ctrl = shm_ctrl.ControlRings(segs[0], 0, {1: shm_ctrl.open_bell(shm_ctrl.bell_path(w))})
             probe_r, probe_w = os.pipe()
             os.set_blocking(probe_r, False)
-            stop = threading.Event()
+            stop, rang = threading.Event(), [0]
 
             def ringer():
                 try:
                     while not stop.is_set():
                         ctrl.ring(1)
+                        rang[0] += 1
                 except OSError as e:
                     failed.append(e)
 
+            def rings_after(n):  # (waits for the ringer, not for a fixed time)
+                end = time.monotonic() + 5
+                while rang[0] <= n and t.is_alive() and time.monotonic() < end:
+                    time.sleep(0)
+
             t = threading.Thread(target=ringer)
             t.start()
-            time.sleep(0.0005)
+            rings_after(0)  # ringing when the close comes
             ctrl.close()
             reused = os.dup(probe_w)
-            time.sleep(0.0005)
+            rings_after(rang[0] + 1)  # and on after the number is reused
             stop.set()
             t.join()
             try:
