@@ -49,10 +49,12 @@ def test_collectives_of_device_arrays(kind, n, ipc, lane):
     if kind in ("cupy", "capsule") and not _have("cupy") or kind == "torch" and not _have("torch"):
         pytest.skip(f"{kind} is not installed")
     cases = w.matrix()
-    values = check_ok(run_workers(n, "workers_device:device_matrix",
-                                  [kind, cases, "reference" if ipc == "1" else "host"],
-                                  env={"SDP_GPU_IPC": ipc, "SDP_FAST_LANE": lane}, timeout=300))
+    res = run_workers(n, "workers_device:device_matrix", [kind, cases, "reference" if ipc == "1" else "host"],
+                      env={"SDP_GPU_IPC": ipc, "SDP_FAST_LANE": lane}, timeout=300)
+    values = check_ok(res)
     _check(values, cases)
+    for r in res:  # shutdown freed every CUDA object in its context, none was left to the exit
+        assert "could not be cleaned up" not in r.stderr, (r.rank, r.stderr[-2000:])
     for _, counters in values:
         assert counters["ipc"] is (ipc == "1") and counters["backend"] == "cuda"
         assert (counters["lane"] > 0) is (lane == "1"), counters

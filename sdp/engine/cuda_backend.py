@@ -233,7 +233,9 @@ class CudaBackend(Backend):
         self._retired.clear()
         self._staging = self._pieces = self._pieces_host = None
         self.pool.stop_holding()
-        self.module = self._reduce = self._gather = None
+        # every CUDA object goes now, in this context: one left to the interpreter's exit is freed
+        # with no context current (PyCUDA warns "... in out-of-thread context could not be cleaned up")
+        self.module = self._reduce = self._gather = self._by_dtype = self.stream = self._done = None
 
     def __exit__(self, *exc):
         cuda.Context.pop()
