@@ -57,11 +57,27 @@ def test_pack_copies_exactly_the_given_ranges(sizes, cuts, dtype):
         assert np.array_equal(np.concatenate([v for _, v in got]) if got else expect[:0], expect)
 
 
-@given(count=st.integers(0, 5000), dtype=st.sampled_from([np.float32, np.float64, np.int8, np.float16]))
-def test_aligned_empty_starts_on_64_bytes(count, dtype):
-    a = fusion.aligned_empty(dtype, count)
-    assert a.shape == (count,) and a.dtype == dtype and a.flags.writeable
+@pytest.mark.parametrize("compiled", [True, False])
+@settings(deadline=None)
+@given(count=st.integers(0, 5000), dtype=st.sampled_from([np.float32, np.float64, np.int8, np.float16, np.int64]))
+def test_aligned_empty_starts_on_64_bytes(compiled, count, dtype):
+    with _compiled_step(compiled):  # (the compiled step's allocation too, where it is loaded)
+        a = fusion.aligned_empty(dtype, count)
+        b = fusion.aligned_empty(dtype, count)
+    assert a.shape == (count,) and a.dtype == dtype and a.flags.writeable and a.flags.c_contiguous
     assert count == 0 or a.ctypes.data % 64 == 0  # (an empty array has no data to align)
+    a[...], b[...] = 1, 2  # two arrays never share memory, and each keeps its own alive
+    del b
+    assert np.all(a == 1)
+
+
+def test_the_compiled_allocation_refuses_bad_arguments():
+    with _compiled_step(True):
+        step = native.loaded()
+        for args, error in [((np.float32, -1), ValueError), (("no such dtype", 4), TypeError),
+                            ((np.float32,), TypeError), ((np.float32, "4"), TypeError)]:
+            with pytest.raises(error):
+                step.aligned_empty(*args)
 
 
 @given(counts=st.lists(st.integers(0, 1500), min_size=1, max_size=80))

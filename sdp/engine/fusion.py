@@ -189,6 +189,9 @@ def aligned_empty(dtype, count: int, align_bytes: int = ALIGN_BYTES) -> np.ndarr
             chunk, used = _aligned_raw(_CHUNK_BYTES, ALIGN_BYTES), 0
         _chunks.at = (chunk, used + -(-max(nbytes, 1) // ALIGN_BYTES) * ALIGN_BYTES)
         return chunk[used:used + nbytes].view(dtype)
+    step = compiled() if align_bytes == ALIGN_BYTES else None
+    if step is not None:  # (~0.6 us where the lines below take ~3: the address from Python is most of it)
+        return step.aligned_empty(dtype, count)
     return _aligned_raw(nbytes, align_bytes).view(dtype)
 
 

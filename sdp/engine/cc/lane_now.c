@@ -27,6 +27,9 @@
 #include <Python.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/arrayobject.h>
+#if NPY_ABI_VERSION < 0x02000000 /* (numpy 1.x: the field itself) */
+#define PyDataType_ELSIZE(descr) ((descr)->elsize)
+#endif
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
@@ -59,7 +62,7 @@ typedef struct {
     Py_buffer views[3 * MAX_RANKS + 1];
     int nviews;
     /* front(): the lane and engine it runs on (attach), what it learnt (learn), result chunk */
-    PyObject *lane, *engine, *acquire, *release, *finish, *result_array, *cache, *chunk;
+    PyObject *lane, *engine, *acquire, *release, *finish, *cache, *chunk;
     Py_ssize_t chunk_used;
     /* burst(): the PartHandle class, and lane.py's _BATCH_MAX, READ_BYTES, GRACE_S (attach); the
      * batch it last added to and that batch's lists, dict, handle, dtype and op (batch_fields) */
@@ -499,13 +502,12 @@ static PyObject *ctx_attach(Ctx *c, PyObject *args) {
     Py_XSETREF(c->part_handle, part_handle);
     c->batch_max = batch_max, c->read_bytes = read_bytes, c->grace_s = grace_s;
     if (!(lock = PyObject_GetAttrString(lane, "lock"))) return NULL;
-    Py_CLEAR(c->acquire); Py_CLEAR(c->release); Py_CLEAR(c->finish); Py_CLEAR(c->result_array);
+    Py_CLEAR(c->acquire); Py_CLEAR(c->release); Py_CLEAR(c->finish);
     c->acquire = PyObject_GetAttrString(lock, "acquire");
     c->release = PyObject_GetAttrString(lock, "release");
     Py_DECREF(lock);
     c->finish = PyObject_GetAttrString(lane, "_finish_now");
-    c->result_array = PyObject_GetAttrString(lane, "_result_array");
-    if (!c->acquire || !c->release || !c->finish || !c->result_array) return NULL;
+    if (!c->acquire || !c->release || !c->finish) return NULL;
     Py_INCREF(lane), Py_INCREF(engine);
     Py_XSETREF(c->lane, lane);
     Py_XSETREF(c->engine, engine);
@@ -619,18 +621,38 @@ static int unlock(Ctx *c) {
     return 0;
 }
 
+/* a new C-contiguous array of descr (a reference stolen) and shape dims[nd] whose data starts on
+ * an ALIGN boundary, in a uint8 heap array of ALIGN more bytes (its base): numpy's own are only
+ * 16-byte aligned, and finding the address from Python (ndarray.ctypes) cost ~1.2 of the ~3 us
+ * that fusion.aligned_empty took */
+static PyObject *aligned_new(PyArray_Descr *descr, int nd, npy_intp *dims) {
+    npy_intp nbytes = PyDataType_ELSIZE(descr);
+    for (int k = 0; k < nd; k++) nbytes *= dims[k];
+    npy_intp n = nbytes + ALIGN;
+    PyObject *raw = PyArray_SimpleNew(1, &n, NPY_UINT8);
+    if (!raw) {
+        Py_DECREF(descr);
+        return NULL;
+    }
+    char *at = (char *)PyArray_DATA((PyArrayObject *)raw);
+    at += (-(intptr_t)at) & (ALIGN - 1);
+    PyObject *r = PyArray_NewFromDescr(&PyArray_Type, descr, nd, dims, NULL, at, NPY_ARRAY_CARRAY, NULL);
+    if (!r || PyArray_SetBaseObject((PyArrayObject *)r, raw) < 0) { /* (the base: a reference stolen) */
+        Py_XDECREF(r);
+        if (!r) Py_DECREF(raw);
+        return NULL;
+    }
+    return r;
+}
+
 /* a new result of a's dtype and shape: 64-byte aligned, carved out of a 64 KB chunk up to
- * SMALL bytes (as fusion.aligned_empty), else Lane._result_array's */
+ * SMALL bytes (as fusion.aligned_empty), else aligned_new's */
 static PyObject *result_like(Ctx *c, PyArrayObject *a) {
     Py_ssize_t nbytes = PyArray_NBYTES(a);
     PyArray_Descr *descr = PyArray_DESCR(a);
     if (nbytes > SMALL) {
-        PyObject *flat = PyObject_CallFunction(c->result_array, "On", (PyObject *)descr, PyArray_SIZE(a));
-        if (!flat) return NULL;
-        PyArray_Dims dims = {PyArray_DIMS(a), PyArray_NDIM(a)};
-        PyObject *r = PyArray_Newshape((PyArrayObject *)flat, &dims, NPY_CORDER);
-        Py_DECREF(flat);
-        return r;
+        Py_INCREF(descr);
+        return aligned_new(descr, PyArray_NDIM(a), PyArray_DIMS(a));
     }
     if (!c->chunk || c->chunk_used + nbytes > CHUNK) {
         npy_intp n = CHUNK + ALIGN;
@@ -691,7 +713,7 @@ static PyObject *ctx_front(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
     if (out != Py_None && (!PyArray_CheckExact(out) || (PyObject *)PyArray_DESCR(o) != e->descr || !same_shape(o, e) ||
                            !PyArray_IS_C_CONTIGUOUS(o) || !PyArray_ISWRITEABLE(o)))
         Py_RETURN_NONE;
-    /* (copied: the entry may be replaced once the GIL is let go, in lock.acquire or result_array) */
+    /* (copied: the entry may be replaced once the GIL is let go, in lock.acquire) */
     int64_t sig = e->sig;
     int red = e->red;
     double scale = e->scale;
@@ -860,7 +882,7 @@ static int ctx_traverse(Ctx *c, visitproc visit, void *arg) {
     Py_VISIT(c->part_handle); Py_VISIT(c->batch); Py_VISIT(c->b_reqs); Py_VISIT(c->b_arrays); Py_VISIT(c->b_names);
     Py_VISIT(c->b_ident); Py_VISIT(c->b_handle); Py_VISIT(c->b_dtype); Py_VISIT(c->b_op);
     Py_VISIT(c->lane); Py_VISIT(c->engine); Py_VISIT(c->acquire); Py_VISIT(c->release); Py_VISIT(c->finish);
-    Py_VISIT(c->result_array); Py_VISIT(c->cache); Py_VISIT(c->chunk);
+    Py_VISIT(c->cache); Py_VISIT(c->chunk);
     return 0;
 }
 
@@ -868,7 +890,7 @@ static int ctx_clear(Ctx *c) {
     Py_CLEAR(c->part_handle);
     forget_batch(c);
     Py_CLEAR(c->lane); Py_CLEAR(c->engine); Py_CLEAR(c->acquire); Py_CLEAR(c->release); Py_CLEAR(c->finish);
-    Py_CLEAR(c->result_array); Py_CLEAR(c->cache); Py_CLEAR(c->chunk);
+    Py_CLEAR(c->cache); Py_CLEAR(c->chunk);
     return 0;
 }
 
@@ -1029,7 +1051,26 @@ static PyObject *lane_exportable(PyObject *mod, PyObject *o) {
     Py_RETURN_FALSE;
 }
 
+/* aligned_empty(dtype, count) -> a new 1-D array, ALIGN-byte aligned (fusion.aligned_empty's large case) */
+static PyObject *lane_aligned_empty(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    PyArray_Descr *descr = NULL;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "aligned_empty(dtype, count)");
+        return NULL;
+    }
+    npy_intp count = PyLong_AsSsize_t(args[1]);
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    if (count < 0) {
+        PyErr_SetString(PyExc_ValueError, "aligned_empty: a negative count");
+        return NULL;
+    }
+    if (!PyArray_DescrConverter(args[0], &descr)) return NULL;
+    return aligned_new(descr, 1, &count);
+}
+
 static PyMethodDef methods[] = {
+    {"aligned_empty", (PyCFunction)(void (*)(void))lane_aligned_empty, METH_FASTCALL,
+     "aligned_empty(dtype, count) -> a new 1-D array whose data starts on a 64-byte boundary"},
     {"exportable", (PyCFunction)lane_exportable, METH_O,
      "exportable(a) -> whether TensorFlow can wrap array a through DLPack as it is (64-byte aligned)"},
     {"same_metas", (PyCFunction)(void (*)(void))lane_same_metas, METH_FASTCALL,
