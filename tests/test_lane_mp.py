@@ -170,11 +170,13 @@ def test_the_compiled_step_and_the_python_lane_give_the_same_bits(n):
 def test_synchronous_allreduces_and_groups_run_whole_in_the_caller(n, worker, steps, compiled):
     values = check_ok(run_workers(n, f"workers_lane:{worker}", [steps, 11], env={"SDP_NATIVE": compiled},
                                   timeout=120))
-    for rank, (bad, calls, made, counts) in enumerate(values):
+    for rank, (bad, calls, free, counts) in enumerate(values):
         assert not bad, (rank, bad)
-        # (a Request only for each key's first call and for calls not consumed while the caller
-        # polls: a late rank's peers; callers poll only with a core per rank)
-        assert calls > steps // 4 and (made < calls or n > len(os.sched_getaffinity(0))), (rank, calls, made)
+        # (a Request for each name's first call, and for each call not consumed while its caller
+        # polled: a late rank's peers, or a peer whose engine thread was slow to post its
+        # asynchronous half, which on a busy machine is most calls (CI once: 32 of 38); callers
+        # poll only with a core per rank.  A call that finds its peers posted runs with none)
+        assert calls > steps // 4 and (free > 0 or n > len(os.sched_getaffinity(0))), (rank, calls, free)
         assert counts["slow"] == 0 and counts["fast"] >= steps, (rank, counts)
 
 

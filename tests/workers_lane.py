@@ -412,8 +412,9 @@ def sync_mixed(steps, seed):
     shapes and ``out=`` (a new array, another array, the input itself); a rank sometimes starts
     2 ms late (longer than the lane polls: the early ones then wait as held requests), and every
     10th step one rank passes a non-contiguous input.  Returns (the steps not exact, how many
-    synchronous calls this rank made, how many of them made a Request: only those not consumed
-    while the caller polled, the lane counts)."""
+    synchronous calls this rank made, how many of them made no Request at all: a Request is made
+    for each name's first call and for each call not consumed while its caller polled, the lane
+    counts)."""
     import time
     _never_escalate()  # (as in matrix: the engine's arithmetic differs for some cases)
     n, r = sdp.size(), sdp.rank()
@@ -426,7 +427,7 @@ def sync_mixed(steps, seed):
 
     lane._request = counted
     rng = random.Random(seed)  # (the same choices on every rank; each rank reads its own)
-    bad, syncs = [], 0
+    bad, syncs, free = [], 0, 0
     cases = [(np.float32, ReduceOp.SUM, 1.0), (np.float32, ReduceOp.AVERAGE, 1.0), (np.float16, ReduceOp.SUM, 0.5),
              (np.int32, ReduceOp.AVERAGE, 1.0), (np.float64, ReduceOp.MAX, 1.0)]
     sdp.allreduce(np.ones(1), name="warm", op=sdp.Sum)
@@ -444,20 +445,21 @@ def sync_mixed(steps, seed):
             time.sleep(0.002)  # (the scenario: a late rank)
         name = f"s{case}.{len(shape)}"  # (names come back, as a training step's do)
         if how[r]:
-            syncs += 1
+            syncs, before = syncs + 1, made[0]
             got = sdp.allreduce(mine, name=name, op=op, postscale_factor=post, out=out)
+            free += made[0] == before
         else:
             got = sdp.allreduce_async(mine, name=name, op=op, postscale_factor=post, out=out).wait()
         if got.shape != want.shape or got.tobytes() != want.tobytes() or out is not None and got is not out:
             bad.append([step, np.dtype(dtype).name, op.name, list(shape), outs])
-    return [bad, syncs, made[0], lane.counts]
+    return [bad, syncs, free, lane.counts]
 
 
 def grouped_sync_mixed(steps, seed):
     """``steps`` grouped allreduces of 2-30 small arrays (one dtype each), ``sdp.grouped_allreduce``
     on some ranks and ``grouped_allreduce_async`` + a wait per array on others, a rank sometimes
-    2 ms late.  Returns (the steps not exact, grouped calls this rank made, how many of them made
-    a Request, the lane counts)."""
+    2 ms late.  Returns (the steps not exact, synchronous grouped calls this rank made, how many of
+    them made no Request at all, the lane counts: as :func:`sync_mixed`)."""
     import time
     _never_escalate()  # (as in matrix)
     n, r = sdp.size(), sdp.rank()
@@ -472,7 +474,7 @@ def grouped_sync_mixed(steps, seed):
     rng = random.Random(seed)
     cases = [(np.float32, ReduceOp.SUM, 1.0), (np.float64, ReduceOp.AVERAGE, 1.0), (np.int32, ReduceOp.SUM, 1.0),
              (np.float16, ReduceOp.AVERAGE, 0.5)]
-    bad, calls = [], 0
+    bad, calls, free = [], 0, 0
     shapes = [[rng.choice([(), (1,), (5,), (3, 4), (100,)]) for _ in range(rng.randrange(2, 31))] for _ in range(4)]
     for step in range(steps):
         case, k = rng.randrange(len(cases)), rng.randrange(len(shapes))
@@ -485,14 +487,15 @@ def grouped_sync_mixed(steps, seed):
             time.sleep(0.002)  # (the scenario: a late rank)
         name = f"g{case}.{k}"
         if sync[r]:
-            calls += 1
+            calls, before = calls + 1, made[0]
             got = sdp.grouped_allreduce(mine, name=name, op=op, postscale_factor=post)
+            free += made[0] == before
         else:
             got = [h.wait() for h in sdp.grouped_allreduce_async(mine, names=[f"{name}.{j}" for j in range(len(mine))],
                                                                  op=op, postscale_factor=post)]
         if any(g.shape != w.shape or g.tobytes() != w.tobytes() for g, w in zip(got, want)) or len(got) != len(want):
             bad.append([step, np.dtype(dtype).name, op.name, k])
-    return [bad, calls, made[0], lane.counts]
+    return [bad, calls, free, lane.counts]
 
 
 def sync_large(rounds):
