@@ -27,6 +27,10 @@ thread, rank 0's coordinator and the collective, as before them).
 
 * across hosts, also the **link floor**: the round trip of 1 KB over a plain TCP connection
   between rank 0 and the first rank on another host (:func:`tcp_rtt`).
+* on one host, also the **data floor** of 64 KB and of the step's bytes: what moving them costs
+  with no control at all (:func:`data_floor`, ``benchmarks/shm_floor.c`` compiled here).  A
+  target whose bound is below it cannot be met on this machine by an allreduce that copies its
+  bytes into shared memory and reduces a peer's copy, as the fast lane does.
 
 Targets (2 ranks, one host; issue 30): engine 1 KB <= 1.5 RTT back to back and <= 2 RTT isolated;
 64 KB <= 2 RTT back to back; the 100-tensor step <= 5 RTT + its memory time, one by one <= 3x that.
@@ -35,10 +39,12 @@ Ranks on several hosts (2 x 2): 1 KB back to back <= 2 TCP round trips.
 import contextlib
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -169,6 +175,32 @@ def tcp_rtt(nbytes: int = 1024, iters: int = 2000, warmup: int = 200) -> float:
     return max_over_ranks(statistics.median(times) if sdp.rank() == 0 else 0.0, "lat.tcp")
 
 
+def data_floor(sizes) -> dict:
+    """``{nbytes: seconds}``: the data floor of a 2-rank shared-memory allreduce of each size in
+    ``sizes`` (bytes, multiples of 64), by ``benchmarks/shm_floor.c``: two processes pinned to two
+    cores copy a private float32 input into shared memory, raise a flag, wait for the peer's and
+    sum their input with the peer's copy into a private result, back to back (median per
+    iteration, the larger of the two).  Compiled here with ``$CC`` (default ``cc``) at ``-O3
+    -march=native``; ``{}`` (and a line on stderr saying why) without a compiler or where it
+    fails.  Run on one rank while the others wait."""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        print("latency: no C compiler (cc): the data floor is not measured", file=sys.stderr)
+        return {}
+    args = [str(a) for nbytes in sizes for a in (nbytes, 4000 if nbytes <= 65536 else 1000)]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            exe = os.path.join(tmp, "shm_floor")
+            subprocess.run([cc, "-O3", "-march=native", "-o", exe, os.path.join(os.path.dirname(__file__),
+                                                                             "shm_floor.c")],
+                           check=True, capture_output=True, timeout=120)
+            out = subprocess.run([exe] + args, check=True, capture_output=True, text=True, timeout=120).stdout
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        print(f"latency: the data floor was not measured: {e} {getattr(e, 'stderr', '')}", file=sys.stderr)
+        return {}
+    return {int(nbytes): float(seconds) for nbytes, seconds in (line.split() for line in out.splitlines())}
+
+
 def max_over_ranks(x: float, name: str) -> float:
     return float(sdp.allreduce(np.array([x], np.float64), name=name, op=sdp.Max)[0])
 
@@ -272,6 +304,9 @@ def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 60, r
     res = {"rtt": rtt}
     if len(set(job_hosts())) > 1:
         res["tcp_rtt"] = tcp_rtt()
+    else:  # (the others wait here)
+        res["data_floor"] = sdp.broadcast_object(data_floor((65536, STEP_COUNT * STEP_BYTES))
+                                                 if sdp.rank() == 0 else None, 0, name="lat.floor")
     parts = [max(1, n // rounds) for n in (iters, isolated_iters, step_iters)]
     on, off = [], []
     for _ in range(rounds):
@@ -314,20 +349,29 @@ def report(res: dict) -> list:
             ("memory time of the step's bytes (one copy)", "step_memory")]
     lines += [f"{label:<44} {us(res[k])} {x(res[k])}   {us(res['off'][k])} {x(res['off'][k])}" for label, k in rows]
     step_bound = TARGET_STEP_RTT * rtt + res["step_memory"]
-    checks = [(f"1 KB back to back <= {TARGET_1K_B2B_RTT} RTT", res["b2b_1024"], TARGET_1K_B2B_RTT * rtt),
-              (f"1 KB isolated <= {TARGET_1K_ISOLATED_RTT} RTT", res["iso_1024"], TARGET_1K_ISOLATED_RTT * rtt),
-              (f"64 KB back to back <= {TARGET_64K_B2B_RTT} RTT", res["b2b_65536"], TARGET_64K_B2B_RTT * rtt),
-              (f"step grouped <= {TARGET_STEP_RTT:g} RTT + memory", res["step_grouped"], step_bound),
+    floor = res.get("data_floor") or {}
+    f64, fstep = floor.get(65536), floor.get(STEP_COUNT * STEP_BYTES)
+    if floor:
+        lines.append(f"data floor (copy into shared memory + reduce, two pinned processes, no control; "
+                     f"shm_floor.c): 64 KB {us(f64)} {x(f64)}, the step's {STEP_COUNT * STEP_BYTES // 1024} KB "
+                     f"in one buffer {us(fstep)} {x(fstep)}")
+    checks = [(f"1 KB back to back <= {TARGET_1K_B2B_RTT} RTT", res["b2b_1024"], TARGET_1K_B2B_RTT * rtt, None),
+              (f"1 KB isolated <= {TARGET_1K_ISOLATED_RTT} RTT", res["iso_1024"], TARGET_1K_ISOLATED_RTT * rtt,
+               None),
+              (f"64 KB back to back <= {TARGET_64K_B2B_RTT} RTT", res["b2b_65536"], TARGET_64K_B2B_RTT * rtt, f64),
+              (f"step grouped <= {TARGET_STEP_RTT:g} RTT + memory", res["step_grouped"], step_bound, fstep),
               (f"step one by one <= {TARGET_STEP_ONE_BY_ONE:g}x (grouped bound)", res["step_one_by_one"],
-               TARGET_STEP_ONE_BY_ONE * step_bound)]
+               TARGET_STEP_ONE_BY_ONE * step_bound, fstep)]
     if "tcp_rtt" in res:  # (ranks on several hosts: the one-host targets do not apply)
         tcp = res["tcp_rtt"]
         lines.append(f"link floor: TCP round trip of 1 KB between two hosts (no Nagle) {us(tcp)}")
         checks = [(f"1 KB back to back across hosts <= {TARGET_1K_HOSTS_TCP_RTT:g} TCP RTT", res["b2b_1024"],
-                   TARGET_1K_HOSTS_TCP_RTT * tcp)]
+                   TARGET_1K_HOSTS_TCP_RTT * tcp, None)]
     lines.append(f"latency targets (issue 30; {'ranks on several hosts' if 'tcp_rtt' in res else '2 ranks on one host'}):")
     lines += [f"  {label}: {t * 1e6:.1f} us <= {bound * 1e6:.1f} us  {'PASS' if t <= bound else 'FAIL'}"
-              for label, t, bound in checks]
+              + ("" if below is None else f" (data floor {below * 1e6:.1f} us"
+                 + (": the bound is below it)" if below > bound else ")"))
+              for label, t, bound, below in checks]
     return lines
 
 

@@ -65,8 +65,27 @@ def test_latency_section_measures_its_floor_and_states_targets_as_round_trips():
     for label in ("1 KB back to back <= 1.5 RTT", "1 KB isolated <= 2.0 RTT", "64 KB back to back <= 2.0 RTT",
                   "step grouped <= 5 RTT + memory", "step one by one <= 3x (grouped bound)"):
         assert re.search(re.escape(label) + r": [0-9.]+ us <= [0-9.]+ us  (PASS|FAIL)", out), (label, out[-3000:])
+    # the data floor (shm_floor.c, compiled by the run), beside the targets it bounds
+    floor = re.search(r"data floor \(copy into shared memory \+ reduce, .*\): 64 KB\s+([0-9.]+) us\s+[0-9.]+ RTT, "
+                      r"the step's 400 KB in one buffer\s+([0-9.]+) us", out)
+    assert floor and 0 < float(floor.group(1)) < float(floor.group(2)), out[-3000:]
+    assert len(re.findall(r"(64 KB back to back|step grouped|step one by one) .*(PASS|FAIL) \(data floor [0-9.]+ us",
+                          out)) == 3, out[-3000:]
     # the phase breakdown, back to back and isolated, one line per rank each
     assert len(re.findall(r"rank [01]: submit->engine awake [0-9.]+, awake->request sent", out)) == 4, out[-3000:]
+
+
+def test_the_data_floor_program_sums_and_refuses_bad_arguments(tmp_path):
+    exe = tmp_path / "shm_floor"
+    subprocess.run(["cc", "-O3", "-march=native", "-o", str(exe), os.path.join(ROOT, "benchmarks", "shm_floor.c")],
+                   check=True, timeout=120)
+    p = subprocess.run([str(exe), "64", "50", "65536", "20"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr  # (it checks one sum of each size: exit 4 when wrong)
+    lines = [line.split() for line in p.stdout.splitlines()]
+    assert [n for n, _ in lines] == ["64", "65536"] and all(0 < float(t) < 1 for _, t in lines), p.stdout
+    for bad in (["100", "50"], ["64", "5"], ["64"]):  # (not a multiple of 64, too few iterations, no count)
+        p = subprocess.run([str(exe)] + bad, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and "shm_floor" in p.stderr and not p.stdout, (bad, p.returncode, p.stderr)
 
 
 def test_blas_threads_benchmark_prints_both_modes():
