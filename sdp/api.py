@@ -391,6 +391,10 @@ def _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, proce
         # array, waited at once: the fast lane may run it whole here)
         result = rt.allreduce_now(plan[0][1], arrays, op, float(postscale_factor), None, plan[0][2])
         if result is not None:
+            learnt = _group_plans.get(key)
+            if rt.front_group is not None and learnt is not None and learnt[1] is plan:  # (its next calls:
+                rt.lane.learn_group(names, rt.fusion_threshold, learnt[0], plan[0][1], plan[0][2], op,  # whole in
+                                    float(postscale_factor))  # the compiled entry)
             return DoneHandle(result)
     if (not parts and plan is not None and len(plan) == 1 and plan[0][2] is not None and not ps
             and prescale_factor == 1.0 and isinstance(arrays[0], DeviceTensor)):  # (one device group of
@@ -477,6 +481,13 @@ def grouped_allreduce_named(tensors: Sequence, names: Optional[Sequence[str]], o
     a group of small arrays may run whole in the calling thread (the fast lane)."""
     if len(tensors) == 1 and names is not None:
         return [allreduce(tensors[0], names[0], op, prescale_factor, postscale_factor, None, process_set)]
+    rt = runtime("grouped_allreduce()")
+    front = rt.front_group  # (the compiled step's common case, whole)
+    if front is not None and type(process_set) is int and not process_set and prescale_factor == 1.0:
+        result = front(names, tensors, op if type(op) is ReduceOp else resolve_op(op), postscale_factor,
+                       rt.fusion_threshold)
+        if result is not None:
+            return result
     handles = _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, process_set, False)
     if type(handles) is not list:  # (one group of every array, in order: its result is the list)
         return handles.wait()

@@ -199,6 +199,27 @@ def test_a_synchronous_allreduce_beside_the_engines_work_stays_itself():
 
 
 @pytest.mark.parametrize("n", [2, 3])
+def test_the_compiled_group_entry_runs_a_learnt_group_and_hands_the_rest_on(n):
+    rounds = 8
+    for rank, seen in enumerate(check_ok(run_workers(n, "workers_lane:front_group_paths", [rounds], timeout=120))):
+        assert all(seen[k][0] for k in seen if k != "mismatch"), (rank, seen)
+        assert "shapes of the grouped tensors mismatch" in (seen["mismatch"] or ""), (rank, seen)
+        # (each case: [exact, calls the entry answered, calls Python's lane ran, barriers included])
+        for k in ("strided member", "int average"):  # (never the entry's)
+            assert seen[k][1] == 0 and seen[k][2] == rounds, (rank, k, seen)
+        if _compiled_step():
+            # (learnt by the first call, names changed or op changed too; a call that finds the lane
+            # busy, a peer's last call not yet consumed, goes on in Python: most calls on a quiet
+            # machine, not all)
+            for k in ("by name", "new equal lists", "one renamed", "op changed", "again", "after the mismatch"):
+                assert seen[k][2] >= (k in ("by name", "one renamed", "op changed")), (rank, k, seen)
+                assert seen[k][1] >= 1 and seen[k][1] + seen[k][2] == rounds, (rank, k, seen[k], seen)
+            assert seen["late 2 ms"][1] >= 1 and seen["late 30 ms"][1] >= 1, (rank, seen)
+        else:
+            assert all(seen[k][1] == 0 for k in seen if k != "mismatch"), (rank, seen)
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_the_compiled_entry_holds_escalates_and_raises_as_the_lane_does(n):
     for rank, seen in enumerate(check_ok(run_workers(n, "workers_lane:front_paths", [6], timeout=120))):
         assert seen["exact"] and seen["apart"] and seen["aligned"] and seen["out"], (rank, seen)

@@ -667,3 +667,87 @@ def front_paths(rounds):
     seen["in place"] = inplace
     seen["entered"] = entered[0]
     return seen
+
+
+def front_group_paths(rounds):
+    """The compiled group entry (``Runtime.front_group``, learnt by a group's first call through
+    ``sdp.api._grouped_submit``) and the roads around it: the same group by name (the entry), by
+    a new list of equal names each call (the entry), with one name changed, one member not
+    C-contiguous or the op changed (``_grouped_submit``, exact), integer AVERAGE (never learnt:
+    Python scales), a peer later than the spin (the entry's post held, then consumed), a peer
+    later than ``ESCALATE_S`` (the engine), a member's shape changed on one rank
+    (``TensorMismatchError`` on every rank).  Returns a dict: per case, whether every result was
+    exact and how many calls the entry answered (``entered``) and Python's lane ran
+    (``python``)."""
+    import time
+    from sdp.common import errors
+    n, r = sdp.size(), sdp.rank()
+    rt = sdp.api.runtime()
+    entered = _counting(rt, "front_group")
+    python = [0]
+    now = rt.lane.allreduce_now
+
+    def counted(*a):
+        python[0] += 1
+        return now(*a)
+    rt.lane.allreduce_now = counted
+    shapes = [(), (3,), (2, 5), (100,), (7,)]
+
+    def data(q, dtype, shape, seed):  # (small integers: exact in the engine's order of 3 ranks too)
+        return _data(q, np.int32, shape, seed).astype(dtype)
+
+    def arrays(dtype, seed):
+        return [data(r, dtype, sh, seed + j) for j, sh in enumerate(shapes)]
+
+    def want(dtype, op, seed):
+        return [_expected(op, [data(q, dtype, sh, seed + j) for q in range(n)], 1.0, n)
+                for j, sh in enumerate(shapes)]
+    seen = {}
+
+    def case(label, calls, dtype=np.float32, op=ReduceOp.SUM, late_s=0.0):
+        entered[0], python[0], exact = 0, 0, True
+        for k in range(rounds):
+            mine, names = arrays(dtype, k), [f"fg.{j}" for j in range(len(shapes))]
+            if late_s:
+                sdp.barrier()
+                if r == n - 1:
+                    time.sleep(late_s)
+            got = calls(mine, names, op)
+            exact &= len(got) == len(shapes) and all(
+                g.shape == w.shape and g.dtype == w.dtype and g.tobytes() == w.tobytes()
+                for g, w in zip(got, want(dtype, op, k)))
+        seen[label] = [exact, entered[0], python[0]]
+    member_names = None
+    by_name = lambda mine, names, op: sdp.grouped_allreduce(mine, name="fg", op=op)  # noqa: E731
+
+    def same_list(mine, names, op):
+        nonlocal member_names
+        member_names = member_names or names
+        return sdp.api.grouped_allreduce_named(mine, member_names, op)
+
+    def one_renamed(mine, names, op):
+        return sdp.api.grouped_allreduce_named(mine, names[:-1] + ["fg.other"], op)
+
+    def strided(mine, names, op):
+        mine[3] = np.repeat(mine[3], 2)[::2]
+        return sdp.api.grouped_allreduce_named(mine, names, op)
+    case("by name", by_name)
+    case("new equal lists", lambda mine, names, op: sdp.api.grouped_allreduce_named(mine, names, op))
+    case("one renamed", one_renamed)
+    case("strided member", strided)
+    case("op changed", same_list, op=ReduceOp.MAX)
+    case("int average", same_list, dtype=np.int32, op=ReduceOp.AVERAGE)
+    case("late 2 ms", same_list, late_s=0.002)
+    case("late 30 ms", same_list, late_s=0.03)
+    case("again", same_list)
+    sdp.barrier()
+    try:
+        mine = arrays(np.float32, 0)
+        if r == n - 1:
+            mine[2] = mine[2].reshape(10)
+        sdp.api.grouped_allreduce_named(mine, [f"fg.{j}" for j in range(len(shapes))], ReduceOp.SUM)
+        seen["mismatch"] = None
+    except errors.TensorMismatchError as e:
+        seen["mismatch"] = str(e)
+    case("after the mismatch", same_list)
+    return seen

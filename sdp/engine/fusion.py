@@ -124,17 +124,17 @@ class Layout:
     shape (callers cache it: a training step submits the same group every step); :meth:`pack`
     copies arrays into such a buffer, :meth:`views` gives the parts of a result back.  ``shapes``: every array's
     shape, in order (what ranks must agree on); ``count``: the buffer's elements; ``starts``: each
-    array's element offset in it (a tuple)."""
+    array's element offset in it (a tuple); ``spans``: each array's (start, end, shape or None
+    where a 1-D slice has it) in it, what :meth:`views` cuts."""
 
-    __slots__ = ("dtype", "shapes", "count", "starts", "_spans", "_seq", "_pads")
+    __slots__ = ("dtype", "shapes", "count", "starts", "spans", "_seq", "_pads")
 
     def __init__(self, arrays: List[np.ndarray]):
         offs = offsets(arrays)
         self.dtype = arrays[0].dtype
         self.shapes = tuple(a.shape for a in arrays)
         self.count = offs[-1]
-        # (start, end, shape or None where the slice has it already): per part
-        self._spans = [(start, start + a.size, None if a.shape == (a.size,) else a.shape)
+        self.spans = [(start, start + a.size, None if a.shape == (a.size,) else a.shape)
                        for a, start in zip(arrays, offs)]
         self.starts = tuple(offs[:-1])
         self._pads = {}  # -(k + 1) -> k zeros (padding of k elements), in self._seq as that key
@@ -166,8 +166,8 @@ class Layout:
         (made in C with the compiled step loaded: 100 views ~6 instead of ~19 us)."""
         step = compiled()
         if step is not None:
-            return step.views(flat, self._spans)
-        return [flat[a:b] if shape is None else flat[a:b].reshape(shape) for a, b, shape in self._spans]
+            return step.views(flat, self.spans)
+        return [flat[a:b] if shape is None else flat[a:b].reshape(shape) for a, b, shape in self.spans]
 
 
 SMALL_BYTES = 4096  # arrays of at most this many bytes are carved out of a shared chunk

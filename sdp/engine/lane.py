@@ -56,7 +56,9 @@ reduces every rank's copy there.
 Where :mod:`sdp.engine.native` builds, its common case (post, poll, reduce) is one compiled call
 (``cc/lane_now.c``) that hands everything else back to this code; ``sdp.allreduce`` calls its
 entry (:attr:`Lane.front`) first, which runs a learnt name's call whole, checks, allocation and
-result included, and goes on in :meth:`Lane._finish_now` where the common case ends.
+result included, and goes on in :meth:`Lane._finish_now` where the common case ends;
+``sdp.grouped_allreduce`` calls :attr:`Lane.front_group` the same way for a learnt group
+(:meth:`Lane.learn_group`), packing included.
 
 Who runs the lane: the caller waiting on a lane handle (:meth:`drive`: it polls for up to
 :data:`SPIN_S` seconds, yielding the core between polls, then sleeps on the handle; it does not
@@ -149,7 +151,8 @@ class Lane:
     while the engine thread has no work (``engine``'s ``_pending`` and ``_queue`` empty; None:
     never).  ``device_reduce(req)``: the result of a device allreduce every rank posted alike
     (:meth:`device_now`).  ``front``: the compiled step's entry for :meth:`allreduce_now` (``front(name, a,
-    op, postscale, out)``, see ``cc/lane_now.c``), or None."""
+    op, postscale, out)``, see ``cc/lane_now.c``), or None; ``front_group``: its entry for a
+    flattened group (``front_group(names, arrays, op, postscale, fusion threshold)``), or None."""
 
     def __init__(self, mesh, to_engine, wake_engine, result_array, float_scale, int_scale, timeout_s: float,
                  spin_s: float = SPIN_S, engine=None, request=None, device_reduce=None):
@@ -206,12 +209,12 @@ class Lane:
         self._first_seen = None  # rank 0: (position, when) of the first position left waiting
         module, self._ctx = self._native_step()  # the compiled step's Context (it keeps _alloc's state), or None
         self._native = None  # (p, sig, off, src, dst, red, scale, spin, decided, awake) -> (code, ring)
-        self.front = None
+        self.front = self.front_group = None
         self.burst_front = self.burst  # (Runtime.burst: the compiled Lane.burst where there is one)
         if self._ctx is not None:
             self._native = functools.partial(module.now, self._ctx)
             self._ctx.attach(self, engine, PartHandle, _BATCH_MAX, READ_BYTES, GRACE_S)
-            self.front, self.burst_front = self._ctx.front, self._ctx.burst
+            self.front, self.front_group, self.burst_front = self._ctx.front, self._ctx.front_group, self._ctx.burst
 
     # -- caller side ----------------------------------------------------------------------------
     def post(self, reqs) -> list:
@@ -424,6 +427,22 @@ class Lane:
             self.lock.release()
             return None
         return self._finish_now(p, verdict, ring, result, name, a, op, postscale, out, layout, known)
+
+    def learn_group(self, names, threshold: int, metas: list, group: str, layout, op, postscale: float) -> None:
+        """After :meth:`allreduce_now` ran flattened group ``group`` (``layout``: ``sdp.api``'s plan
+        of ``names`` at fusion ``threshold`` for arrays of ``metas``, a list of (dtype, shape)):
+        :attr:`front_group` (the compiled entry, ``Context.front_group``) runs the group's next
+        calls whole, as :meth:`allreduce_now` teaches :attr:`front` a single array's.  Not where
+        Python must finish the call (integers scaled) or a timeline is written."""
+        known = self._now.get((group, id(layout), op, postscale))
+        if (self._ctx is None or known is None or not known[0] or known[5] or known[6] is not layout
+                or known[7] is None or not self.enabled):
+            return
+        try:
+            self._ctx.learn_group(tuple(names), threshold, metas, group, layout, layout.starts, layout.spans,
+                                  layout.count, layout.dtype, op, postscale, known[0], *known[7])
+        except (TypeError, ValueError):  # (names that are not strings, a threshold not an int: not learnt,
+            pass  # the call done in Python all the same)
 
     def _known(self, name, a, op, postscale, layout) -> tuple:
         """What :meth:`allreduce_now` keeps for these arguments (:meth:`_now_entry`)."""

@@ -211,6 +211,9 @@ class Runtime:
         #: the compiled step's entry for sdp.allreduce (Lane.front: front(name, a, op, postscale, out) ->
         #: result, or None to go on as below), None without it or once stopping or failed
         self.front = self.lane.front if self.lane is not None else None
+        #: the same for sdp.grouped_allreduce (Lane.front_group: front_group(names, arrays, op, postscale,
+        #: fusion threshold) -> the results, or None to go on as sdp.api._grouped_submit does)
+        self.front_group = self.lane.front_group if self.lane is not None else None
         #: the lane's open batch, for sdp.allreduce_async (Lane.burst_front(name, a, op, postscale) -> handle,
         #: or None to submit as usual), None without a lane or once stopping or failed
         self.burst = self.lane.burst_front if self.lane is not None else None
@@ -310,7 +313,7 @@ class Runtime:
         """Stop the thread, fail whatever is still pending, and close the sockets (says BYE)."""
         if self._stop.is_set():
             return
-        self.front = self.burst = None
+        self.front = self.front_group = self.burst = None
         self._stop.set()
         self._wake()
         self._thread.join(timeout=2.0)  # let a collective in flight finish
@@ -334,7 +337,7 @@ class Runtime:
                 log.exception("rank %d: engine failed", self.rank)
                 e = errors.SdpError(f"rank {self.rank}: engine failed: {e!r}")
             self._failed = e
-            self.front = self.burst = None
+            self.front = self.front_group = self.burst = None
             self._fail_all(e)
             # peers learn why, then see us disconnect, and fail fast too
             self.mesh.abort(getattr(e, "rank", None) if isinstance(e, errors.PeerLostError) else None, str(e))

@@ -1,7 +1,8 @@
 /* sdp's compiled fast-lane step (issue 30): a synchronous allreduce of the fast lane
  * (sdp/engine/lane.py, Lane.allreduce_now) posted, polled for and reduced in one call; also
- * Lane.burst whole (Context.burst: an allreduce_async into the batch being gathered) and rank 0's
- * decision of a batch's positions (Context.decide).
+ * Lane.burst whole (Context.burst: an allreduce_async into the batch being gathered), a learnt
+ * flattened group's sdp.grouped_allreduce whole (Context.front_group) and rank 0's decision of a
+ * batch's positions (Context.decide).
  *
  * The protocol is the lane's (see lane.py's module docstring); this file runs only its common
  * case and hands everything else back to the Python code, which stays the reference:
@@ -63,6 +64,7 @@ typedef struct {
     int nviews;
     /* front(): the lane and engine it runs on (attach), what it learnt (learn), result chunk */
     PyObject *lane, *engine, *acquire, *release, *finish, *cache, *chunk;
+    PyObject *gcache; /* front_group(): the groups learnt (learn_group), by first name */
     Py_ssize_t chunk_used;
     /* burst(): the PartHandle class, and lane.py's _BATCH_MAX, READ_BYTES, GRACE_S (attach); the
      * batch it last added to and that batch's lists, dict, handle, dtype and op (batch_fields) */
@@ -563,10 +565,90 @@ static PyObject *ctx_learn(Ctx *c, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* ctx.forget(): front() learns again (Lane._now cleared) */
+/* ctx.forget(): front() and front_group() learn again (Lane._now cleared) */
 static PyObject *ctx_forget(Ctx *c, PyObject *unused) {
     if (c->cache) PyDict_Clear(c->cache);
+    if (c->gcache) PyDict_Clear(c->gcache);
     Py_RETURN_NONE;
+}
+
+/* what Context.learn_group keeps of a flattened group (fusion.Layout) for front_group() */
+typedef struct {
+    PyObject *names, *metas, *group, *layout, *spans, *descr, *op; /* strong references */
+    Py_ssize_t n, count, threshold, *starts, *sizes;
+    double postscale, scale;
+    int64_t sig;
+    int red;
+} GEntry;
+
+static void gentry_free(PyObject *cap) {
+    GEntry *g = PyCapsule_GetPointer(cap, NULL);
+    if (g) {
+        Py_XDECREF(g->names), Py_XDECREF(g->metas), Py_XDECREF(g->group), Py_XDECREF(g->layout);
+        Py_XDECREF(g->spans), Py_XDECREF(g->descr), Py_XDECREF(g->op);
+        PyMem_Free(g->starts), PyMem_Free(g->sizes);
+        PyMem_Free(g);
+    }
+}
+
+/* ctx.learn_group(names, threshold, metas, group, layout, starts, spans, count, dtype, op, postscale,
+ * sig, red, scale): front_group() runs the group of these names (a tuple), fusion threshold,
+ * metas (a list of (dtype, shape) per array, sdp.api's plan key), group name, fusion.Layout and
+ * its starts (a tuple), spans (a list) and count, op and postscale whole (the last learnt per
+ * first name) */
+static PyObject *ctx_learn_group(Ctx *c, PyObject *args) {
+    PyObject *names, *metas, *group, *layout, *starts, *spans, *descr, *op;
+    Py_ssize_t threshold, count;
+    double postscale, scale;
+    long long sig;
+    int red;
+    if (!PyArg_ParseTuple(args, "O!nO!UOO!O!nO!OdLid", &PyTuple_Type, &names, &threshold, &PyList_Type, &metas,
+                          &group, &layout, &PyTuple_Type, &starts, &PyList_Type, &spans, &count,
+                          &PyArrayDescr_Type, &descr, &op, &postscale, &sig, &red, &scale))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(names);
+    if (n < 2 || PyTuple_GET_SIZE(starts) != n || PyList_GET_SIZE(metas) != n || PyList_GET_SIZE(spans) != n ||
+        red < 0 || (red >> 2) > 3 || ITEM[red >> 2] != PyDataType_ELSIZE((PyArray_Descr *)descr) || count < 0)
+        return PyErr_Format(PyExc_ValueError, "bad group entry"), NULL;
+    GEntry *g = PyMem_Calloc(1, sizeof(GEntry));
+    if (!g) return PyErr_NoMemory();
+    PyObject *cap = PyCapsule_New(g, NULL, gentry_free);
+    if (!cap) {
+        PyMem_Free(g);
+        return NULL;
+    }
+    g->starts = PyMem_Malloc(n * sizeof(Py_ssize_t)), g->sizes = PyMem_Malloc(n * sizeof(Py_ssize_t));
+    if (!g->starts || !g->sizes) {
+        Py_DECREF(cap);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t end = 0;
+    for (Py_ssize_t i = 0; i < n; i++) { /* (the parts in order, within count: as lane_pack checks) */
+        PyObject *m = PyList_GET_ITEM(metas, i), *shape = PyTuple_Check(m) && PyTuple_GET_SIZE(m) == 2
+                                                             ? PyTuple_GET_ITEM(m, 1) : NULL;
+        Py_ssize_t size = 1;
+        if (!shape || !PyTuple_Check(shape) || !PyUnicode_Check(PyTuple_GET_ITEM(names, i))) goto bad;
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(shape); k++) size *= PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, k));
+        g->starts[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(starts, i)), g->sizes[i] = size;
+        if (PyErr_Occurred() || size < 0 || g->starts[i] < end || g->starts[i] > count || size > count - g->starts[i])
+            goto bad;
+        end = g->starts[i] + size;
+    }
+    g->n = n, g->count = count, g->threshold = threshold, g->postscale = postscale, g->scale = scale, g->sig = sig;
+    g->red = red;
+    PyObject *refs[7] = {names, metas, group, layout, spans, descr, op}, **to[7] = {&g->names, &g->metas, &g->group,
+                                                                            &g->layout, &g->spans, &g->descr, &g->op};
+    for (int k = 0; k < 7; k++) Py_INCREF(refs[k]), *to[k] = refs[k];
+    if ((!c->gcache && !(c->gcache = PyDict_New())) || PyDict_SetItem(c->gcache, PyTuple_GET_ITEM(names, 0), cap) < 0) {
+        Py_DECREF(cap);
+        return NULL;
+    }
+    Py_DECREF(cap);
+    Py_RETURN_NONE;
+bad:
+    Py_DECREF(cap);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad group entry");
+    return NULL;
 }
 
 static int same_shape(PyArrayObject *a, Entry *e) {
@@ -645,14 +727,12 @@ static PyObject *aligned_new(PyArray_Descr *descr, int nd, npy_intp *dims) {
     return r;
 }
 
-/* a new result of a's dtype and shape: 64-byte aligned, carved out of a 64 KB chunk up to
- * SMALL bytes (as fusion.aligned_empty), else aligned_new's */
-static PyObject *result_like(Ctx *c, PyArrayObject *a) {
-    Py_ssize_t nbytes = PyArray_NBYTES(a);
-    PyArray_Descr *descr = PyArray_DESCR(a);
+/* a new result of descr and shape dims[nd] (nbytes): 64-byte aligned, carved out of a 64 KB
+ * chunk up to SMALL bytes (as fusion.aligned_empty), else aligned_new's */
+static PyObject *result_of(Ctx *c, PyArray_Descr *descr, int nd, npy_intp *dims, Py_ssize_t nbytes) {
     if (nbytes > SMALL) {
         Py_INCREF(descr);
-        return aligned_new(descr, PyArray_NDIM(a), PyArray_DIMS(a));
+        return aligned_new(descr, nd, dims);
     }
     if (!c->chunk || c->chunk_used + nbytes > CHUNK) {
         npy_intp n = CHUNK + ALIGN;
@@ -663,8 +743,7 @@ static PyObject *result_like(Ctx *c, PyArrayObject *a) {
     }
     char *at = (char *)PyArray_DATA((PyArrayObject *)c->chunk) + c->chunk_used;
     Py_INCREF(descr);
-    PyObject *r = PyArray_NewFromDescr(&PyArray_Type, descr, PyArray_NDIM(a), PyArray_DIMS(a), NULL, at,
-                                       NPY_ARRAY_CARRAY, NULL);
+    PyObject *r = PyArray_NewFromDescr(&PyArray_Type, descr, nd, dims, NULL, at, NPY_ARRAY_CARRAY, NULL);
     if (!r) return NULL;
     Py_INCREF(c->chunk);
     if (PyArray_SetBaseObject((PyArrayObject *)r, c->chunk) < 0) {
@@ -691,6 +770,114 @@ static int lane_idle(Ctx *c, PyObject *name) {
     return r < 0 ? -1 : !r;
 }
 
+/* one call of front() or front_group() once its arguments matched what was learnt */
+typedef struct {
+    PyObject *name;        /* the lane's name (a group's: Layout's group name) */
+    int64_t sig;
+    int red;
+    double scale;
+    Py_ssize_t nbytes;
+    PyArrayObject *a;      /* front(): the input; NULL: a group */
+    PyObject *out;         /* front(): out or None; a group: None */
+    GEntry *g;             /* front_group(): the entry, */
+    const Part *parts;     /* its arrays' data (every part, in order) */
+    PyObject *args[4];     /* Lane._finish_now's (a, op, postscale, out) */
+} Front;
+
+/* copy a group's parts into dst (count elements of item bytes), the gaps zeroed (lane_pack's) */
+static void pack_parts(char *dst, const Part *parts, Py_ssize_t n, Py_ssize_t count, Py_ssize_t item) {
+    Py_ssize_t end = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (parts[i].start > end) memset(dst + end * item, 0, (parts[i].start - end) * item);
+        copy_in(dst + parts[i].start * item, parts[i].data, parts[i].size * item);
+        end = parts[i].start + parts[i].size;
+    }
+    if (count > end) memset(dst + end * item, 0, (count - end) * item);
+}
+
+static PyObject *views_of(PyArrayObject *flat, PyObject *spans);
+
+/* the rest of front() and front_group(): take the lane's lock (else None), check the lane is
+ * idle with room, make the result, copy the input in (a group: packed here) and run the step;
+ * consumed FAST without a doorbell: the result (a group: its views), else Lane._finish_now */
+static PyObject *run_front(Ctx *c, Front *f) {
+    PyObject *no = Py_False, *got = PyObject_Vectorcall(c->acquire, &no, 1, NULL);
+    if (got != Py_True) {
+        Py_XDECREF(got);
+        if (!got) return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_DECREF(got);
+    PyObject *L = c->lane, *result = NULL;
+    int64_t p = int_attr(L, S_posted), done = int_attr(L, S_done), off = -1;
+    int idle = PyErr_Occurred() ? -1 : lane_idle(c, f->name);
+    int busy = idle != 1 || attr_is(c->engine, S_pending, IS_EMPTY) != 1 || attr_is(c->engine, S_queue, IS_EMPTY) != 1;
+    if (idle == 1 && !PyErr_Occurred() && LOAD(c->page[0][c->decided]) - done < c->depth / 4 &&
+        !(p - c->depth >= c->floor && p - c->depth >= min_done(c)))
+        off = alloc_at(c, f->nbytes, p);
+    if (off >= 0 && f->g) {
+        npy_intp count = f->g->count;
+        result = result_of(c, (PyArray_Descr *)f->g->descr, 1, &count, f->nbytes);
+    } else if (off >= 0) {
+        result = f->out != Py_None ? (Py_INCREF(f->out), f->out)
+                                   : result_of(c, PyArray_DESCR(f->a), PyArray_NDIM(f->a), PyArray_DIMS(f->a),
+                                               f->nbytes);
+    }
+    if (!result) { /* not idle, no room, or an error */
+        if (unlock(c) < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    double spin = 0.0;
+    if (!busy) {
+        PyObject *s = PyObject_GetAttr(L, S_spin_s);
+        spin = s ? PyFloat_AsDouble(s) : 0.0;
+        Py_XDECREF(s);
+    }
+    int64_t decided = c->rank == 0 ? int_attr(L, S_decided) : 0, awake = int_attr(L, S_awake);
+    uint64_t ring = 0;
+    int code = 0, failed = PyErr_Occurred() || PyObject_SetAttr(L, S_active_until, F_inf) < 0;
+    if (!failed) {
+        if (f->g) /* (the GIL kept: the parts' arrays are the caller's) */
+            pack_parts(c->data[c->rank] + off, f->parts, f->g->n, f->g->count, ITEM[f->red >> 2]);
+        code = step(c, p, f->sig, off, f->g ? NULL : PyArray_DATA(f->a), f->nbytes,
+                    PyArray_DATA((PyArrayObject *)result), f->red, f->scale, spin, decided, awake, &ring, f->parts,
+                    f->g ? f->g->n : 0);
+        failed = PyObject_SetAttr(L, S_active_until, F_zero) < 0 || set_int(L, S_posted, p + 1) < 0 ||
+                 (c->rank == 0 && (code == R_FAST || code == R_RECORD) &&
+                  (set_int(L, S_decided, p + 1) < 0 || PyObject_SetAttr(L, S_first_seen, Py_None) < 0));
+        if (!failed && code == R_FAST && !ring) { /* consumed and reduced: Lane._finish_now's FAST end */
+            PyObject *counts = PyObject_GetAttr(L, S_counts), *n = counts ? PyDict_GetItemWithError(counts, S_fast) : NULL;
+            PyObject *n1 = n ? PyNumber_Add(n, I_one) : NULL;
+            failed = !n1 || PyDict_SetItem(counts, S_fast, n1) < 0;
+            Py_XDECREF(n1), Py_XDECREF(counts);
+            failed |= set_int(L, S_done, p + 1) < 0;
+            STORE(c->page[c->rank][c->done], p + 1); /* (after the reduction read the peers' copies) */
+            if (unlock(c) < 0 || failed) Py_CLEAR(result);
+            if (result && f->g) {
+                PyObject *views = views_of((PyArrayObject *)result, f->g->spans);
+                Py_SETREF(result, views);
+            }
+            return result;
+        }
+    }
+    if (failed) { /* (Python's state could not be read or written: nothing here is expected to fail) */
+        unlock(c);
+        Py_DECREF(result);
+        return NULL;
+    }
+    PyObject *pp = PyLong_FromLongLong(p), *cc = PyLong_FromLong(code), *rr = PyLong_FromUnsignedLongLong(ring);
+    PyObject *r = NULL;
+    if (pp && cc && rr) {
+        PyObject *fargs[10] = {pp, cc, rr, result, f->name, f->args[0], f->args[1], f->args[2], f->args[3],
+                               f->g ? f->g->layout : NULL};
+        r = PyObject_Vectorcall(c->finish, fargs, f->g ? 10 : 9, NULL); /* (it releases the lock) */
+    } else {
+        unlock(c);
+    }
+    Py_XDECREF(pp), Py_XDECREF(cc), Py_XDECREF(rr), Py_DECREF(result);
+    return r;
+}
+
 /* ctx.front(name, a, op, postscale, out) -> the result, or None (nothing posted: run
  * Lane.allreduce_now, or submit) -- Lane.allreduce_now's common case whole: a learnt name,
  * dtype, shape, op and postscale (learn()); a C-contiguous numpy array; out None or a
@@ -714,70 +901,58 @@ static PyObject *ctx_front(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
                            !PyArray_IS_C_CONTIGUOUS(o) || !PyArray_ISWRITEABLE(o)))
         Py_RETURN_NONE;
     /* (copied: the entry may be replaced once the GIL is let go, in lock.acquire) */
-    int64_t sig = e->sig;
-    int red = e->red;
-    double scale = e->scale;
-    PyObject *no = Py_False, *got = PyObject_Vectorcall(c->acquire, &no, 1, NULL);
-    if (got != Py_True) {
-        Py_XDECREF(got);
-        if (!got) return NULL;
+    Front f = {name, e->sig, e->red, e->scale, PyArray_NBYTES(arr), arr, out, NULL, NULL, {a, op, ps, out}};
+    return run_front(c, &f);
+}
+
+static int metas_match(PyObject *arrays, PyObject *metas, int contiguous);
+
+/* ctx.front_group(names, arrays, op, postscale, threshold) -> the list of results, or None
+ * (nothing posted: sdp.api._grouped_submit goes on) -- sdp.grouped_allreduce's common case whole:
+ * the arrays (a list) of a group learnt under names (learn_group(): the same names, fusion
+ * threshold, dtypes and shapes, op and postscale), each C-contiguous, packed into the data ring
+ * here; its results are views of one new array (fusion.Layout.views).  What is not consumed FAST
+ * without a doorbell goes on in Lane._finish_now with the group's layout. */
+static PyObject *ctx_front_group(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) return PyErr_Format(PyExc_TypeError, "front_group() takes 5 arguments"), NULL;
+    PyObject *names = args[0], *arrays = args[1], *op = args[2], *ps = args[3];
+    if (!c->lane || !c->gcache || !PyList_Check(names) || !PyList_Check(arrays) || !PyFloat_CheckExact(ps) ||
+        !PyLong_CheckExact(args[4]) || PyList_GET_SIZE(names) < 2 || PyList_GET_SIZE(arrays) != PyList_GET_SIZE(names))
+        Py_RETURN_NONE;
+    PyObject *cap = PyDict_GetItemWithError(c->gcache, PyList_GET_ITEM(names, 0));
+    if (!cap) {
+        if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
     }
-    Py_DECREF(got);
-    PyObject *L = c->lane, *result = NULL;
-    int64_t p = int_attr(L, S_posted), done = int_attr(L, S_done), off = -1;
-    Py_ssize_t nbytes = PyArray_NBYTES(arr);
-    int idle = PyErr_Occurred() ? -1 : lane_idle(c, name);
-    int busy = idle != 1 || attr_is(c->engine, S_pending, IS_EMPTY) != 1 || attr_is(c->engine, S_queue, IS_EMPTY) != 1;
-    if (idle == 1 && !PyErr_Occurred() && LOAD(c->page[0][c->decided]) - done < c->depth / 4 &&
-        !(p - c->depth >= c->floor && p - c->depth >= min_done(c)))
-        off = alloc_at(c, nbytes, p);
-    if (off >= 0)
-        result = out != Py_None ? (Py_INCREF(out), out) : result_like(c, arr);
-    if (!result) { /* not idle, no room, or an error */
-        if (unlock(c) < 0) return NULL;
+    GEntry *g = PyCapsule_GetPointer(cap, NULL);
+    Py_ssize_t n = PyList_GET_SIZE(names), threshold = PyLong_AsSsize_t(args[4]);
+    if (threshold == -1 && PyErr_Occurred()) return NULL;
+    if (!g || g->n != n || g->threshold != threshold || op != g->op || PyFloat_AS_DOUBLE(ps) != g->postscale)
         Py_RETURN_NONE;
-    }
-    double spin = 0.0;
-    if (!busy) {
-        PyObject *s = PyObject_GetAttr(L, S_spin_s);
-        spin = s ? PyFloat_AsDouble(s) : 0.0;
-        Py_XDECREF(s);
-    }
-    int64_t decided = c->rank == 0 ? int_attr(L, S_decided) : 0, awake = int_attr(L, S_awake);
-    uint64_t ring = 0;
-    int code = 0, failed = PyErr_Occurred() || PyObject_SetAttr(L, S_active_until, F_inf) < 0;
-    if (!failed) {
-        code = step(c, p, sig, off, PyArray_DATA(arr), nbytes, PyArray_DATA((PyArrayObject *)result), red, scale,
-                    spin, decided, awake, &ring, NULL, 0);
-        failed = PyObject_SetAttr(L, S_active_until, F_zero) < 0 || set_int(L, S_posted, p + 1) < 0 ||
-                 (c->rank == 0 && (code == R_FAST || code == R_RECORD) &&
-                  (set_int(L, S_decided, p + 1) < 0 || PyObject_SetAttr(L, S_first_seen, Py_None) < 0));
-        if (!failed && code == R_FAST && !ring) { /* consumed and reduced: Lane._finish_now's FAST end */
-            PyObject *counts = PyObject_GetAttr(L, S_counts), *n = counts ? PyDict_GetItemWithError(counts, S_fast) : NULL;
-            PyObject *n1 = n ? PyNumber_Add(n, I_one) : NULL;
-            failed = !n1 || PyDict_SetItem(counts, S_fast, n1) < 0;
-            Py_XDECREF(n1), Py_XDECREF(counts);
-            failed |= set_int(L, S_done, p + 1) < 0;
-            STORE(c->page[c->rank][c->done], p + 1); /* (after the reduction read the peers' copies) */
-            if (unlock(c) < 0 || failed) Py_CLEAR(result);
-            return result;
+    for (Py_ssize_t i = 0; i < n; i++) { /* (the same names: a peer's group is matched by its signature) */
+        PyObject *x = PyList_GET_ITEM(names, i), *y = PyTuple_GET_ITEM(g->names, i);
+        if (x != y && (!PyUnicode_CheckExact(x) || PyUnicode_Compare(x, y) != 0)) {
+            if (PyErr_Occurred()) return NULL;
+            Py_RETURN_NONE;
         }
     }
-    if (failed) { /* (Python's state could not be read or written: nothing here is expected to fail) */
-        unlock(c);
-        Py_DECREF(result);
-        return NULL;
+    int ok = metas_match(arrays, g->metas, 1);
+    if (ok <= 0) return ok < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    /* (held: the entry, which learn_group may replace, and the arrays, which the caller's list may
+     * drop, while the GIL is let go) */
+    PyObject *held = PyList_GetSlice(arrays, 0, n);
+    Part *parts = PyMem_Malloc(n * sizeof(Part));
+    if (!held || !parts) {
+        Py_XDECREF(held), PyMem_Free(parts);
+        return PyErr_NoMemory();
     }
-    PyObject *pp = PyLong_FromLongLong(p), *cc = PyLong_FromLong(code), *rr = PyLong_FromUnsignedLongLong(ring);
-    PyObject *r = NULL;
-    if (pp && cc && rr) {
-        PyObject *fargs[9] = {pp, cc, rr, result, name, a, op, ps, out};
-        r = PyObject_Vectorcall(c->finish, fargs, 9, NULL); /* (it releases the lock) */
-    } else {
-        unlock(c);
-    }
-    Py_XDECREF(pp), Py_XDECREF(cc), Py_XDECREF(rr), Py_DECREF(result);
+    for (Py_ssize_t i = 0; i < n; i++)
+        parts[i] = (Part){PyArray_DATA((PyArrayObject *)PyList_GET_ITEM(held, i)), g->starts[i], g->sizes[i]};
+    Py_INCREF(cap);
+    Front f = {g->group, g->sig, g->red, g->scale, g->count * ITEM[g->red >> 2], NULL, Py_None, g, parts,
+               {held, op, ps, Py_None}};
+    PyObject *r = run_front(c, &f);
+    Py_DECREF(cap), Py_DECREF(held), PyMem_Free(parts);
     return r;
 }
 
@@ -882,7 +1057,7 @@ static int ctx_traverse(Ctx *c, visitproc visit, void *arg) {
     Py_VISIT(c->part_handle); Py_VISIT(c->batch); Py_VISIT(c->b_reqs); Py_VISIT(c->b_arrays); Py_VISIT(c->b_names);
     Py_VISIT(c->b_ident); Py_VISIT(c->b_handle); Py_VISIT(c->b_dtype); Py_VISIT(c->b_op);
     Py_VISIT(c->lane); Py_VISIT(c->engine); Py_VISIT(c->acquire); Py_VISIT(c->release); Py_VISIT(c->finish);
-    Py_VISIT(c->cache); Py_VISIT(c->chunk);
+    Py_VISIT(c->cache); Py_VISIT(c->chunk); Py_VISIT(c->gcache);
     return 0;
 }
 
@@ -890,7 +1065,7 @@ static int ctx_clear(Ctx *c) {
     Py_CLEAR(c->part_handle);
     forget_batch(c);
     Py_CLEAR(c->lane); Py_CLEAR(c->engine); Py_CLEAR(c->acquire); Py_CLEAR(c->release); Py_CLEAR(c->finish);
-    Py_CLEAR(c->cache); Py_CLEAR(c->chunk);
+    Py_CLEAR(c->cache); Py_CLEAR(c->chunk); Py_CLEAR(c->gcache);
     return 0;
 }
 
@@ -903,7 +1078,12 @@ static PyMethodDef ctx_methods[] = {
      "attach(lane, engine, PartHandle, batch_max, read_bytes, grace_s): the state front() and burst() run on"},
     {"learn", (PyCFunction)ctx_learn, METH_VARARGS,
      "learn(name, dtype, shape, op, postscale, sig, red, scale): what front() runs for name"},
-    {"forget", (PyCFunction)ctx_forget, METH_NOARGS, "forget(): front() knows no name"},
+    {"front_group", (PyCFunction)(void (*)(void))ctx_front_group, METH_FASTCALL,
+     "front_group(names, arrays, op, postscale, threshold) -> results or None (sdp.grouped_allreduce's common case)"},
+    {"learn_group", (PyCFunction)ctx_learn_group, METH_VARARGS,
+     "learn_group(names, threshold, metas, group, layout, starts, spans, count, dtype, op, postscale, sig, red, "
+     "scale): what front_group() runs for names"},
+    {"forget", (PyCFunction)ctx_forget, METH_NOARGS, "forget(): front() and front_group() know nothing"},
     {"decide", (PyCFunction)ctx_decide, METH_VARARGS,
      "decide(k, complete, slow, join) -> the first position not decided (Lane._decide, for a batch)"},
     {"alloc", (PyCFunction)ctx_alloc, METH_VARARGS, "alloc(nbytes, p) -> offset or None (Lane._alloc)"},
@@ -963,18 +1143,21 @@ static PyObject *lane_pack(PyObject *mod, PyObject *const *args, Py_ssize_t narg
 }
 
 /* views(flat, spans) -> list: a view of flat (1-D, C-contiguous) per (start, end, shape or
- * None) of spans (fusion.Layout._spans), as flat[start:end] (reshaped to shape) */
+ * None) of spans (fusion.Layout.spans), as flat[start:end] (reshaped to shape) */
 static PyObject *lane_views(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyArray_Check(args[0]) || !PyList_Check(args[1]))
         return PyErr_Format(PyExc_TypeError, "views(array, list)"), NULL;
-    PyArrayObject *flat = (PyArrayObject *)args[0];
+    return views_of((PyArrayObject *)args[0], args[1]);
+}
+
+static PyObject *views_of(PyArrayObject *flat, PyObject *spans) {
     if (PyArray_NDIM(flat) != 1 || !PyArray_IS_C_CONTIGUOUS(flat))
         return PyErr_Format(PyExc_ValueError, "views(): a 1-D C-contiguous array"), NULL;
-    Py_ssize_t n = PyList_GET_SIZE(args[1]), total = PyArray_DIM(flat, 0), item = PyArray_ITEMSIZE(flat);
+    Py_ssize_t n = PyList_GET_SIZE(spans), total = PyArray_DIM(flat, 0), item = PyArray_ITEMSIZE(flat);
     PyObject *list = PyList_New(n);
     if (!list) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *span = PyList_GET_ITEM(args[1], i), *shape;
+        PyObject *span = PyList_GET_ITEM(spans, i), *shape;
         Py_ssize_t start, stop;
         npy_intp dims[NPY_MAXDIMS];
         int nd = 1;
@@ -1015,27 +1198,34 @@ fail:
 static PyObject *lane_same_metas(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1]))
         return PyErr_Format(PyExc_TypeError, "same_metas(list, list)"), NULL;
-    Py_ssize_t n = PyList_GET_SIZE(args[0]);
-    if (PyList_GET_SIZE(args[1]) != n) Py_RETURN_FALSE;
+    return PyBool_FromLong(metas_match(args[0], args[1], 0));
+}
+
+/* 1 when every item of arrays (a list) is a numpy array (C-contiguous too, with `contiguous`) of
+ * the dtype and shape of the item of metas (a list of (dtype, shape tuple)) at its index, else 0 */
+static int metas_match(PyObject *arrays, PyObject *metas, int contiguous) {
+    Py_ssize_t n = PyList_GET_SIZE(arrays);
+    if (PyList_GET_SIZE(metas) != n) return 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = PyList_GET_ITEM(args[0], i), *m = PyList_GET_ITEM(args[1], i);
-        if (!PyArray_CheckExact(o) || !PyTuple_Check(m) || PyTuple_GET_SIZE(m) != 2) Py_RETURN_FALSE;
+        PyObject *o = PyList_GET_ITEM(arrays, i), *m = PyList_GET_ITEM(metas, i);
+        if (!PyArray_CheckExact(o) || !PyTuple_Check(m) || PyTuple_GET_SIZE(m) != 2) return 0;
         PyArrayObject *a = (PyArrayObject *)o;
         PyObject *dt = PyTuple_GET_ITEM(m, 0), *shape = PyTuple_GET_ITEM(m, 1);
         if ((PyObject *)PyArray_DESCR(a) != dt &&
             (!PyArray_DescrCheck(dt) || !PyArray_EquivTypes(PyArray_DESCR(a), (PyArray_Descr *)dt)))
-            Py_RETURN_FALSE;
+            return 0;
         int nd = PyArray_NDIM(a);
-        if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) != nd) Py_RETURN_FALSE;
+        if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) != nd || (contiguous && !PyArray_IS_C_CONTIGUOUS(a)))
+            return 0;
         for (int k = 0; k < nd; k++) {
             PyObject *d = PyTuple_GET_ITEM(shape, k);
             if (!PyLong_CheckExact(d) || PyLong_AsSsize_t(d) != PyArray_DIM(a, k)) {
                 PyErr_Clear();
-                Py_RETURN_FALSE;
+                return 0;
             }
         }
     }
-    Py_RETURN_TRUE;
+    return 1;
 }
 
 /* exportable(a) -> whether a is a numpy array TensorFlow can wrap through DLPack as it is: not
