@@ -135,7 +135,7 @@ class Layout:
         self.shapes = tuple(a.shape for a in arrays)
         self.count = offs[-1]
         self.spans = [(start, start + a.size, None if a.shape == (a.size,) else a.shape)
-                       for a, start in zip(arrays, offs)]
+                      for a, start in zip(arrays, offs)]
         self.starts = tuple(offs[:-1])
         self._pads = {}  # -(k + 1) -> k zeros (padding of k elements), in self._seq as that key
         seq = []
