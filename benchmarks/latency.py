@@ -283,13 +283,13 @@ def lane_off():
     thread, rank 0's coordinator and then the collective."""
     rt = sdp.api.runtime()
     sdp.barrier()
-    saved = rt.lane, rt._inline, rt.front, rt.front_group
-    rt.lane, rt._inline, rt.front, rt.front_group = None, False, None, None
+    saved = rt.lane, rt._inline, rt.front, rt.front_group, rt.link
+    rt.lane, rt._inline, rt.front, rt.front_group, rt.link = None, False, None, None, None
     try:
         yield
     finally:
         sdp.barrier()
-        rt.lane, rt._inline, rt.front, rt.front_group = saved
+        rt.lane, rt._inline, rt.front, rt.front_group, rt.link = saved
 
 
 def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 60, rounds: int = 3) -> dict:

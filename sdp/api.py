@@ -325,6 +325,8 @@ def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: floa
                                   else float(postscale_factor), out)
         if result is not None:
             return result
+    elif not ps and rt.link is not None:  # (across hosts every synchronous global allreduce posts there)
+        rt.link.skip()
     req = Request(name, "allreduce", as_input(tensor), op, None, prescale_factor, postscale_factor, None, out, ps)
     if req.device is not None:  # (device memory: the fast lane may run it whole here too)
         result = rt.device_now(req)
@@ -639,6 +641,9 @@ def join() -> int:
     rank that joined last.  Other collectives involving a joined rank raise
     :class:`TensorMismatchError` on every rank.  Mirrors ``horovod.tensorflow.join``."""
     from sdp.engine.coordinator import JOIN
+    link = runtime("join()").link
+    if link is not None:  # (the path of sdp.engine.hostlink turns off on every rank)
+        link.join()
     return _submit("join", np.zeros(0, np.uint8), JOIN).wait()
 
 

@@ -35,7 +35,8 @@ def fake_hosts(counts):
 def test_every_collective_across_hosts(counts, env, on):
     """The whole collective matrix against numpy, and the path the allreduces and allgathers
     took: with the hierarchy, each rank ran hierarchical ones (or, small and global, inline with
-    the negotiation: sdp.engine.inline), the ranks of a two-rank host met at shared-memory
+    the negotiation: sdp.engine.inline, or synchronous through the host leaders' link:
+    sdp.engine.hostlink), the ranks of a two-rank host met at shared-memory
     barriers, and the cross groups are the owners of a part on every host."""
     n, per_rank = fake_hosts(counts)
     cases = make_cases()
@@ -47,14 +48,15 @@ def test_every_collective_across_hosts(counts, env, on):
     allreduces = sum(c[0].startswith("allreduce") for c in cases)
     allgathers = sum(c[0] == "allgather" for c in cases) + 3 * sum(c[0] == "grouped_allgather" for c in cases)
     inlined = env.get("SDP_FAST_LANE") != "0"
-    for rank, (_, (hier, barriers, parts, cross, host, gathers, inl)) in enumerate(values):
-        assert (inl > 0) == inlined, (rank, inl)
+    for rank, (_, (hier, barriers, parts, cross, host, gathers, inl, linked)) in enumerate(values):
+        assert (inl > 0) == inlined and (linked > 0) == inlined, (rank, inl, linked)
+        assert linked == values[0][1][7], (rank, linked)  # (every rank decides alike)
         assert inl == values[0][1][6], (rank, inl)  # rank 0 decides for every rank
         if not on:
             assert (hier, barriers, gathers) == (0, 0, 0), rank
             continue
         assert gathers == allgathers, (rank, gathers)
-        assert hier + inl >= allreduces - sum(c[0].startswith("allreduce") and c[3][0] == 0 for c in cases), rank
+        assert hier + inl + linked >= allreduces - sum(c[0].startswith("allreduce") and c[3][0] == 0 for c in cases), rank
         if len(host) > 1:
             assert barriers >= 2 * hier, (rank, barriers, hier)
         else:

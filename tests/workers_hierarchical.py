@@ -10,15 +10,15 @@ from workers_collectives import every_collective
 def path_taken():
     """How this rank's collectives ran: [hierarchical allreduces, shared-memory barriers of its
     host group, parts, cross-group job ranks by part, host-group job ranks, hierarchical
-    allgathers, allreduces completed inline (sdp.engine.inline)]."""
+    allgathers, allreduces completed inline (sdp.engine.inline), allreduces the host leaders'
+    link ran (sdp.engine.hostlink)]."""
     rt = sdp.api.runtime()
-    h = rt.hierarchy
+    h, seg = rt.hierarchy, rt.mesh.host_shm
+    linked = 0 if rt.link is None else rt.link.fast
     if h is None:
-        seg = rt.mesh.host_shm
-        return [0, 0 if seg is None else seg.barriers, [], {}, [], 0, rt.inline_allreduces]
-    seg = rt.mesh.host_shm
+        return [0, 0 if seg is None else seg.barriers, [], {}, [], 0, rt.inline_allreduces, linked]
     return [h.allreduces, 0 if seg is None else seg.barriers, h.parts,
-            {str(j): g.ranks for j, g in h.cross.items()}, h.host.ranks, h.allgathers, rt.inline_allreduces]
+            {str(j): g.ranks for j, g in h.cross.items()}, h.host.ranks, h.allgathers, rt.inline_allreduces, linked]
 
 
 def matrix_and_path(cases):
@@ -62,23 +62,26 @@ def inline_cases():
     rng = [np.random.default_rng(q) for q in range(n)]
     base = [g.standard_normal(300) for g in rng]
     ok, out = True, []
+
+    def allreduce(x, **kw):  # (asynchronous and alone: a synchronous one takes sdp.engine.hostlink)
+        return sdp.allreduce_async(x, **kw).wait()
     for dtype in (np.float32, np.float64, np.float16, np.int32):
         xs = [(b * 100).astype(dtype) for b in base]
         for op, ref in ((sdp.Sum, sum(x.astype(np.float64) for x in xs)), (sdp.Min, np.minimum.reduce(xs)),
                         (sdp.Max, np.maximum.reduce(xs))):
-            got = sdp.allreduce(xs[r], name=f"in.{np.dtype(dtype).name}.{op}", op=op)
+            got = allreduce(xs[r], name=f"in.{np.dtype(dtype).name}.{op}", op=op)
             ok = ok and got.dtype == dtype and np.allclose(got.astype(np.float64), ref, rtol=2e-3, atol=1)
             out.append(got)
-        avg = sdp.allreduce(xs[r], name=f"in.{np.dtype(dtype).name}.avg", op=sdp.Average)
+        avg = allreduce(xs[r], name=f"in.{np.dtype(dtype).name}.avg", op=sdp.Average)
         want = (sum(x.astype(np.int64) for x in xs) // n if dtype == np.int32
                 else sum(x.astype(np.float64) for x in xs) / n)
         # (float16 across hosts: partial sums travel rounded to 16 bits, see DESIGN.md step 5)
         ok = ok and np.allclose(avg.astype(np.float64), want, rtol=2e-3, atol=0.25 if dtype == np.float16 else 1e-2)
         out.append(avg)
-    scaled = sdp.allreduce(base[r].astype(np.float32), name="in.post", op=sdp.Sum, postscale_factor=0.5)
+    scaled = allreduce(base[r].astype(np.float32), name="in.post", op=sdp.Sum, postscale_factor=0.5)
     ok = ok and np.allclose(scaled, sum(base) * 0.5, rtol=1e-5, atol=1e-5)
     buf = np.empty(300, np.float32)
-    got = sdp.allreduce(base[r].astype(np.float32), name="in.out", op=sdp.Sum, out=buf)
+    got = allreduce(base[r].astype(np.float32), name="in.out", op=sdp.Sum, out=buf)
     ok = ok and got is buf and np.allclose(buf, sum(base), rtol=1e-5, atol=1e-5)
     parts = sdp.grouped_allreduce([np.full(7, r, np.float32), np.full((2, 3), r, np.float32)], op=sdp.Sum)
     ok = ok and all(np.array_equal(p, np.full(p.shape, n * (n - 1) / 2, np.float32)) for p in parts)
@@ -108,5 +111,5 @@ def malformed_inline():
         inner()
 
     rt._send_requests = send_bad_then_requests
-    out = [float(sdp.allreduce(np.full(3, 1.0 + k), name=f"ok{k}", op=sdp.Sum)[0]) for k in range(3)]
+    out = [float(sdp.allreduce_async(np.full(3, 1.0 + k), name=f"ok{k}", op=sdp.Sum).wait()[0]) for k in range(3)]
     return [out, rt.inline_allreduces]

@@ -31,9 +31,11 @@
 |                           |              | rank is on one host; 0: stage through host memory (see     |
 |                           |              | sdp.engine.device_path)                                    |
 | SDP_FAST_LANE             | 1            | 1: small allreduces of ranks all on one host skip the      |
-|                           |              | coordinator (see sdp.engine.lane); across hosts they ride  |
-|                           |              | the negotiation (see sdp.engine.inline); 0: every          |
-|                           |              | collective goes through the engine thread and rank 0       |
+|                           |              | coordinator (see sdp.engine.lane); across hosts the        |
+|                           |              | synchronous ones go through the host leaders' link (see    |
+|                           |              | sdp.engine.hostlink), the others ride the negotiation (see |
+|                           |              | sdp.engine.inline); 0: every collective goes through the   |
+|                           |              | engine thread and rank 0                                   |
 | SDP_DEVICE_BACKEND        | cuda         | cuda (PyCUDA) or numpy (host memory standing in for a      |
 |                           |              | device: runs the device path without a GPU, for tests)     |
 
@@ -180,7 +182,8 @@ class Config:
     timeline: Optional[str] = None
     encrypt: bool = False  # SDP_ENCRYPT
     gpu_ipc: Optional[bool] = None  # SDP_GPU_IPC: None automatic (one host), False host-staged
-    fast_lane: bool = True  # SDP_FAST_LANE: small allreduces skip the coordinator (one host) or ride it (hosts)
+    fast_lane: bool = True  # SDP_FAST_LANE: small allreduces skip the coordinator (one host, or synchronous across
+    # hosts: the leaders' link) or ride it (asynchronous across hosts)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":

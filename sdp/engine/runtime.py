@@ -17,7 +17,7 @@ import numpy as np
 from sdp.common import errors
 from sdp.common.config import Config
 from sdp.common.reduce_ops import UFUNCS, ReduceOp, accumulation_dtype, check_dtype, scale_in_place
-from sdp.engine import collectives, fusion, groups, inline, lane, process_sets, timeline
+from sdp.engine import collectives, fusion, groups, hostlink, inline, lane, process_sets, timeline
 from sdp.engine.coordinator import JOIN, KINDS, Coordinator, wire_dtype
 from sdp.engine.device_arrays import DeviceGroup, DeviceTensor
 from sdp.engine.handles import Handle
@@ -163,7 +163,8 @@ class Runtime:
                              shm_slab_bytes=self.config.shm_slab_bytes,
                              shm_pool_bytes=self.config.shm_pool_bytes,
                              peer_timeout_s=self.config.peer_timeout_s,
-                             segment_bytes=self.config.segment_bytes, bell=(self._wake_r, self._wake_w))
+                             segment_bytes=self.config.segment_bytes, bell=(self._wake_r, self._wake_w),
+                             link=self.config.fast_lane)
         except BaseException:
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -221,6 +222,10 @@ class Runtime:
         self._inline = self.config.fast_lane and self.size > 1 and self.mesh.shm is None
         self._stash = inline.Stash(self.size) if self._inline and self._coord is not None else None
         self.inline_allreduces = 0  # allreduces completed inline (for tests and benchmarks)
+        #: sdp.engine.hostlink.HostLink: synchronous small allreduces across hosts in the caller's
+        #: thread, through the host leaders' link (None: off; also once stopping or failed)
+        self.link = hostlink.HostLink(self) if self.mesh.link_on else None
+        self.link_busy = False  # a caller waits in the link: a lost peer fails the engine (_waits_on_lost)
         self._thread = threading.Thread(target=self._run, name=f"sdp-engine-{self.rank}", daemon=True)
         self._thread.start()
 
@@ -229,8 +234,11 @@ class Runtime:
         """A synchronous allreduce of every rank (or a flattened group's, with ``layout``) in the
         fast lane, in the calling thread (:meth:`Lane.allreduce_now`); None where the lane does
         not take it (submit it)."""
-        if self.lane is None or self._failed is not None or self._stop.is_set():
+        if self._failed is not None or self._stop.is_set():
             return None
+        if self.lane is None:
+            link = self.link  # (across hosts: every plain call posts, see sdp.engine.hostlink)
+            return None if link is None or layout is not None else link.allreduce_now(name, array, op, postscale, out)
         return self.lane.allreduce_now(name, array, op, postscale, out, layout)
 
     def device_now(self, req: Request):
@@ -313,7 +321,7 @@ class Runtime:
         """Stop the thread, fail whatever is still pending, and close the sockets (says BYE)."""
         if self._stop.is_set():
             return
-        self.front = self.front_group = self.burst = None
+        self.front = self.front_group = self.burst = self.link = None
         self._stop.set()
         self._wake()
         self._thread.join(timeout=2.0)  # let a collective in flight finish
@@ -337,7 +345,7 @@ class Runtime:
                 log.exception("rank %d: engine failed", self.rank)
                 e = errors.SdpError(f"rank {self.rank}: engine failed: {e!r}")
             self._failed = e
-            self.front = self.front_group = self.burst = None
+            self.front = self.front_group = self.burst = self.link = None
             self._fail_all(e)
             # peers learn why, then see us disconnect, and fail fast too
             self.mesh.abort(getattr(e, "rank", None) if isinstance(e, errors.PeerLostError) else None, str(e))
@@ -368,7 +376,8 @@ class Runtime:
         except BlockingIOError:
             pass
         self._handle_control()  # first: answers that arrived before a peer left still count
-        if self.mesh.lost and (self._pending or self._queue or lane_s is not None) and self._waits_on_lost():
+        if (self.mesh.lost and (self._pending or self._queue or lane_s is not None or self.link_busy)
+                and self._waits_on_lost()):
             raise self.mesh.peer_error()
         if self._queue and time.monotonic() >= self._last_request_at + cycle_s:
             self._send_requests()
@@ -381,7 +390,7 @@ class Runtime:
         (A rank outside a set may finish and leave while the set's members still run its
         collectives.)"""
         lost = self.mesh.lost
-        if 0 in lost or self.lane is not None and self.lane.held:
+        if 0 in lost or self.link_busy or self.lane is not None and self.lane.held:
             return True
         with self._queue_lock:
             reqs = list(self._queue)

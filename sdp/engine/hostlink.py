@@ -1,0 +1,294 @@
+"""Synchronous small allreduces across hosts in the caller's thread: a host's ranks through shared
+memory, the hosts' leaders over a ZeroMQ link of their own (issue 30).
+
+Across hosts a small allreduce otherwise costs two trips through rank 0 (the request, then the
+response carrying the result: :mod:`sdp.engine.inline`), each through the engine threads and
+ZeroMQ's I/O threads of both ends.  Here ``sdp.allreduce`` (synchronous, every rank, no process
+set) runs whole in the calling thread, hierarchically, with no coordinator:
+
+1. Every rank **posts** its call as position ``k`` (its count of such calls): a signature (a
+   62-bit hash of name, dtype, shape, op and postscale; 0 for a call this path does not run) and
+   a copy of its input in its slot of the host's shared memory (the fast lane's region of its
+   segment, unused in a job across hosts), the position stored last.
+2. The host's **leader** (its lowest rank) waits for every local rank's post of ``k``, reduces
+   the local copies in rank order when their signatures agree (the host's signature, else 0) and
+   sends ``(k, host signature, partial)`` to every other leader over the link; then waits for
+   theirs.
+3. Every leader decides alike from the same messages: **FAST** when every host's signature is the
+   same and not 0 (the partials reduced in host order, then scaled: the same operations on every
+   leader, so every rank gets the same bits), **OFF** when a rank posted ``join()`` (the path
+   stays off for the rest of the job: a joined rank posts nothing more), else **SLOW**.  It
+   publishes the decision (and the result) in its slot; the other local ranks wait for it.
+4. FAST returns the result; SLOW and OFF send the call to the engine on every rank, which
+   negotiates it as before: mismatches and stalls raise there, with their names.
+
+No position is decided by anyone's clock, so the ranks never disagree; the price is that a call
+waits here for every rank's post of the same position, as a synchronous collective waits for its
+peers anyway.  Every synchronous global allreduce posts (``sdp.allreduce`` of anything: one this
+path does not run posts 0), and nothing else does, so positions line up across ranks whenever
+the ranks make the same synchronous allreduces in the same order; ranks that do not (a program
+that would deadlock under Horovod too) wait here with a stall warning after
+``SDP_STALL_CHECK_TIME`` naming the ranks not heard from, and :class:`StallError` after
+``SDP_STALL_SHUTDOWN_TIME`` when set.  A lost peer or a failed engine ends the wait with its
+error (checked every :data:`CHECK_S`; a lost peer through the engine thread, which fails the job
+with it and tells the peers which rank was lost, as when it waits itself).  Waits on shared memory spin (yielding the core) for
+:data:`SPIN_S`, then poll every :data:`NAP_S`; a leader waits on the link in ``poll``.
+
+*Eligible* (signature not 0): a C-contiguous float32/float64/int32/int64 host array of 1 to
+:data:`MAX_BYTES` bytes, SUM/AVERAGE/MIN/MAX/PRODUCT, no prescale, ``out`` absent or of its
+shape and dtype, no timeline being written on this rank.  The result's bits can differ from the
+engine's in the last place for 3 or more ranks (another order of the sums), as with the fast
+lane.  On in jobs across hosts (:attr:`sdp.transport.zmq_mesh.Mesh.link_on`: every rank offered
+it, x86-64 stores in order, shared memory on hosts with several ranks) unless
+``SDP_FAST_LANE=0``.
+
+Link messages: ``[MAGIC, position (u64), host signature (i64), bytes (u64)]`` packed, then the
+partial's bytes when the signature is positive.  A message that is not that (size, magic, a
+position other than this one or the next, a length that does not match) is logged and dropped.
+"""
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+import types
+from typing import Dict, Optional
+
+import numpy as np
+
+from sdp.common import errors
+from sdp.common.reduce_ops import UFUNCS, ReduceOp
+from sdp.engine import collectives, fusion
+
+log = logging.getLogger("sdp.engine")
+
+MAX_BYTES = 64 << 10  # an eligible input's largest size (bytes): slot, result and message
+SPIN_S = 0.002  # seconds a wait on shared memory spins (yielding the core) before it naps
+NAP_S = 0.0002  # seconds between polls after that
+CHECK_S = 0.01  # seconds between checks for a lost peer, a failed engine, a stall
+LOST_GRACE_S = 0.5  # seconds a wait gives the engine thread to fail the job once a peer is lost
+_HDR = 8  # int64 slots of a rank's slot header
+POST, SIG, NBYTES, RES, DECISION, RES_NBYTES = range(6)  # header slots (RES..: the leader's)
+FAST, SLOW, OFF = 1, 2, 3
+JOIN_SIG = -1
+MAGIC = b"SDPL"
+_MSG = struct.Struct("<4sQqQ")
+_DTYPES = frozenset(("<f4", "<f8", "<i4", "<i8"))
+_SIGS_MAX = 4096
+
+
+class HostLink:
+    """The path of the module docstring for rank ``rt.rank`` of runtime ``rt`` (its mesh's link
+    sockets and, on a host with several ranks, ``rt.mesh.host_shm``)."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        mesh = rt.mesh
+        self.mesh, self.rank, self.size = mesh, rt.rank, rt.size
+        hosts = [p["host"] for p in sorted(mesh.peers, key=lambda p: int(p["rank"]))]
+        self.local = [q for q in range(self.size) if hosts[q] == hosts[self.rank]]
+        self.leader = self.local[0]
+        self.leaders = mesh.leaders()  # (host order)
+        self.lock = threading.Lock()
+        self.k = 0  # positions posted
+        self.off = False
+        self.fast = 0  # allreduces completed here (for tests and benchmarks)
+        self._early: Dict[tuple, tuple] = {}  # (leader, position) -> (signature, bytes) come ahead
+        self._sigs: Dict[tuple, int] = {}
+        self._lost_at: Optional[float] = None  # when this position's wait first saw a lost peer
+        self.hdr = self.data = self.res = None
+        if len(self.local) > 1:
+            seg = mesh.host_shm
+            off = seg.lane_offset()
+            self.hdr = {q: seg.at(q, off, np.int64, _HDR) for q in self.local}
+            self.data = {q: seg.at(q, off + 8 * _HDR, np.uint8, MAX_BYTES) for q in self.local}
+            self.res = seg.at(self.leader, off + 8 * _HDR + MAX_BYTES, np.uint8, MAX_BYTES)
+
+    # -- the calls ------------------------------------------------------------------------------
+    def allreduce_now(self, name: str, a, op, postscale: float, out: Optional[np.ndarray]):
+        """``sdp.allreduce(a, name, op, postscale_factor=postscale, out=out)`` of every rank:
+        the result (``out`` when given, else a new array), or None where the call must go to the
+        engine (not eligible here, SLOW or OFF).  Raises the engine's error once it failed,
+        :class:`PeerLostError` once a peer is lost, :class:`StallError` (see the module
+        docstring)."""
+        with self.lock:
+            if self.off:
+                return None
+            sig = self._signature(name, a, op, postscale, out)
+            if not sig:
+                self._run(0, None)
+                return None
+            if self.hdr is None and out is not None and np.may_share_memory(a, out):
+                a = a.copy()  # (alone on its host, the leader's input is its host's partial: kept whole)
+            decision, copies = self._run(sig, a, UFUNCS[op])
+            if decision != FAST:
+                return None
+            result = fusion.aligned_empty(a.dtype, a.size) if out is None else out
+            flat = result.reshape(-1)
+            if copies is None:  # (the leader's result)
+                flat.view(np.uint8)[:] = self.res[:a.nbytes]
+            else:
+                scaling = types.SimpleNamespace(op=op, postscale=postscale)
+                collectives.reduce_copies(UFUNCS[op], copies, flat, None, self.rt._float_scale(scaling, a.dtype))
+                self.rt._int_scale(flat, scaling)
+                if self.hdr is not None:
+                    self.res[:a.nbytes] = flat.view(np.uint8)
+                    self._publish(FAST, a.nbytes)
+            self.fast += 1
+            return result if out is not None else result.reshape(a.shape)
+
+    def skip(self) -> None:
+        """Post a synchronous global allreduce this path does not run (see the module docstring)."""
+        with self.lock:
+            if not self.off:
+                self._run(0, None)
+
+    def join(self) -> None:
+        """Post ``join()``: every rank's path turns off at this position (see the module docstring)."""
+        with self.lock:
+            if not self.off:
+                self._run(JOIN_SIG, None)
+
+    # -- one position -------------------------------------------------------------------------
+    def _signature(self, name, a, op, postscale, out) -> int:
+        if not (a.dtype.str in _DTYPES and 0 < a.nbytes <= MAX_BYTES and a.flags.c_contiguous
+                and type(op) is ReduceOp and op in UFUNCS and self.rt.timeline is None
+                and (out is None or type(out) is np.ndarray and out.shape == a.shape and out.dtype == a.dtype
+                     and out.flags.c_contiguous and out.flags.writeable)):
+            return 0
+        key = (name, a.dtype.str, a.shape, int(op), postscale)
+        sig = self._sigs.get(key)
+        if sig is None:
+            if len(self._sigs) >= _SIGS_MAX:
+                self._sigs.clear()
+            digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+            sig = self._sigs[key] = (int.from_bytes(digest, "little") >> 2) | 1
+        return sig
+
+    def _run(self, sig: int, a, ufunc=None) -> tuple:
+        """Post position ``k`` with ``sig`` (and ``a``'s bytes) and wait for its decision:
+        ``(decision, copies)``, ``copies`` being the hosts' partials in host order on a leader
+        whose decision is FAST (it reduces them with ``ufunc`` and publishes the result), else None."""
+        self.rt.link_busy, self._lost_at = True, None
+        try:
+            return self._position(sig, a, ufunc)
+        finally:
+            self.rt.link_busy = False
+
+    def _position(self, sig: int, a, ufunc) -> tuple:
+        k = self.k = self.k + 1
+        nbytes = a.nbytes if sig > 0 else 0
+        if self.hdr is not None:
+            mine = self.hdr[self.rank]
+            if nbytes and self.rank != self.leader:  # (the leader reads its own input where it is)
+                self.data[self.rank][:nbytes] = a.reshape(-1).view(np.uint8)
+            mine[SIG], mine[NBYTES] = sig, nbytes
+            mine[POST] = k  # (last: x86-64 keeps stores in order)
+        if self.rank != self.leader:
+            lead = self.hdr[self.leader]
+            self._wait(lambda: lead[RES] >= k, k, lambda: [self.leader])
+            decision = int(lead[DECISION])
+            if decision == OFF:
+                self.off = True
+            return decision, None
+        host_sig, partial = sig, (a.reshape(-1) if nbytes else None)
+        if self.hdr is not None:
+            hdr = self.hdr
+            self._wait(lambda: all(hdr[q][POST] >= k for q in self.local), k,
+                       lambda: [q for q in self.local if hdr[q][POST] < k])
+            sigs = [int(hdr[q][SIG]) for q in self.local]
+            host_sig = JOIN_SIG if JOIN_SIG in sigs else sig if sig > 0 and sigs.count(sig) == len(sigs) else 0
+            if host_sig > 0:
+                copies = [partial] + [self.data[q][:nbytes].view(a.dtype) for q in self.local[1:]]
+                partial = np.empty(a.size, a.dtype)
+                collectives.reduce_copies(ufunc, copies, partial, None, None)
+        head = _MSG.pack(MAGIC, k, host_sig, nbytes if host_sig > 0 else 0)
+        for q in self.leaders:
+            if q != self.rank:
+                self.mesh.link_send(q, [head, partial.view(np.uint8)] if host_sig > 0 else [head])
+        got = self._gather(k)
+        sigs = [host_sig if q == self.rank else got[q][0] for q in self.leaders]
+        if host_sig > 0 and sigs.count(host_sig) == len(sigs):
+            for q, (_, body) in got.items():
+                if len(body) != nbytes:  # (the same signature: the same dtype and shape)
+                    raise errors.ProtocolError(f"rank {self.rank}: leader {q} sent {len(body)} bytes for "
+                                               f"synchronous allreduce #{k} across hosts, not {nbytes}")
+            return FAST, [partial if q == self.rank else np.frombuffer(got[q][1], a.dtype) for q in self.leaders]
+        decision = OFF if JOIN_SIG in sigs else SLOW
+        if self.hdr is not None:
+            self._publish(decision, 0)
+        if decision == OFF:
+            self.off = True
+        return decision, None
+
+    def _publish(self, decision: int, nbytes: int) -> None:
+        """(Leader.) Position ``k``'s decision (and ``nbytes`` of result, written before) for the
+        host's other ranks."""
+        mine = self.hdr[self.rank]
+        mine[DECISION], mine[RES_NBYTES] = decision, nbytes
+        mine[RES] = self.k  # (last)
+
+    def _gather(self, k: int) -> Dict[int, tuple]:
+        """(Leader.) Every other leader's ``(host signature, bytes)`` of position ``k``."""
+        want = [q for q in self.leaders if q != self.rank]
+        start = last = time.monotonic()
+        while True:
+            if all((q, k) in self._early for q in want):
+                return {q: self._early.pop((q, k)) for q in want}
+            for src, frames in self.mesh.link_recv(CHECK_S * 1000):
+                self._take(src, frames, k)
+            now = time.monotonic()
+            if now - last >= CHECK_S:
+                last = now
+                self._check(k, start, now, lambda: [q for q in want if (q, k) not in self._early])
+
+    def _take(self, src: int, frames: list, k: int) -> None:
+        """Keep a link message of position ``k`` or ``k + 1`` (a leader that has all of ``k`` may
+        send its next); log and drop anything else."""
+        try:
+            magic, pos, sig, nbytes = _MSG.unpack(frames[0])
+            body = frames[1] if len(frames) == 2 else b""
+            ok = (magic == MAGIC and pos in (k, k + 1) and (src, pos) not in self._early and len(frames) <= 2
+                  and nbytes == len(body) and (nbytes > 0) == (sig > 0) and nbytes <= MAX_BYTES)
+        except (struct.error, TypeError):
+            ok = False
+        if not ok:
+            log.warning("rank %d: dropping a malformed message on the leaders' link from rank %d", self.rank, src)
+            return
+        self._early[(src, pos)] = (sig, body)
+
+    def _wait(self, done, k: int, missing) -> None:
+        """Wait on shared memory until ``done()``: spinning for :data:`SPIN_S`, then napping."""
+        start = last = time.monotonic()
+        while not done():
+            now = time.monotonic()
+            if now - start < SPIN_S:
+                os.sched_yield()
+                continue
+            time.sleep(NAP_S)
+            if now - last >= CHECK_S:
+                last = now
+                self._check(k, start, now, missing)
+
+    def _check(self, k: int, start: float, now: float, missing) -> None:
+        """Raise what ends a wait: the engine's error, a lost peer, shutdown, a stall."""
+        rt = self.rt
+        if rt._failed is not None:
+            raise rt._failed
+        if self.mesh.lost:  # (the engine thread fails the job with it and tells the peers which rank)
+            if self._lost_at is None:
+                self._lost_at = now
+                rt._wake()
+            elif now - self._lost_at >= LOST_GRACE_S:
+                raise self.mesh.peer_error()
+        if rt._stop.is_set():
+            raise errors.NotInitializedError("waiting on an allreduce across hosts: sdp was shut down")
+        waited = now - start
+        cfg = rt.config
+        if cfg.stall_shutdown_s > 0 and waited >= cfg.stall_shutdown_s:
+            raise errors.StallError(f"rank {self.rank}: synchronous allreduce #{k} across hosts waited "
+                                    f"{waited:.0f} s for ranks {missing()}")
+        if cfg.stall_check_s > 0 and waited >= cfg.stall_check_s and waited - CHECK_S < cfg.stall_check_s:
+            log.warning("rank %d: synchronous allreduce #%d across hosts has waited %.0f s for ranks %s "
+                        "(another collective or order on those ranks?)", self.rank, k, waited, missing())

@@ -1,0 +1,76 @@
+"""Synchronous small allreduces across hosts through the host leaders' link (sdp.engine.hostlink):
+real ranks on fake hosts (``SDP_HOSTNAME``), shared memory within a host, ZeroMQ between."""
+import pytest
+
+from harness import check_ok, run_workers
+from test_hierarchical_mp import fake_hosts
+
+# positions each rank of workers_hostlink.cases posts, and how many of them the link runs
+CASE_POSITIONS, CASE_FAST = 32, 27
+
+
+@pytest.mark.parametrize("counts", [[2, 2], [1, 1, 1], [3, 1], [1, 2, 2]])
+def test_results_are_numpys_and_the_same_bits_everywhere(counts):
+    """Every op and eligible dtype gives numpy's result, bit-identical on every rank, through
+    the link; what it does not run (float16, strided, prescaled, over 64 KB, a position whose
+    names differ between hosts) goes to the engine on every rank and is exact too, and the
+    link runs again after it and between asynchronous allreduces."""
+    n, env = fake_hosts(counts)
+    values = check_ok(run_workers(n, "workers_hostlink:cases", [], per_rank_env=env, timeout=120))
+    for rank, (bad, digest, fast, posted) in enumerate(values):
+        assert not bad, (rank, bad)
+        assert digest == values[0][1], f"rank {rank} differs from rank 0"
+        assert (fast, posted) == (CASE_FAST, CASE_POSITIONS), rank
+
+
+def test_off_when_a_rank_sets_the_fast_lane_off():
+    """A rank with SDP_FAST_LANE=0 offers no link: it is off on every rank (the results exact)."""
+    n, env = fake_hosts([2, 2])
+    values = check_ok(run_workers(n, "workers_hierarchical:inline_cases", [],
+                                  per_rank_env=lambda r: {**env(r), **({"SDP_FAST_LANE": "0"} if r == 2 else {})},
+                                  timeout=120))
+    assert all(v[0] and v[1] == values[0][1] for v in values)
+
+
+@pytest.mark.parametrize("kind, value", [("shape", "[5]"), ("dtype", "float64"), ("op", "MAX")])
+def test_mismatches_raise_on_every_rank_and_the_link_goes_on(kind, value):
+    """A call that differs on rank 3 is SLOW in the link: the engine raises TensorMismatchError
+    on every rank, naming the tensor, rank 3 and its value; the next call takes the link."""
+    n, env = fake_hosts([2, 2])
+    for rank, (etype, msg, seconds, after) in enumerate(
+            check_ok(run_workers(n, "workers_hostlink:mismatch", [kind], per_rank_env=env, timeout=60))):
+        assert etype == "TensorMismatchError" and "'mm.x'" in msg and f"rank 3 has {value}" in msg, (rank, msg)
+        assert seconds < 5 and after, rank
+
+
+def test_join_turns_the_link_off_everywhere():
+    n, env = fake_hosts([2, 2])
+    values = check_ok(run_workers(n, "workers_hostlink:join_midway", [], per_rank_env=env, timeout=60))
+    for rank, (got, last, off, fast) in enumerate(values):
+        assert got[:2] == [10.0, 10.0] and got[2:] == ([6.0] * 3 if rank < 3 else []), rank
+        assert last == values[0][1] and last in (0, 1, 2) and off and fast == 2, rank
+
+
+@pytest.mark.parametrize("victim", [1, 2])
+def test_a_rank_killed_while_the_others_wait_is_reported_within_a_second(victim):
+    """Rank 1 (not a leader) or 2 (host 1's leader) dies while the others wait in the link."""
+    n, env = fake_hosts([2, 2])
+    results = run_workers(n, "workers_hostlink:killed_while_waiting", [victim], per_rank_env=env, timeout=60)
+    for r in results:
+        if r.rank == victim:
+            assert r.returncode == -9
+            continue
+        assert r.ok, (r.rank, r.stderr[-2000:])
+        etype, seconds = r.value
+        assert etype == "PeerLostError" and seconds < 1.5, (r.rank, r.value)
+
+
+def test_a_stall_raises_on_every_rank():
+    """Three ranks wait in the link for the fourth, which waits in the engine for a broadcast
+    of theirs: StallError on every rank after SDP_STALL_SHUTDOWN_TIME."""
+    n, env = fake_hosts([2, 2])
+    values = check_ok(run_workers(n, "workers_hostlink:stall", [2], env={"SDP_STALL_CHECK_TIME": "1",
+                                                                        "SDP_STALL_SHUTDOWN_TIME": "2"},
+                                  per_rank_env=env, timeout=60))
+    for rank, (etype, msg, seconds) in enumerate(values):
+        assert etype == "StallError" and seconds < 10, (rank, etype, msg)

@@ -1,0 +1,150 @@
+"""Worker functions for tests/test_hostlink.py (ranks on fake hosts, see SDP_HOSTNAME)."""
+import hashlib
+import os
+import signal
+import time
+
+import numpy as np
+
+import sdp
+
+
+def _link():
+    return sdp.api.runtime().link
+
+
+def cases():
+    """Synchronous allreduces of every op, eligible dtype and scale (``out=``, in place, shapes,
+    the largest eligible size) against numpy, then ineligible ones (float16, a strided view, a
+    prescale, 128 KB, a name only some hosts use this position for) and asynchronous ones
+    between them: [what differed, SHA-1 of the results, link FASTs, positions posted]."""
+    r, n = sdp.rank(), sdp.size()
+    rng = [np.random.default_rng(q) for q in range(n)]
+    base = [g.standard_normal(300) for g in rng]
+    bad, out = [], []
+
+    def check(got, want, dtype, exact):
+        good = got.dtype == dtype and got.shape == want.shape and (
+            np.array_equal(got, want) if exact else np.allclose(got, want, rtol=1e-5, atol=1e-4))
+        if not good:
+            bad.append(f"#{len(out)}: {got.dtype} {got.shape} {got.reshape(-1)[:3]} vs {want.reshape(-1)[:3]}")
+        out.append(np.asarray(got))
+
+    for dtype in (np.float32, np.float64, np.int32, np.int64):
+        xs = [(b * 100).astype(dtype) for b in base]
+        exact = np.dtype(dtype).kind == "i"
+        wide = [x.astype(np.float64) for x in xs]
+        for op, ref in ((sdp.Sum, sum(wide)), (sdp.Min, np.minimum.reduce(wide)), (sdp.Max, np.maximum.reduce(wide)),
+                        (sdp.Product, np.prod(np.stack([np.sign(w) for w in wide]), axis=0))):
+            x = np.sign(xs[r]).astype(dtype) if op == sdp.Product else xs[r]
+            check(sdp.allreduce(x, name=f"hl.{np.dtype(dtype).name}.{op}", op=op), ref.astype(dtype), dtype, exact)
+        avg = sdp.allreduce(xs[r], name=f"hl.{np.dtype(dtype).name}.avg", op=sdp.Average)
+        want = (sum(x.astype(np.int64) for x in xs) // n).astype(dtype) if exact else (sum(wide) / n).astype(dtype)
+        check(avg, want, dtype, exact)
+    check(sdp.allreduce(base[r].astype(np.float32), name="hl.post", op=sdp.Sum, postscale_factor=0.5),
+          (sum(base) * 0.5).astype(np.float32), np.float32, False)
+    buf = np.empty((3, 100), np.float32)
+    got = sdp.allreduce(base[r].astype(np.float32).reshape(3, 100), name="hl.out", op=sdp.Sum, out=buf)
+    if got is not buf:
+        bad.append("out= not returned")
+    check(buf, sum(base).astype(np.float32).reshape(3, 100), np.float32, False)
+    mine = np.full(7, r + 1, np.int64)
+    sdp.allreduce(mine, name="hl.inplace", op=sdp.Sum, out=mine)
+    check(mine, np.full(7, n * (n + 1) // 2, np.int64), np.int64, True)
+    check(sdp.allreduce(np.array(r + 0.5), name="hl.0d", op=sdp.Sum), np.array(n * n / 2), np.float64, True)
+    big = np.full(16384, r, np.float32)  # 64 KB: the largest eligible
+    check(sdp.allreduce(big, name="hl.64k", op=sdp.Sum), np.full(16384, n * (n - 1) / 2, np.float32), np.float32, True)
+    fast = _link().fast
+    # not eligible here (the engine on every rank), each still one position
+    check(sdp.allreduce(np.full(5, r, np.float16), name="hl.f16", op=sdp.Sum),
+          np.full(5, n * (n - 1) / 2, np.float16), np.float16, True)
+    strided = (np.arange(20, dtype=np.float32) * (r + 1))[::2]
+    check(sdp.allreduce(strided, name="hl.strided", op=sdp.Sum),
+          np.arange(20, dtype=np.float32)[::2] * (n * (n + 1) / 2), np.float32, True)
+    check(sdp.allreduce(np.ones(4, np.float32), name="hl.pre", op=sdp.Sum, prescale_factor=2.0),
+          np.full(4, 2.0 * n, np.float32), np.float32, True)
+    check(sdp.allreduce(np.ones(32768, np.float32), name="hl.128k", op=sdp.Sum),
+          np.full(32768, n, np.float32), np.float32, True)
+    # the first host calls this position "hl.a", the others "hl.b" first: SLOW, then the engine
+    # matches the names (both are submitted by then: one each way per rank, asynchronously)
+    first = r in sdp.api.runtime().link.local and sdp.api.runtime().link.leader == 0
+    h = sdp.allreduce_async(np.full(3, r, np.float32), name="hl.b" if first else "hl.a", op=sdp.Sum)
+    got = sdp.allreduce(np.full(3, r, np.float32), name="hl.a" if first else "hl.b", op=sdp.Sum)
+    check(got, np.full(3, n * (n - 1) / 2, np.float32), np.float32, True)
+    check(h.wait(), np.full(3, n * (n - 1) / 2, np.float32), np.float32, True)
+    if _link().fast != fast:
+        bad.append(f"{_link().fast - fast} ineligible calls took the link")
+    # and the path still runs afterwards, around asynchronous submissions
+    hs = [sdp.allreduce_async(np.full(10, r, np.float32), name=f"hl.async.{i}", op=sdp.Sum) for i in range(3)]
+    check(sdp.allreduce(np.full(2, r, np.float64), name="hl.after", op=sdp.Sum), np.full(2, n * (n - 1) / 2),
+          np.float64, True)
+    for hd in hs:
+        check(hd.wait(), np.full(10, n * (n - 1) / 2, np.float32), np.float32, True)
+    sdp.barrier()
+    return [bad, hashlib.sha1(b"".join(o.tobytes() for o in out)).hexdigest(), _link().fast, _link().k]
+
+
+def mismatch(kind):
+    """A synchronous allreduce that differs on the last rank (``kind``: shape, dtype or op):
+    [error type, message, seconds, whether a later allreduce is exact and took the link]."""
+    r, n = sdp.rank(), sdp.size()
+    sdp.allreduce(np.ones(4, np.float32), name="mm.warm", op=sdp.Sum)
+    x, op = np.ones(4, np.float32), sdp.Sum
+    if r == n - 1:
+        x, op = {"shape": (np.ones(5, np.float32), op), "dtype": (np.ones(4, np.float64), op),
+                 "op": (x, sdp.Max)}[kind]
+    t0 = time.monotonic()
+    try:
+        sdp.allreduce(x, name="mm.x", op=op)
+        etype, msg = None, None
+    except sdp.TensorMismatchError as e:
+        etype, msg = type(e).__name__, str(e)
+    seconds = time.monotonic() - t0
+    fast = _link().fast
+    after = sdp.allreduce(np.ones(4, np.float32), name="mm.after", op=sdp.Sum)
+    return [etype, msg, seconds, bool(np.array_equal(after, np.full(4, float(n)))) and _link().fast == fast + 1]
+
+
+def join_midway():
+    """The last rank joins after two allreduces, the others make three more: their results
+    count the joined rank as zeros (the engine's join), and the path is off on every rank."""
+    r, n = sdp.rank(), sdp.size()
+    got = [float(sdp.allreduce(np.full(2, r + 1.0), name=f"jm.{i}", op=sdp.Sum)[0]) for i in range(2)]
+    if r == n - 1:
+        last = sdp.join()
+    else:
+        got += [float(sdp.allreduce(np.full(2, r + 1.0), name=f"jm.{i}", op=sdp.Sum)[0]) for i in range(2, 5)]
+        last = sdp.join()
+    return [got, last, _link().off, _link().fast]
+
+
+def killed_while_waiting(victim):
+    """Rank ``victim`` dies (SIGKILL) while the others wait in the link for it: [error type,
+    seconds from the kill (as the others see it) to the error]."""
+    r = sdp.rank()
+    sdp.allreduce(np.ones(4, np.float32), name="kw.warm", op=sdp.Sum)
+    sdp.barrier()
+    if r == victim:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        sdp.allreduce(np.ones(4, np.float32), name="kw.x", op=sdp.Sum)
+        return [None, time.monotonic() - t0]
+    except sdp.errors.SdpError as e:
+        return [type(e).__name__, time.monotonic() - t0 - 0.3]
+
+
+def stall(shutdown_s):
+    """The last rank makes a broadcast where the others make a synchronous allreduce (a program
+    Horovod would stall on): [error type, message, seconds]."""
+    r, n = sdp.rank(), sdp.size()
+    t0 = time.monotonic()
+    try:
+        if r == n - 1:
+            sdp.broadcast(np.ones(3, np.float32), 0, name="st.b")
+        else:
+            sdp.allreduce(np.ones(3, np.float32), name="st.a", op=sdp.Sum)
+        return [None, None, time.monotonic() - t0]
+    except sdp.errors.SdpError as e:
+        return [type(e).__name__, str(e), time.monotonic() - t0]
