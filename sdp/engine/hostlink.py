@@ -69,7 +69,7 @@ NAP_S = 0.0002  # seconds between polls after that
 CHECK_S = 0.01  # seconds between checks for a lost peer, a failed engine, a stall
 LOST_GRACE_S = 0.5  # seconds a wait gives the engine thread to fail the job once a peer is lost
 _HDR = 8  # int64 slots of a rank's slot header
-POST, SIG, NBYTES, RES, DECISION, RES_NBYTES = range(6)  # header slots (RES..: the leader's)
+POST, SIG, RES, DECISION = range(4)  # header slots (RES, DECISION: a leader's, for its host)
 FAST, SLOW, OFF = 1, 2, 3
 JOIN_SIG = -1
 MAGIC = b"SDPL"
@@ -126,7 +126,7 @@ class HostLink:
                 return None
             result = fusion.aligned_empty(a.dtype, a.size) if out is None else out
             flat = result.reshape(-1)
-            if copies is None:  # (the leader's result)
+            if copies is None:  # (a follower: its leader's result)
                 flat.view(np.uint8)[:] = self.res[:a.nbytes]
             else:
                 scaling = types.SimpleNamespace(op=op, postscale=postscale)
@@ -134,7 +134,7 @@ class HostLink:
                 self.rt._int_scale(flat, scaling)
                 if self.hdr is not None:
                     self.res[:a.nbytes] = flat.view(np.uint8)
-                    self._publish(FAST, a.nbytes)
+                    self._publish(FAST)
             self.fast += 1
             return result if out is not None else result.reshape(a.shape)
 
@@ -183,7 +183,7 @@ class HostLink:
             mine = self.hdr[self.rank]
             if nbytes and self.rank != self.leader:  # (the leader reads its own input where it is)
                 self.data[self.rank][:nbytes] = a.reshape(-1).view(np.uint8)
-            mine[SIG], mine[NBYTES] = sig, nbytes
+            mine[SIG] = sig
             mine[POST] = k  # (last: x86-64 keeps stores in order)
         if self.rank != self.leader:
             lead = self.hdr[self.leader]
@@ -217,16 +217,16 @@ class HostLink:
             return FAST, [partial if q == self.rank else np.frombuffer(got[q][1], a.dtype) for q in self.leaders]
         decision = OFF if JOIN_SIG in sigs else SLOW
         if self.hdr is not None:
-            self._publish(decision, 0)
+            self._publish(decision)
         if decision == OFF:
             self.off = True
         return decision, None
 
-    def _publish(self, decision: int, nbytes: int) -> None:
-        """(Leader.) Position ``k``'s decision (and ``nbytes`` of result, written before) for the
-        host's other ranks."""
+    def _publish(self, decision: int) -> None:
+        """(Leader.) The decision of this position (and, FAST, the result written before it)
+        for the host's other ranks."""
         mine = self.hdr[self.rank]
-        mine[DECISION], mine[RES_NBYTES] = decision, nbytes
+        mine[DECISION] = decision
         mine[RES] = self.k  # (last)
 
     def _gather(self, k: int) -> Dict[int, tuple]:
