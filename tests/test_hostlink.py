@@ -65,12 +65,16 @@ def test_a_rank_killed_while_the_others_wait_is_reported_within_a_second(victim)
         assert etype == "PeerLostError" and seconds < 1.5, (r.rank, r.value)
 
 
-def test_a_stall_raises_on_every_rank():
-    """Three ranks wait in the link for the fourth, which waits in the engine for a broadcast
-    of theirs: StallError on every rank after SDP_STALL_SHUTDOWN_TIME."""
+@pytest.mark.parametrize("mode", ["broadcast", "silent"])
+def test_a_stall_raises_on_every_rank(mode):
+    """Three ranks wait in the link for the fourth, which waits in the engine for a broadcast of
+    theirs (rank 0's stall check raises StallError on every rank after SDP_STALL_SHUTDOWN_TIME)
+    or does nothing (each waiting rank raises it itself, 2 s later, naming whom it waits for)."""
     n, env = fake_hosts([2, 2])
-    values = check_ok(run_workers(n, "workers_hostlink:stall", [2], env={"SDP_STALL_CHECK_TIME": "1",
-                                                                        "SDP_STALL_SHUTDOWN_TIME": "2"},
+    values = check_ok(run_workers(n, "workers_hostlink:stall", [mode], env={"SDP_STALL_CHECK_TIME": "1",
+                                                                           "SDP_STALL_SHUTDOWN_TIME": "2"},
                                   per_rank_env=env, timeout=60))
-    for rank, (etype, msg, seconds) in enumerate(values):
+    for rank, (etype, msg, seconds) in enumerate(values if mode == "broadcast" else values[:3]):
         assert etype == "StallError" and seconds < 10, (rank, etype, msg)
+        if mode == "silent":
+            assert seconds >= 4 and "across hosts waited" in msg and f"for ranks [{[2, 0, 3][rank]}]" in msg, (rank, msg)

@@ -135,12 +135,16 @@ def killed_while_waiting(victim):
         return [type(e).__name__, time.monotonic() - t0 - 0.3]
 
 
-def stall(shutdown_s):
-    """The last rank makes a broadcast where the others make a synchronous allreduce (a program
-    Horovod would stall on): [error type, message, seconds]."""
+def stall(mode):
+    """The last rank makes a broadcast (``mode`` "broadcast") where the others make a synchronous
+    allreduce (a program Horovod would stall on), or nothing for 8 s ("silent"): [error type,
+    message, seconds]."""
     r, n = sdp.rank(), sdp.size()
     t0 = time.monotonic()
     try:
+        if r == n - 1 and mode == "silent":
+            time.sleep(8)
+            return [None, None, time.monotonic() - t0]
         if r == n - 1:
             sdp.broadcast(np.ones(3, np.float32), 0, name="st.b")
         else:

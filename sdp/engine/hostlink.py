@@ -28,8 +28,9 @@ peers anyway.  Every synchronous global allreduce posts (``sdp.allreduce`` of an
 path does not run posts 0), and nothing else does, so positions line up across ranks whenever
 the ranks make the same synchronous allreduces in the same order; ranks that do not (a program
 that would deadlock under Horovod too) wait here with a stall warning after
-``SDP_STALL_CHECK_TIME`` naming the ranks not heard from, and :class:`StallError` after
-``SDP_STALL_SHUTDOWN_TIME`` when set.  A lost peer or a failed engine ends the wait with its
+``SDP_STALL_CHECK_TIME`` naming the ranks not heard from, and :class:`StallError` when set
+``SDP_STALL_SHUTDOWN_TIME`` has passed: rank 0's stall check's, on every rank, when some rank waits
+in the engine meanwhile, else this wait's own, :data:`STALL_GRACE_S` later.  A lost peer or a failed engine ends the wait with its
 error (checked every :data:`CHECK_S`; a lost peer through the engine thread, which fails the job
 with it and tells the peers which rank was lost, as when it waits itself).  Waits on shared memory spin (yielding the core) for
 :data:`SPIN_S`, then poll every :data:`NAP_S`; a leader waits on the link in ``poll``.
@@ -42,8 +43,8 @@ lane.  On in jobs across hosts (:attr:`sdp.transport.zmq_mesh.Mesh.link_on`: eve
 it, x86-64 stores in order, shared memory on hosts with several ranks) unless
 ``SDP_FAST_LANE=0``.
 
-Link messages: ``[MAGIC, position (u64), host signature (i64), bytes (u64)]`` packed, then the
-partial's bytes when the signature is positive.  A message that is not that (size, magic, a
+Link messages: one frame, ``MAGIC, position (u64), host signature (i64), bytes (u64)`` packed,
+then the partial's bytes when the signature is positive.  A message that is not that (size, magic, a
 position other than this one or the next, a length that does not match) is logged and dropped.
 """
 import hashlib
@@ -68,6 +69,8 @@ SPIN_S = 0.002  # seconds a wait on shared memory spins (yielding the core) befo
 NAP_S = 0.0002  # seconds between polls after that
 CHECK_S = 0.01  # seconds between checks for a lost peer, a failed engine, a stall
 LOST_GRACE_S = 0.5  # seconds a wait gives the engine thread to fail the job once a peer is lost
+STALL_GRACE_S = 2.0  # seconds after SDP_STALL_SHUTDOWN_TIME a wait gives rank 0's stall check (it
+# names the tensors and ranks on every rank, where some rank waits in the engine) before it raises
 _HDR = 8  # int64 slots of a rank's slot header
 POST, SIG, RES, DECISION = range(4)  # header slots (RES, DECISION: a leader's, for its host)
 FAST, SLOW, OFF = 1, 2, 3
@@ -206,7 +209,7 @@ class HostLink:
         head = _MSG.pack(MAGIC, k, host_sig, nbytes if host_sig > 0 else 0)
         for q in self.leaders:
             if q != self.rank:
-                self.mesh.link_send(q, [head, partial.view(np.uint8)] if host_sig > 0 else [head])
+                self.mesh.link_send(q, head + partial.data if host_sig > 0 else head)
         got = self._gather(k)
         sigs = [host_sig if q == self.rank else got[q][0] for q in self.leaders]
         if host_sig > 0 and sigs.count(host_sig) == len(sigs):
@@ -247,11 +250,11 @@ class HostLink:
         """Keep a link message of position ``k`` or ``k + 1`` (a leader that has all of ``k`` may
         send its next); log and drop anything else."""
         try:
-            magic, pos, sig, nbytes = _MSG.unpack(frames[0])
-            body = frames[1] if len(frames) == 2 else b""
-            ok = (magic == MAGIC and pos in (k, k + 1) and (src, pos) not in self._early and len(frames) <= 2
+            magic, pos, sig, nbytes = _MSG.unpack_from(frames[0])
+            body = memoryview(frames[0])[_MSG.size:]
+            ok = (magic == MAGIC and pos in (k, k + 1) and (src, pos) not in self._early and len(frames) == 1
                   and nbytes == len(body) and (nbytes > 0) == (sig > 0) and nbytes <= MAX_BYTES)
-        except (struct.error, TypeError):
+        except (struct.error, TypeError, IndexError):
             ok = False
         if not ok:
             log.warning("rank %d: dropping a malformed message on the leaders' link from rank %d", self.rank, src)
@@ -286,7 +289,7 @@ class HostLink:
             raise errors.NotInitializedError("waiting on an allreduce across hosts: sdp was shut down")
         waited = now - start
         cfg = rt.config
-        if cfg.stall_shutdown_s > 0 and waited >= cfg.stall_shutdown_s:
+        if cfg.stall_shutdown_s > 0 and waited >= cfg.stall_shutdown_s + STALL_GRACE_S:
             raise errors.StallError(f"rank {self.rank}: synchronous allreduce #{k} across hosts waited "
                                     f"{waited:.0f} s for ranks {missing()}")
         if cfg.stall_check_s > 0 and waited >= cfg.stall_check_s and waited - CHECK_S < cfg.stall_check_s:

@@ -141,6 +141,8 @@ class Mesh:
             security.secure_server(lr, self._secret, self.encrypt)
             self._link_guard = self._gate.guard(lr, lambda: self.size)
             self.endpoints["link"] = f"tcp://{ip}:{lr.bind_to_random_port(f'tcp://{ip}')}"
+            self._link_poller = zmq.Poller()
+            self._link_poller.register(lr, zmq.POLLIN)
         self.peers: List[dict] = []
         self.dealers: Dict[int, zmq.Socket] = {}
         self.monitors: Dict[zmq.Socket, int] = {}
@@ -289,12 +291,12 @@ class Mesh:
             d.connect(by_rank[r]["endpoints"]["link"])
             self.link_dealers[r] = d
 
-    def link_send(self, dst: int, frames: list) -> None:
-        """Queue ``frames`` to leader ``dst`` on the leaders' link (never blocks; nothing once
-        the mesh is closed: the caller's wait then meets the reason)."""
+    def link_send(self, dst: int, body) -> None:
+        """Queue ``body`` (bytes) to leader ``dst`` on the leaders' link (never blocks; nothing
+        once the mesh is closed: the caller's wait then meets the reason)."""
         with self._link_lock:
             if dst in self.link_dealers:
-                self.link_dealers[dst].send_multipart(frames, copy=True)
+                self.link_dealers[dst].send(body, copy=True)
 
     def link_recv(self, timeout_ms: float) -> list:
         """``[(source rank, frames), ...]`` that arrived on the leaders' link, waiting up to
@@ -302,18 +304,17 @@ class Mesh:
         anyone but another host's leader is logged and dropped."""
         out = []
         with self._link_lock:  # (close() waits for a poll to end: at most timeout_ms)
-            if self.link_router is None or not self.link_router.poll(timeout_ms):
+            router = self.link_router
+            if router is None or not self._link_poller.poll(timeout_ms):
                 return out
-            while True:
-                try:
-                    frames = self.link_router.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    return out
+            while router.get(zmq.EVENTS) & zmq.POLLIN:
+                frames = router.recv_multipart(zmq.NOBLOCK)
                 src = self._ident_to_rank.get(frames[0])
                 if src not in self.link_dealers:
                     log.warning("rank %d: dropping a message on the leaders' link from %r", self.rank, src)
                     continue
                 out.append((src, frames[1:]))
+            return out
 
     def _open_bells(self, peers: List[dict]) -> Dict[int, int]:
         """The doorbells of ``peers`` (same-host rendezvous entries) opened for writing, or {}
