@@ -9,7 +9,7 @@ from test_hierarchical_mp import fake_hosts
 CASE_POSITIONS, CASE_FAST = 32, 27
 
 
-@pytest.mark.parametrize("counts", [[2, 2], [1, 1, 1], [3, 1], [1, 2, 2]])
+@pytest.mark.parametrize("counts", [[2, 2], [1, 1, 1], [4, 1], [1, 2, 2], "abab"])
 def test_results_are_numpys_and_the_same_bits_everywhere(counts):
     """Every op and eligible dtype gives numpy's result, bit-identical on every rank, through
     the link; what it does not run (float16, strided, prescaled, over 64 KB, a position whose
@@ -62,7 +62,7 @@ def test_a_rank_killed_while_the_others_wait_is_reported_within_a_second(victim)
             continue
         assert r.ok, (r.rank, r.stderr[-2000:])
         etype, seconds = r.value
-        assert etype == "PeerLostError" and seconds < 1.5, (r.rank, r.value)
+        assert etype == "PeerLostError" and seconds < 1.0, (r.rank, r.value)
 
 
 @pytest.mark.parametrize("mode", ["broadcast", "silent"])

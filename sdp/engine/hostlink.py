@@ -47,7 +47,6 @@ Link messages: one frame, ``MAGIC, position (u64), host signature (i64), bytes (
 then the partial's bytes when the signature is positive.  A message that is not that (size, magic, a
 position other than this one or the next, a length that does not match) is logged and dropped.
 """
-import hashlib
 import logging
 import os
 import struct
@@ -61,6 +60,7 @@ import numpy as np
 from sdp.common import errors
 from sdp.common.reduce_ops import UFUNCS, ReduceOp
 from sdp.engine import collectives, fusion
+from sdp.engine.lane import signature
 
 log = logging.getLogger("sdp.engine")
 
@@ -78,7 +78,6 @@ JOIN_SIG = -1
 MAGIC = b"SDPL"
 _MSG = struct.Struct("<4sQqQ")
 _DTYPES = frozenset(("<f4", "<f8", "<i4", "<i8"))
-_SIGS_MAX = 4096
 
 
 class HostLink:
@@ -160,14 +159,7 @@ class HostLink:
                 and (out is None or type(out) is np.ndarray and out.shape == a.shape and out.dtype == a.dtype
                      and out.flags.c_contiguous and out.flags.writeable)):
             return 0
-        key = (name, a.dtype.str, a.shape, int(op), postscale)
-        sig = self._sigs.get(key)
-        if sig is None:
-            if len(self._sigs) >= _SIGS_MAX:
-                self._sigs.clear()
-            digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
-            sig = self._sigs[key] = (int.from_bytes(digest, "little") >> 2) | 1
-        return sig
+        return signature(self._sigs, (name, a.dtype.str, a.shape, int(op), postscale))
 
     def _run(self, sig: int, a, ufunc=None) -> tuple:
         """Post position ``k`` with ``sig`` (and ``a``'s bytes) and wait for its decision:

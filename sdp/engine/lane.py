@@ -142,6 +142,18 @@ def _fence() -> None:
     _fence_lock.release()
 
 
+
+def signature(cache: dict, key: tuple) -> int:
+    """A positive 62-bit hash of ``key``'s repr (a collective's signature, the same on every
+    rank for equal keys), remembered in ``cache`` (emptied at :data:`_SIGS_MAX` entries)."""
+    sig = cache.get(key)
+    if sig is None:
+        if len(cache) >= _SIGS_MAX:
+            cache.clear()
+        digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+        sig = cache[key] = (int.from_bytes(digest, "little") >> 2) | 1
+    return sig
+
 class Lane:
     """The fast lane of one rank (see the module docstring).  ``mesh`` has shared segments and
     control rings with doorbells; ``to_engine(reqs)`` queues requests for the engine and
@@ -922,13 +934,7 @@ class Lane:
 
     def _sig(self, key: tuple) -> int:
         """The signature of a :meth:`Request.key` (a positive 62-bit hash, remembered)."""
-        sig = self._sigs.get(key)
-        if sig is None:
-            if len(self._sigs) >= _SIGS_MAX:
-                self._sigs.clear()
-            digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
-            sig = self._sigs[key] = (int.from_bytes(digest, "little") >> 2) | 1
-        return sig
+        return signature(self._sigs, key)
 
     def _wait_room(self, ahead: int = 0) -> None:
         """Wait (running the lane) until every rank has consumed position ``p - DEPTH``, ``p``
