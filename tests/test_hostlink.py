@@ -78,3 +78,11 @@ def test_a_stall_raises_on_every_rank(mode):
         assert etype == "StallError" and seconds < 10, (rank, etype, msg)
         if mode == "silent":
             assert seconds >= 4 and "across hosts waited" in msg and f"for ranks [{[2, 0, 3][rank]}]" in msg, (rank, msg)
+
+
+def test_malformed_link_messages_are_dropped_and_logged():
+    n, env = fake_hosts([2, 2])
+    results = run_workers(n, "workers_hostlink:malformed_link", [], per_rank_env=env, timeout=60)
+    assert check_ok(results) == [[[4.0, 8.0, 12.0], 3]] * 4
+    err = results[0].stderr
+    assert err.count("dropping a malformed message on the leaders' link from rank 2") == 8, err[-3000:]

@@ -152,3 +152,23 @@ def stall(mode):
         return [None, None, time.monotonic() - t0]
     except sdp.errors.SdpError as e:
         return [type(e).__name__, str(e), time.monotonic() - t0]
+
+
+def malformed_link():
+    """Host 1's leader (rank 2) sends rank 0 malformed link messages before its real ones: rank 0
+    logs and drops them, and the allreduces are exact and take the link: [results, link FASTs]."""
+    import struct
+    from sdp.engine import hostlink
+    r, link = sdp.rank(), _link()
+    if r == 2:
+        k = link.k + 1
+        head = hostlink._MSG.pack(hostlink.MAGIC, k, 5, 8)
+        for bad in (b"", b"\x00" * 7, b"XXXX" + head[4:] + bytes(8),  # short, shorter, another magic
+                    head + bytes(4),  # a length that does not match
+                    hostlink._MSG.pack(hostlink.MAGIC, k + 7, 5, 8) + bytes(8),  # a position far ahead
+                    hostlink._MSG.pack(hostlink.MAGIC, k, 5, 0),  # a signature without bytes
+                    hostlink._MSG.pack(hostlink.MAGIC, k, 5, 1 << 40) + bytes(8),  # a huge length
+                    struct.pack("<Q", 1)):
+            link.mesh.link_send(0, bad)
+    got = [float(sdp.allreduce(np.full(3, 1.0 + i), name=f"ml.{i}", op=sdp.Sum)[0]) for i in range(3)]
+    return [got, link.fast]
