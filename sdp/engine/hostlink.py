@@ -140,17 +140,16 @@ class HostLink:
             self.fast += 1
             return result if out is not None else result.reshape(a.shape)
 
-    def skip(self) -> None:
-        """Post a synchronous global allreduce this path does not run (see the module docstring)."""
+    def skip(self, sig: int = 0) -> None:
+        """Post a synchronous global allreduce this path does not run (``sig`` 0), or ``join()``
+        (:data:`JOIN_SIG`: every rank's path turns off at this position); see the module docstring."""
         with self.lock:
             if not self.off:
-                self._run(0, None)
+                self._run(sig, None)
 
     def join(self) -> None:
-        """Post ``join()``: every rank's path turns off at this position (see the module docstring)."""
-        with self.lock:
-            if not self.off:
-                self._run(JOIN_SIG, None)
+        """Post ``join()`` (:meth:`skip` with :data:`JOIN_SIG`)."""
+        self.skip(JOIN_SIG)
 
     # -- one position -------------------------------------------------------------------------
     def _signature(self, name, a, op, postscale, out) -> int:

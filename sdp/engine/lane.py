@@ -142,7 +142,6 @@ def _fence() -> None:
     _fence_lock.release()
 
 
-
 def signature(cache: dict, key: tuple) -> int:
     """A positive 62-bit hash of ``key``'s repr (a collective's signature, the same on every
     rank for equal keys), remembered in ``cache`` (emptied at :data:`_SIGS_MAX` entries)."""
@@ -153,6 +152,7 @@ def signature(cache: dict, key: tuple) -> int:
         digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
         sig = cache[key] = (int.from_bytes(digest, "little") >> 2) | 1
     return sig
+
 
 class Lane:
     """The fast lane of one rank (see the module docstring).  ``mesh`` has shared segments and
