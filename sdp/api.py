@@ -295,7 +295,9 @@ def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor
     ``horovod.torch.allreduce_``), else into a new array.
     Mirrors ``horovod.torch.allreduce_async``.  Raises ``ValueError`` for an unusable ``out`` or
     an unsupported dtype/op (see the module docstring)."""
-    rt, name, ps = _engine_and_name("allreduce", name, process_set)  # (positional below: ~1 us less a call)
+    rt, ps = _runtime, 0
+    if rt is None or name is None or not (process_set is None or type(process_set) is int and not process_set):
+        rt, name, ps = _engine_and_name("allreduce", name, process_set)  # (else inline: ~0.1 us less a call)
     burst = rt.burst  # (a burst's next small allreduce: into the fast lane's batch)
     if burst is not None and not ps and out is None and prescale_factor == 1.0:
         handle = burst(name, tensor, op if type(op) is ReduceOp else resolve_op(op), postscale_factor)

@@ -94,8 +94,8 @@ class PartHandle:
 
     __slots__ = ("name", "_group", "_index")
 
-    def __init__(self, name: str, group: Handle, index: int):
-        self.name, self._group, self._index = name, group, index
+    def __init__(self, name: str, group: Handle, index: int):  # (cc/lane_now.c sets these slots itself,
+        self.name, self._group, self._index = name, group, index  # without a call: keep it to that)
 
     def done(self) -> bool:
         """True once the group's result (or error) is available; never blocks."""

@@ -1239,15 +1239,16 @@ class _Batch:
     thread and posted as one position (:meth:`Lane._flush_batch`).  Per part: its input
     (``arrays``), its name and shape (``ident``) and the :class:`Request` it was submitted with
     (``reqs``; None for a part :meth:`Lane.burst` took, whose caller holds a :class:`PartHandle`
-    of the batch's ``handle``).  ``handle`` gives the list of the parts' results, or, once the
-    batch went to the engine (:meth:`to_engine`), the list of the parts' handles there."""
+    of the batch's ``handle``; ``own`` pairs the others with their index).  ``handle`` gives the
+    list of the parts' results, or, once the batch went to the engine (:meth:`to_engine`), the
+    list of the parts' handles there."""
 
-    __slots__ = ("reqs", "arrays", "names", "ident", "name", "dtype", "op", "postscale", "nbytes", "layout",
+    __slots__ = ("reqs", "own", "arrays", "names", "ident", "name", "dtype", "op", "postscale", "nbytes", "layout",
                  "handle")
     kind, prescale = "allreduce", 1.0
 
     def __init__(self, req, names: dict, lane):
-        self.reqs, self.arrays, self.ident, self.name = [], [], [], f"{req.name} (batch)"
+        self.reqs, self.own, self.arrays, self.ident, self.name = [], [], [], [], f"{req.name} (batch)"
         self.names = names  # (the lane's: every name in a batch it gathers or holds)
         self.dtype, self.op, self.postscale = req.array.dtype, req.op, req.postscale
         self.nbytes = 0
@@ -1270,6 +1271,7 @@ class _Batch:
                 and (self.nbytes + a.nbytes + _ALIGN) * (size - 1) <= READ_BYTES and name not in self.names)
 
     def add(self, req) -> None:
+        self.own.append((len(self.reqs), req))
         self.reqs.append(req)
         self._add(req.name, req.array)
 
@@ -1287,32 +1289,34 @@ class _Batch:
 
     def _release(self) -> None:
         """The lane no longer holds the batch: its names may be batched again."""
-        names = self.names
-        for name, _ in self.ident:
-            if names.get(name) is self:  # (Lane.fail_all clears them first)
-                del names[name]
+        names, ident = self.names, self.ident
+        if len(names) == len(ident) and names.get(ident[0][0]) is self:  # (the common case: only ours there,
+            names.clear()  # as a name is in one batch at a time and nothing is added after a clear)
+        else:
+            for name, _ in ident:
+                if names.get(name) is self:  # (Lane.fail_all clears them first)
+                    del names[name]
         self.handle._lane = None
 
     def done(self, parts: list) -> None:
         """Decided FAST and reduced: every part gets its result (``parts``: views of one array;
         copied into a request's ``out`` where it has one)."""
         self._release()
-        for r, part in zip(self.reqs, parts):
-            if r is not None:
-                r.handle._lane = None
-                if r.out is not None:
-                    np.copyto(r.out, part)
-                    part = r.out
-                r.handle._set(result=part)
+        for i, r in self.own:  # (the parts :meth:`Lane.burst` took have the batch's handle)
+            part = parts[i]
+            r.handle._lane = None
+            if r.out is not None:
+                np.copyto(r.out, part)
+                part = r.out
+            r.handle._set(result=part)
         self.handle._set(result=parts)
 
     def fail(self, err: BaseException) -> None:
         """Every part fails with ``err``."""
         self._release()
-        for r in self.reqs:
-            if r is not None:
-                r.handle._lane = None
-                r.handle._set(error=err)
+        for _, r in self.own:
+            r.handle._lane = None
+            r.handle._set(error=err)
         self.handle._set(error=err)
 
     def to_engine(self, request) -> list:
