@@ -237,7 +237,8 @@ class Lane:
         b = self._batch
         if b is not None and len(reqs) == 1 and not reqs[0].ps and b.takes(reqs[0], self.size):  # (a burst
             with self.lock:  # goes on: the common case, kept short)
-                if self._batch is b and self.failed is None and not self.off and not self._head_to_learn():
+                if self._batch is b and self.failed is None and not self.off:
+                    self._head_to_learn()  # (the burst's first submission was one: it joins all the same)
                     self._batch_append(b, reqs[0])
                     return []
         engine, eligible = [], False
@@ -323,9 +324,10 @@ class Lane:
             return None
         with self.lock:
             b = self._batch
-            if (b is None or self.failed is not None or self.off or self._head is not None
+            if (b is None or self.failed is not None or self.off
                     or not b.fits(name, a, op, postscale, self.size)):  # (under the lock: two threads never
                 return None  # both take a batch's last room, or one name)
+            self._head_to_learn()  # (as post)
             self._active_until = time.monotonic() + GRACE_S  # (as _batch_append)
             return b.add_part(name, a)
 

@@ -722,7 +722,7 @@ static int attr_is(PyObject *o, PyObject *name, int what) {
 static PyObject *S_failed, *S_off, *S_enabled, *S_held, *S_batch, *S_deferred, *S_head, *S_heads, *S_posted,
     *S_done, *S_decided, *S_awake, *S_first_seen, *S_active_until, *S_spin_s, *S_pending, *S_queue, *S_counts,
     *S_fast, *S_dtype, *S_op, *S_postscale, *S_arrays, *S_names, *S_nbytes, *S_reqs, *S_ident, *S_handle, *S_shape,
-    *F_inf, *F_zero, *I_one;
+    *S_head_to_learn, *F_inf, *F_zero, *I_one;
 
 /* release lane.lock, keeping a pending exception: -1 when one is pending after */
 static int unlock(Ctx *c) {
@@ -1050,10 +1050,19 @@ static PyObject *batch_add(Ctx *c, PyObject *b, PyObject *name, PyArrayObject *a
     return h;
 }
 
+/* lane._head_to_learn() when lane._head is set (Lane.post's fast path): 0, -1 error */
+static int learn_head(PyObject *L) {
+    int none = attr_is(L, S_head, IS_NONE);
+    if (none != 0) return none < 0 ? -1 : 0;
+    PyObject *r = PyObject_CallMethodNoArgs(L, S_head_to_learn);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
 /* ctx.burst(name, a, op, postscale) -> a PartHandle, or None (nothing done: the caller submits
  * as usual) -- Lane.burst whole: the allreduce of a (a C-contiguous numpy array, postscale a
  * float) joins the batch being gathered (lane._batch) if it fits (_Batch.fits, checked with the
- * lane's lock held, as is the lane: not failed or off, no head to learn). */
+ * lane's lock held, as is the lane: not failed or off; a burst's first submission learnt first). */
 static PyObject *ctx_burst(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) return PyErr_Format(PyExc_TypeError, "burst() takes 4 arguments"), NULL;
     PyObject *name = args[0], *a = args[1], *op = args[2], *ps = args[3];
@@ -1065,7 +1074,7 @@ static PyObject *ctx_burst(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
     Py_DECREF(got);
     PyObject *b = PyObject_GetAttr(L, S_batch), *h = NULL;
     int ok = b && b != Py_None && attr_is(L, S_failed, IS_NONE) == 1 && attr_is(L, S_off, IS_TRUE) == 0 &&
-             attr_is(L, S_head, IS_NONE) == 1 && !PyErr_Occurred();
+             learn_head(L) == 0;
     int64_t held = 0;
     if (ok && (ok = batch_fits(c, b, name, (PyArrayObject *)a, op, PyFloat_AS_DOUBLE(ps), &held)) == 1)
         h = batch_add(c, b, name, (PyArrayObject *)a, held);
@@ -1307,6 +1316,7 @@ PyMODINIT_FUNC PyInit__sdp_lane(void) {
 #define NAME(var, text) if (!(var = PyUnicode_InternFromString(text))) return NULL
     NAME(S_failed, "failed"); NAME(S_off, "off"); NAME(S_enabled, "enabled"); NAME(S_held, "held");
     NAME(S_batch, "_batch"); NAME(S_deferred, "_deferred"); NAME(S_head, "_head"); NAME(S_heads, "_heads");
+    NAME(S_head_to_learn, "_head_to_learn");
     NAME(S_posted, "_posted"); NAME(S_done, "_done"); NAME(S_decided, "_decided"); NAME(S_awake, "_awake");
     NAME(S_first_seen, "_first_seen"); NAME(S_active_until, "_active_until"); NAME(S_spin_s, "spin_s");
     NAME(S_pending, "_pending"); NAME(S_queue, "_queue"); NAME(S_counts, "counts"); NAME(S_fast, "fast");
