@@ -20,7 +20,10 @@ Called by ``benchmarks/allreduce.py`` (its 1 KB latency section, and alone with
   each way back to back in a run of its own, against the memory time of its bytes (one
   ``np.copyto`` of 400 KB, timed here).
 
-Everything but the floor is measured twice in the same run: as sdp runs (small allreduces in the
+The run is 5 rounds; each takes the floors (the round trip and, across hosts, the link floors
+below) just before its latencies, and every number printed is the median of the rounds, so the
+floors and the latencies meet the same phases of a machine whose speed changes.  Everything but
+the floors is measured twice in the same run: as sdp runs (small allreduces in the
 fast lane, :mod:`sdp.engine.lane`, when every rank is on one host; across hosts inline with the
 negotiation, :mod:`sdp.engine.inline`) and with both set aside (:func:`lane_off`: the engine
 thread, rank 0's coordinator and the collective, as before them).
@@ -340,32 +343,44 @@ def lane_off():
         rt.lane, rt._inline, rt.front, rt.front_group, rt.link = saved
 
 
-def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 60, rounds: int = 3) -> dict:
+def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 100, rounds: int = 5) -> dict:
     """Every latency of the module docstring (seconds), the same on every rank: ``res[key]``
-    as sdp runs, ``res["off"][key]`` with the fast lane set aside.  The two alternate in
-    ``rounds`` rounds (each a ``rounds``-th of the iterations) and each latency is the median of
-    its rounds: a machine whose speed changes during the run (this VM's does, for seconds at a
-    time) then slows both columns alike."""
+    as sdp runs, ``res["off"][key]`` with the fast lane set aside, and the floors they are held
+    against.  The run is ``rounds`` rounds (each a ``rounds``-th of the iterations), each of its
+    floors (:func:`floors`), then the lane set aside, then as sdp runs; every number is the
+    median of its rounds.  A machine whose speed changes during the run (this VM's does, for
+    seconds at a time: the pipe round trip read 6 us in one and 60 us in the next) then moves
+    the floors with the latencies, and both columns alike.  (One floor taken before the whole
+    run held a run's latencies against another phase's floor, either way.)"""
     sdp.barrier()
-    rtt = pipe_rtt() if sdp.rank() == 0 else 0.0  # (the other ranks wait in the barrier below)
-    rtt = max_over_ranks(rtt, "lat.rtt")
-    res = {"rtt": rtt}
-    if len(set(job_hosts())) > 1:
-        res["tcp_rtt"] = tcp_rtt()
-        res["zmq_exchange"] = zmq_exchange()
-    else:  # (the others wait here)
+    several_hosts = len(set(job_hosts())) > 1
+    res = {}
+    if not several_hosts:  # (the others wait here)
         res["data_floor"] = sdp.broadcast_object(data_floor((65536, STEP_COUNT * STEP_BYTES))
                                                  if sdp.rank() == 0 else None, 0, name="lat.floor")
     parts = [max(1, n // rounds) for n in (iters, isolated_iters, step_iters)]
-    on, off = [], []
+    on, off, floor = [], [], []
     for _ in range(rounds):
+        floor.append(floors(several_hosts))
         with lane_off():
             off.append(_latencies(*parts))
         on.append(_latencies(*parts))
+    res.update({k: statistics.median(r[k] for r in floor) for k in floor[0]})
+    res["rtt_rounds"] = [r["rtt"] for r in floor]
     res["off"] = {k: statistics.median(r[k] for r in off) for k in off[0]}
     res.update({k: statistics.median(r[k] for r in on) for k in on[0]})
-    res["rtt_after"] = max_over_ranks(pipe_rtt() if sdp.rank() == 0 else 0.0, "lat.rtt2")
     res["rtt_idle"] = max_over_ranks(pipe_rtt(isolated_iters, 10, IDLE_S) if sdp.rank() == 0 else 0.0, "lat.rtt3")
+    return res
+
+
+def floors(several_hosts: bool) -> dict:
+    """One round's floors (seconds, the same on every rank): ``rtt`` (:func:`pipe_rtt`, on rank 0
+    while the others wait) and, across hosts, ``tcp_rtt`` and ``zmq_exchange``."""
+    sdp.barrier()
+    res = {"rtt": max_over_ranks(pipe_rtt(1000, 100) if sdp.rank() == 0 else 0.0, "lat.rtt")}
+    if several_hosts:
+        res["tcp_rtt"] = tcp_rtt(iters=1000)
+        res["zmq_exchange"] = zmq_exchange(iters=1000)
     return res
 
 
@@ -386,8 +401,10 @@ def report(res: dict) -> list:
     rtt = res["rtt"]
     us = lambda s: f"{s * 1e6:8.1f} us"  # noqa: E731
     x = lambda s: f"{s / rtt:5.2f} RTT"  # noqa: E731
+    rounds = res["rtt_rounds"]
     lines = [f"latency floor: pipe ping-pong round trip between two processes (RTT) {us(rtt)} "
-             f"(again after the latency runs: {us(res['rtt_after'])}; each after {IDLE_S * 1e3:g} ms idle: "
+             f"(the median of {len(rounds)} rounds', each taken before its round: "
+             f"{min(rounds) * 1e6:.1f}-{max(rounds) * 1e6:.1f} us; each after {IDLE_S * 1e3:g} ms idle: "
              f"{us(res['rtt_idle'])})",
              f"{'':<44} {'sdp':>11} {'':>9}   {'lane off':>11} {'':>9}"]
     rows = [("1 KB back to back", "b2b_1024"), ("1 KB isolated (barrier, 1 ms idle)", "iso_1024"),

@@ -59,6 +59,9 @@ def test_latency_section_measures_its_floor_and_states_targets_as_round_trips():
     out = run_benchmark("--latency-only", "--breakdown", "--latency-iters", "50", "--isolated-iters", "20")
     rtt = re.search(r"latency floor: pipe ping-pong round trip between two processes \(RTT\)\s+([0-9.]+) us", out)
     assert rtt and float(rtt.group(1)) > 0, out[-3000:]
+    rounds = re.search(r"\(RTT\)\s+([0-9.]+) us \(the median of 5 rounds', each taken before its round: "
+                       r"([0-9.]+)-([0-9.]+) us", out)  # (the floor beside each round's latencies)
+    assert rounds and float(rounds.group(2)) <= float(rounds.group(1)) <= float(rounds.group(3)), out[-3000:]
     rows = dict(re.findall(r"<stdout>:(1 KB back to back|1 KB isolated \(barrier, 1 ms idle\)|64 KB back to back|"
                            r"64 KB isolated|step of 100 x 4 KB: grouped_allreduce)\s+([0-9.]+) us\s+[0-9.]+ RTT", out))
     assert len(rows) == 5 and all(float(v) > 0 for v in rows.values()), out[-3000:]
