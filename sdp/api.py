@@ -425,7 +425,8 @@ def _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, proce
             if not parts:
                 rt.submit_many(reqs)
                 return whole
-            handles = [PartHandle(name, whole, j) for j, name in enumerate(names)]
+            handles = (step.part_handles(PartHandle, names, whole) if step is not None  # (~20 us less for 100)
+                       else [PartHandle(name, whole, j) for j, name in enumerate(names)])
             continue
         for j, i in enumerate(idx):
             handles[i] = PartHandle(names[i], whole, j)

@@ -58,3 +58,24 @@ def test_the_lane_runs_in_python_without_the_compiled_step(tmp_path, how):
         assert ok and joined >= 2 * 39 and len(bad) == 2, (after_bursts, joined, bad)  # (Lane.burst in Python)
     for msg, ok in check_ok(run_workers(2, "workers_lane:burst_mismatch", [20], env=env, timeout=60)):
         assert ok and "'m3'" in msg, msg  # (rank 0 decides the batch's positions at once, in Python)
+
+
+@needs_compiler
+def test_part_handles_are_made_as_the_class_makes_them():
+    """``part_handles`` (a group's handles, as ``Context.burst`` makes one) sets PartHandle's slots
+    without calling it; a class without those slots is called."""
+    from sdp.engine import native
+    from sdp.engine.handles import Handle, PartHandle
+    module = native.load()
+    assert module is not None
+    group = Handle("g")
+    hs = module.part_handles(PartHandle, ["a", "b", "c"], group)
+    assert [type(h) for h in hs] == [PartHandle] * 3
+    assert [(h.name, h._group, h._index) for h in hs] == [("a", group, 0), ("b", group, 1), ("c", group, 2)]
+    group._set(result=["ra", "rb", "rc"])
+    assert [h.wait() for h in hs] == ["ra", "rb", "rc"] and all(h.done() for h in hs)
+
+    class Plain:
+        def __init__(self, name, group, index):
+            self.args = (name, group, index)
+    assert [p.args for p in module.part_handles(Plain, ["x", "y"], group)] == [("x", group, 0), ("y", group, 1)]

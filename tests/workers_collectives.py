@@ -391,6 +391,10 @@ def flattened_groups():
                                  for o, a, w in zip(outs, mine, want))))
     checks.append(("aligned views", all(o.size == 0 or o.ctypes.data % 64 == 0 for o in outs[:len(shapes)])))
     checks.append(("one request per dtype", len(rt._cache) - before == 3))
+    one = sdp.grouped_allreduce_async([np.full(4, r + i, np.float32) for i in range(6)],
+                                      [f"og.{i}" for i in range(6)], op=sdp.Sum)  # (one group: C makes the handles)
+    checks.append(("one group's handles", [h.name for h in one] == [f"og.{i}" for i in range(6)] and all(
+        np.array_equal(h.wait(), np.full(4, sum(q + i for q in range(n)), np.float32)) for i, h in enumerate(one))))
     # the same total size, other shapes on the last rank
     bad = [np.ones((2, 3), np.float32), np.ones(4, np.float32)] if r != n - 1 else \
         [np.ones((3, 2), np.float32), np.ones(4, np.float32)]
