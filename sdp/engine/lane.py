@@ -1239,18 +1239,18 @@ class _Scaling:
 class _Batch:
     """Small allreduces of one burst (one dtype, op and postscale), gathered in the caller's
     thread and posted as one position (:meth:`Lane._flush_batch`).  Per part: its input
-    (``arrays``), its name and shape (``ident``) and the :class:`Request` it was submitted with
-    (``reqs``; None for a part :meth:`Lane.burst` took, whose caller holds a :class:`PartHandle`
-    of the batch's ``handle``; ``own`` pairs the others with their index).  ``handle`` gives the
+    (``arrays``) and its name and shape (``ident``); ``own`` pairs a part submitted with a
+    :class:`Request` with its index (a part :meth:`Lane.burst` took has none: its caller holds a
+    :class:`PartHandle` of the batch's ``handle``).  ``handle`` gives the
     list of the parts' results, or, once the batch went to the engine (:meth:`to_engine`), the
     list of the parts' handles there."""
 
-    __slots__ = ("reqs", "own", "arrays", "names", "ident", "name", "dtype", "op", "postscale", "nbytes", "layout",
+    __slots__ = ("own", "arrays", "names", "ident", "name", "dtype", "op", "postscale", "nbytes", "layout",
                  "handle")
     kind, prescale = "allreduce", 1.0
 
     def __init__(self, req, names: dict, lane):
-        self.reqs, self.own, self.arrays, self.ident, self.name = [], [], [], [], f"{req.name} (batch)"
+        self.own, self.arrays, self.ident, self.name = [], [], [], f"{req.name} (batch)"
         self.names = names  # (the lane's: every name in a batch it gathers or holds)
         self.dtype, self.op, self.postscale = req.array.dtype, req.op, req.postscale
         self.nbytes = 0
@@ -1273,13 +1273,11 @@ class _Batch:
                 and (self.nbytes + a.nbytes + _ALIGN) * (size - 1) <= READ_BYTES and name not in self.names)
 
     def add(self, req) -> None:
-        self.own.append((len(self.reqs), req))
-        self.reqs.append(req)
+        self.own.append((len(self.arrays), req))
         self._add(req.name, req.array)
 
     def add_part(self, name: str, a) -> PartHandle:
         """Add the allreduce of ``a`` named ``name`` (:meth:`fits` it) without a request; its handle."""
-        self.reqs.append(None)
         self._add(name, a)
         return PartHandle(name, self.handle, len(self.arrays) - 1)
 
@@ -1325,8 +1323,9 @@ class _Batch:
         """The parts as requests for the engine, in order (``request``: the Request class, for
         the parts :meth:`Lane.burst` took); the batch's handle then gives each part's handle."""
         self._release()
-        reqs = [r if r is not None else request.burst(name, a, self.op, self.postscale)
-                for r, (name, _), a in zip(self.reqs, self.ident, self.arrays)]
+        given = dict(self.own)
+        reqs = [given.get(i) or request.burst(name, a, self.op, self.postscale)
+                for i, ((name, _), a) in enumerate(zip(self.ident, self.arrays))]
         for r in reqs:
             r.handle._lane = None
         self.handle._set(result=[r.handle for r in reqs])

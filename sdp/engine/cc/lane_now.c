@@ -69,7 +69,7 @@ typedef struct {
     Py_ssize_t chunk_used;
     /* burst(): the PartHandle class, and lane.py's _BATCH_MAX, READ_BYTES, GRACE_S (attach); the
      * batch it last added to and that batch's lists, dict, handle, dtype and op (batch_fields) */
-    PyObject *part_handle, *batch, *b_reqs, *b_arrays, *b_names, *b_ident, *b_handle, *b_dtype, *b_op;
+    PyObject *part_handle, *batch, *b_arrays, *b_names, *b_ident, *b_handle, *b_dtype, *b_op;
     Py_ssize_t part_slots[3]; /* PartHandle's slots name, _group, _index (offsets), or 0: call the class */
     double b_postscale;
     int64_t batch_max, read_bytes;
@@ -723,7 +723,7 @@ static int attr_is(PyObject *o, PyObject *name, int what) {
 
 static PyObject *S_failed, *S_off, *S_enabled, *S_held, *S_batch, *S_deferred, *S_head, *S_heads, *S_posted,
     *S_done, *S_decided, *S_awake, *S_first_seen, *S_active_until, *S_spin_s, *S_pending, *S_queue, *S_counts,
-    *S_fast, *S_dtype, *S_op, *S_postscale, *S_arrays, *S_names, *S_nbytes, *S_reqs, *S_ident, *S_handle, *S_shape,
+    *S_fast, *S_dtype, *S_op, *S_postscale, *S_arrays, *S_names, *S_nbytes, *S_ident, *S_handle, *S_shape,
     *S_head_to_learn, *F_inf, *F_zero, *I_one;
 
 /* release lane.lock, keeping a pending exception: -1 when one is pending after */
@@ -996,7 +996,7 @@ static PyObject *ctx_front_group(Ctx *c, PyObject *const *args, Py_ssize_t nargs
 }
 
 static void forget_batch(Ctx *c) {
-    Py_CLEAR(c->batch); Py_CLEAR(c->b_reqs); Py_CLEAR(c->b_arrays); Py_CLEAR(c->b_names); Py_CLEAR(c->b_ident);
+    Py_CLEAR(c->batch); Py_CLEAR(c->b_arrays); Py_CLEAR(c->b_names); Py_CLEAR(c->b_ident);
     Py_CLEAR(c->b_handle); Py_CLEAR(c->b_dtype); Py_CLEAR(c->b_op);
 }
 
@@ -1007,10 +1007,10 @@ static int batch_fields(Ctx *c, PyObject *b) {
     PyObject *ps = PyObject_GetAttr(b, S_postscale);
     c->b_postscale = ps ? PyFloat_AsDouble(ps) : 0.0;
     Py_XDECREF(ps);
-    if (!(c->b_reqs = PyObject_GetAttr(b, S_reqs)) || !(c->b_arrays = PyObject_GetAttr(b, S_arrays)) ||
+    if (!(c->b_arrays = PyObject_GetAttr(b, S_arrays)) ||
         !(c->b_names = PyObject_GetAttr(b, S_names)) || !(c->b_ident = PyObject_GetAttr(b, S_ident)) ||
         !(c->b_handle = PyObject_GetAttr(b, S_handle)) || !(c->b_dtype = PyObject_GetAttr(b, S_dtype)) ||
-        !(c->b_op = PyObject_GetAttr(b, S_op)) || PyErr_Occurred() || !PyList_Check(c->b_reqs) ||
+        !(c->b_op = PyObject_GetAttr(b, S_op)) || PyErr_Occurred() ||
         !PyList_Check(c->b_arrays) || !PyDict_Check(c->b_names) || !PyList_Check(c->b_ident) ||
         !PyArray_DescrCheck(c->b_dtype)) {
         forget_batch(c);
@@ -1043,7 +1043,7 @@ static PyObject *batch_add(Ctx *c, PyObject *b, PyObject *name, PyArrayObject *a
     PyObject *shape = PyObject_GetAttr((PyObject *)arr, S_shape), *pair = NULL, *index = NULL,
              *until = PyFloat_FromDouble(now_s() + c->grace_s), *h = NULL;
     if (shape && until && PyObject_SetAttr(c->lane, S_active_until, until) == 0 &&
-        PyList_Append(c->b_reqs, Py_None) == 0 && PyList_Append(c->b_arrays, (PyObject *)arr) == 0 &&
+        PyList_Append(c->b_arrays, (PyObject *)arr) == 0 &&
         PyDict_SetItem(c->b_names, name, b) == 0 && (pair = PyTuple_Pack(2, name, shape)) &&
         PyList_Append(c->b_ident, pair) == 0 && set_int(b, S_nbytes, held + PyArray_NBYTES(arr) + ALIGN) == 0 &&
         (index = PyLong_FromSsize_t(PyList_GET_SIZE(c->b_arrays) - 1)))
@@ -1090,7 +1090,7 @@ static PyObject *ctx_burst(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 static int ctx_traverse(Ctx *c, visitproc visit, void *arg) {
-    Py_VISIT(c->part_handle); Py_VISIT(c->batch); Py_VISIT(c->b_reqs); Py_VISIT(c->b_arrays); Py_VISIT(c->b_names);
+    Py_VISIT(c->part_handle); Py_VISIT(c->batch); Py_VISIT(c->b_arrays); Py_VISIT(c->b_names);
     Py_VISIT(c->b_ident); Py_VISIT(c->b_handle); Py_VISIT(c->b_dtype); Py_VISIT(c->b_op);
     Py_VISIT(c->lane); Py_VISIT(c->engine); Py_VISIT(c->acquire); Py_VISIT(c->release); Py_VISIT(c->finish);
     Py_VISIT(c->cache); Py_VISIT(c->chunk); Py_VISIT(c->gcache);
@@ -1343,7 +1343,7 @@ PyMODINIT_FUNC PyInit__sdp_lane(void) {
     NAME(S_first_seen, "_first_seen"); NAME(S_active_until, "_active_until"); NAME(S_spin_s, "spin_s");
     NAME(S_pending, "_pending"); NAME(S_queue, "_queue"); NAME(S_counts, "counts"); NAME(S_fast, "fast");
     NAME(S_dtype, "dtype"); NAME(S_op, "op"); NAME(S_postscale, "postscale"); NAME(S_arrays, "arrays");
-    NAME(S_names, "names"); NAME(S_nbytes, "nbytes"); NAME(S_reqs, "reqs"); NAME(S_ident, "ident");
+    NAME(S_names, "names"); NAME(S_nbytes, "nbytes"); NAME(S_ident, "ident");
     NAME(S_handle, "handle"); NAME(S_shape, "shape");
 #undef NAME
     if (!(F_inf = PyFloat_FromDouble(Py_HUGE_VAL)) || !(F_zero = PyFloat_FromDouble(0.0)) ||
