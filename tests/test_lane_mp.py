@@ -230,3 +230,25 @@ def test_the_compiled_entry_holds_escalates_and_raises_as_the_lane_does(n):
         if _compiled_step():
             # (the late rank's own calls, and some of its peers', still end in the entry)
             assert seen["entered late 0.002"] >= 3 and seen["entered"] >= 30, (rank, seen)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_compiled_flush_runs_a_learnt_burst_and_hands_the_rest_back(n):
+    rounds = 5
+    for rank, seen in enumerate(check_ok(run_workers(n, "workers_lane:flush_paths", [rounds], timeout=120))):
+        # (each case: [exact, flushes run whole by the compiled call, held after it, declined])
+        assert all(seen[k][0] for k in seen if k != "mismatch"), (rank, seen)
+        assert "fl.4" in seen["mismatch"] and "shape" in seen["mismatch"], (rank, seen)
+        assert seen["int average"][1] == 0 and seen["int average"][2] == 0, (rank, seen)  # (never learnt)
+        if _compiled_step():
+            # (learnt by the first step's flush, the compiled call posts a step's batch while the lane is
+            # otherwise idle: whole when every peer posted within the spin, else held; a step that finds
+            # the lane busy, a peer's last step not yet consumed, is posted in Python)
+            steady = ("float32 SUM 1", "float64 AVERAGE 0.5", "int32 MAX 1", "int64 PRODUCT 1", "float32 MIN 2",
+                      "late 2 ms", "after the mismatch")
+            for k in steady:
+                assert seen[k][1] + seen[k][2] >= 1, (rank, k, seen)
+            if n <= (os.cpu_count() or 1):  # (else no caller polls: every post is held)
+                assert sum(seen[k][1] for k in steady) >= 1, (rank, seen)
+        else:
+            assert all(seen[k][1:3] == [0, 0] for k in seen if k != "mismatch"), (rank, seen)

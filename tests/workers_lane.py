@@ -752,3 +752,68 @@ def front_group_paths(rounds):
         seen["mismatch"] = str(e)
     case("after the mismatch", same_list)
     return seen
+
+
+def flush_paths(rounds):
+    """The compiled flush (``Context.flush``, from a caller waiting on a burst's batch learnt by
+    its first flush) and the roads around it, ``rounds`` steps each: bursts of ``allreduce_async``
+    one by one over dtypes, ops, postscales and shapes (a float scale reduced in C, an ``out=``
+    part), a peer later than the spin (posted, then held: ``Lane._finish_batch``), a peer later
+    than ``ESCALATE_S`` (the engine), integer AVERAGE (never learnt: Python scales), one part's
+    shape changed on the last rank (``TensorMismatchError`` on every rank).  Returns a dict: per
+    case, [every result exact, flushes the compiled call ran whole, held after it, declined]."""
+    import time
+    from sdp.common import errors
+    n, r = sdp.size(), sdp.rank()
+    lane = sdp.api.runtime().lane
+    answers = {"whole": 0, "held": 0, "declined": 0}
+    ctx = lane._ctx
+
+    class Counted:  # (the lane's Context, its flush's answers counted)
+        def __getattr__(self, attr):
+            return getattr(ctx, attr)
+
+        def flush(self, b, spin):
+            got = ctx.flush(b, spin)
+            answers["declined" if got is None else "held" if got is True else "whole"] += 1
+            return got
+    if ctx is not None:
+        lane._ctx = Counted()
+    shapes = [(), (3,), (2, 5), (100,), (7,), (64,)]
+    seen = {}
+
+    def case(label, dtype=np.float32, op=ReduceOp.SUM, post=1.0, late_s=0.0, bad=None):
+        answers.update(whole=0, held=0, declined=0)
+        exact = True
+        for k in range(rounds):
+            data = [[_data(q, np.int32, sh, k + j).astype(dtype) for q in range(n)] for j, sh in enumerate(shapes)]
+            wants = [_expected(op, per_rank, post, n) for per_rank in data]
+            xs = [per_rank[r] for per_rank in data]
+            if bad is not None and r == n - 1:
+                xs[bad] = np.zeros(5, dtype)
+            out = np.empty_like(xs[2])
+            sdp.barrier()
+            if late_s and r == n - 1:
+                time.sleep(late_s)
+            hs = [sdp.allreduce_async(x, name=f"fl.{j}", op=op, postscale_factor=post, out=out if j == 2 else None)
+                  for j, x in enumerate(xs)]
+            for j, (h, want) in enumerate(zip(hs, wants)):
+                try:
+                    got = h.wait()
+                except errors.TensorMismatchError as e:
+                    seen["mismatch"] = str(e) if j == bad else f"fl.{j}: {e}"
+                    continue
+                exact &= (got.shape == want.shape and got.dtype == want.dtype and got.tobytes() == want.tobytes()
+                          and (j != 2 or got is out))
+        seen[label] = [bool(exact), answers["whole"], answers["held"], answers["declined"]]
+    for dtype, op, post in ((np.float32, ReduceOp.SUM, 1.0), (np.float64, ReduceOp.AVERAGE, 0.5),
+                            (np.int32, ReduceOp.MAX, 1.0), (np.int64, ReduceOp.PRODUCT, 1.0),
+                            (np.float32, ReduceOp.MIN, 2.0)):
+        case(f"{np.dtype(dtype).name} {op.name} {post:g}", dtype, op, post)
+    case("int average", np.int32, ReduceOp.AVERAGE)
+    case("late 2 ms", late_s=0.002)
+    case("late 30 ms", late_s=0.03)
+    sdp.barrier()
+    case("bad shape", bad=4)
+    case("after the mismatch")
+    return seen

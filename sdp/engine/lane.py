@@ -58,7 +58,8 @@ Where :mod:`sdp.engine.native` builds, its common case (post, poll, reduce) is o
 entry (:attr:`Lane.front`) first, which runs a learnt name's call whole, checks, allocation and
 result included, and goes on in :meth:`Lane._finish_now` where the common case ends;
 ``sdp.grouped_allreduce`` calls :attr:`Lane.front_group` the same way for a learnt group
-(:meth:`Lane.learn_group`), packing included.
+(:meth:`Lane.learn_group`), packing included, and :meth:`Lane.flush` the compiled flush for a
+learnt batch (:meth:`Lane._learn_batch`): its positions posted, polled for and reduced in one call.
 
 Who runs the lane: the caller waiting on a lane handle (:meth:`drive`: it polls for up to
 :data:`SPIN_S` seconds, yielding the core between polls, then sleeps on the handle; it does not
@@ -225,7 +226,7 @@ class Lane:
         self.burst_front = self.burst  # (Runtime.burst: the compiled Lane.burst where there is one)
         if self._ctx is not None:
             self._native = functools.partial(module.now, self._ctx)
-            self._ctx.attach(self, engine, PartHandle, _BATCH_MAX, READ_BYTES, GRACE_S)
+            self._ctx.attach(self, engine, PartHandle, _BATCH_MAX, READ_BYTES, GRACE_S, PART_SIG, SLOW, OFF)
             self.front, self.front_group, self.burst_front = self._ctx.front, self._ctx.front_group, self._ctx.burst
 
     # -- caller side ----------------------------------------------------------------------------
@@ -709,6 +710,7 @@ class Lane:
             known = self._batch_sigs[keys] = ((int.from_bytes(digest, "little") >> 2) | 1,
                                                fusion.Layout(b.arrays))
         sig, b.layout = known
+        self._learn_batch(b, sig, b.layout)
         nbytes = b.layout.count * b.dtype.itemsize
         off = self._alloc(nbytes, p)
         if off is None:
@@ -740,11 +742,16 @@ class Lane:
         self._active_until = time.monotonic() + GRACE_S
         return True
 
-    def flush(self, engine_thread: bool = False) -> None:
+    def flush(self, engine_thread: bool = False, spin: bool = False) -> None:
         """Post the batch being gathered, if any (a caller waits for one of its requests, or,
         ``engine_thread``, nobody did within :data:`GRACE_S` of the last submission); ring rank 0
-        if it sleeps."""
-        if self._batch is None:
+        if it sleeps.  A caller's flush of a learnt batch (:meth:`_learn_batch`) while nothing else
+        is held here is the compiled ``Context.flush`` where there is one: posted, polled for
+        (``spin``: up to :attr:`spin_s`, as :meth:`drive` polls) and reduced in one call, as
+        ``sdp.grouped_allreduce`` runs a learnt group (:attr:`front_group`); what it does not
+        consume goes on in :meth:`_finish_batch`."""
+        b = self._batch
+        if b is None or not engine_thread and self._ctx is not None and self._ctx.flush(b, spin) is not None:
             return
         with self.lock:
             b = self._batch
@@ -759,6 +766,45 @@ class Lane:
             if self.page[0][WAITING]:
                 self._ring(0)
 
+    def _finish_batch(self, p: int, verdict: int, ring: int, b, layout) -> bool:
+        """The rest of the compiled flush (``Context.flush``; the lock held, released here) once
+        batch ``b`` (``layout``: its :class:`fusion.Layout`) was posted at ``p`` and not consumed
+        FAST without a doorbell (``verdict``: as :meth:`_finish_now`'s): the lane holds it as
+        :meth:`_flush_batch` leaves it, rings ``ring``'s ranks (:meth:`_after_native`) and runs
+        once (FAST: reduced here again; SLOW: to the engine).  Returns True."""
+        try:
+            b.layout = layout
+            self.held[b.name] = b
+            self._out.append((p, b))
+            self._active_until = time.monotonic() + GRACE_S
+            if ring:
+                self._after_native(ring)
+            self._progress()
+            engine = self._take_handoff()
+        finally:
+            self.lock.release()
+        if engine:
+            self._to_engine(engine)
+        return True
+
+    def _learn_batch(self, b, sig: int, layout) -> None:
+        """Teach the compiled flush (``Context.learn_batch``) batch ``b``'s names, dtypes, shapes,
+        op and postscale, signature ``sig`` and ``layout`` unless it knows them (one batch per first
+        name: the last posted in Python): its next flush by a caller runs whole (:meth:`flush`).  Not where Python must finish the reduction (integers scaled, a dtype the
+        compiled step does not reduce) or a timeline is written."""
+        red = _NATIVE_DTYPES.get(b.dtype.str)
+        if (self._ctx is None or red is None or b.op not in _NATIVE_OPS or len(b.arrays) < 2 or not self.enabled
+                or b.dtype.kind in "iub" and (b.op == ReduceOp.AVERAGE or b.postscale != 1.0)
+                or self._ctx.batch_sig(b.ident[0][0]) == sig):  # (learnt already: the common case)
+            return
+        fscale = self._float_scale(b, b.dtype)
+        try:
+            self._ctx.learn_batch(tuple(name for name, _ in b.ident), 0, [(a.dtype, a.shape) for a in b.arrays],
+                                  b.name, layout, layout.starts, layout.spans, layout.count, b.dtype, b.op,
+                                  b.postscale, sig, red * 4 + _NATIVE_OPS[b.op], 1.0 if fscale is None else float(fscale))
+        except (TypeError, ValueError):  # (names that are not strings: not learnt)
+            pass
+
     def drive(self, handle, spin: bool = True) -> bool:
         """Run the lane from a caller waiting on ``handle`` (held by this lane) for up to
         :data:`SPIN_S` seconds, yielding the core between polls; it returns when the handle is
@@ -766,7 +812,7 @@ class Lane:
         True when the caller is to sleep on the handle, counted in ``WAITING`` until it calls
         :meth:`unwait`."""
         waits = False
-        self.flush()
+        self.flush(spin=spin)
         self.try_progress()  # (often decided already: then no flags, no fence)
         if handle._lane is not self:
             return False

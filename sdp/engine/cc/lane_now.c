@@ -66,6 +66,7 @@ typedef struct {
     /* front(): the lane and engine it runs on (attach), what it learnt (learn), result chunk */
     PyObject *lane, *engine, *acquire, *release, *finish, *cache, *chunk;
     PyObject *gcache; /* front_group(): the groups learnt (learn_group), by first name */
+    PyObject *bcache, *finish_b; /* flush(): the batches learnt (learn_batch), by first name; Lane._finish_batch */
     Py_ssize_t chunk_used;
     /* burst(): the PartHandle class, and lane.py's _BATCH_MAX, READ_BYTES, GRACE_S (attach); the
      * batch it last added to and that batch's lists, dict, handle, dtype and op (batch_fields) */
@@ -74,6 +75,7 @@ typedef struct {
     double b_postscale;
     int64_t batch_max, read_bytes;
     double grace_s;
+    int64_t part_sig, slow, off; /* lane.py's PART_SIG, SLOW and OFF (attach) */
     /* Lane._alloc's state: data ring bytes written and freed, (position, written) extents */
     int64_t w, tail, floor;
     int64_t *ext_p, *ext_end, ext_head, ext_len, ext_cap;
@@ -171,9 +173,21 @@ static double now_s(void) {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* one look: FAST (rank 0: decided and published; *ring: ranks to ring), SLOW/OFF (rank 0's
- * decision), R_PYTHON (rank 0: Python decides), or 0 (not yet) */
-static int look(Ctx *c, int64_t p, int64_t sig, int64_t decided, uint64_t *ring) {
+/* rank 0, position p decided FAST, the first of m a batch posted (Lane._flush_batch): its parts
+ * p + 1 .. p + m - 1 decided SLOW when every rank posted them as a part (as Lane._decide would:
+ * every rank that posted p's signature posted the same parts with it); returns the positions decided */
+static int64_t decide_parts(Ctx *c, int64_t p, int64_t m) {
+    if (m < 2 || min_posted(c) < p + m) return p + 1;
+    for (int64_t k = p + 1; k < p + m; k++)
+        for (int q = 0; q < c->size; q++)
+            if (LOAD(c->rec[q][(k % c->depth) * c->rec_n]) != c->part_sig) return p + 1; /* (Python decides) */
+    for (int64_t k = p + 1; k < p + m; k++) STORE(c->dec[k % c->depth], c->slow);
+    return p + m;
+}
+
+/* one look: FAST (rank 0: decided and published, *to: the positions decided; *ring: ranks to
+ * ring), SLOW/OFF (rank 0's decision), R_PYTHON (rank 0: Python decides), or 0 (not yet) */
+static int look(Ctx *c, int64_t p, int64_t m, int64_t sig, int64_t decided, uint64_t *ring, int64_t *to) {
     volatile int64_t *first = c->page[0];
     if (c->rank) {
         if (equal(c, p, sig) && LOAD(first[c->claim]) <= p) return R_FAST;
@@ -182,7 +196,8 @@ static int look(Ctx *c, int64_t p, int64_t sig, int64_t decided, uint64_t *ring)
     }
     if (decided == p && equal(c, p, sig)) { /* what Lane._decide would decide, without its work */
         STORE(c->dec[p % c->depth], c->fast);
-        STORE(first[c->decided], p + 1); /* last: the decision is visible before its count */
+        *to = decide_parts(c, p, m);
+        STORE(first[c->decided], *to); /* last: the decisions are visible before their count */
         FENCE();
         for (int q = 1; q < c->size; q++)
             if (LOAD(c->page[q][c->waiting])) *ring |= 1ULL << q;
@@ -284,12 +299,13 @@ static void copy_in(char *dst, const char *src, size_t n) {
 #endif
 }
 
-/* post position p (copy src unless NULL, record, LATEST, POSTED), poll for up to spin seconds
- * and, when consumed FAST, reduce every rank's copy into dst: returns the code; *ringp: the
- * ranks to ring (rank 0's bit 0: posts wait for Lane._decide) */
-static int step(Ctx *c, int64_t p, int64_t sig, int64_t off, const char *src, Py_ssize_t nbytes, char *dst,
-                int red, double scale, double spin, int64_t decided, int64_t awake, uint64_t *ringp,
-                const Part *parts, Py_ssize_t nparts) {
+/* post position p (copy src unless NULL, record, LATEST, POSTED; a batch: m positions, the parts'
+ * records written already), poll for up to spin seconds and, when consumed FAST, reduce every
+ * rank's copy into dst: returns the code; *ringp: the ranks to ring (rank 0's bit 0: posts wait
+ * for Lane._decide); *to (rank 0): the positions decided */
+static int step(Ctx *c, int64_t p, int64_t m, int64_t sig, int64_t off, const char *src, Py_ssize_t nbytes,
+                char *dst, int red, double scale, double spin, int64_t decided, int64_t awake, uint64_t *ringp,
+                int64_t *to, const Part *parts, Py_ssize_t nparts) {
     int me = c->rank, code = 0;
     uint64_t ring = 0;
     Py_ssize_t item = ITEM[red >> 2];
@@ -297,24 +313,24 @@ static int step(Ctx *c, int64_t p, int64_t sig, int64_t off, const char *src, Py
     int64_t i = (p % c->depth) * c->rec_n;
     if (src) copy_in(c->data[me] + off, src, nbytes);
     c->rec[me][i] = sig, c->rec[me][i + 1] = off, c->rec[me][i + 2] = nbytes;
-    STORE(mine[c->latest], p + 1);
-    STORE(mine[c->posted], p + 1); /* last: the record is visible before its count */
+    STORE(mine[c->latest], p + m);
+    STORE(mine[c->posted], p + m); /* last: the records are visible before their count */
     if (me != 0) { /* Lane._ring_sleepers: a rank asleep on a lane handle that may act on this post */
         FENCE();
         for (int q = 0; q < c->size; q++)
-            if (q != me && LOAD(c->page[q][c->waiting]) && (q == 0 || LOAD(c->page[q][c->posted]) >= p + 1))
+            if (q != me && LOAD(c->page[q][c->waiting]) && (q == 0 || LOAD(c->page[q][c->posted]) >= p + m))
                 ring |= 1ULL << q;
         if (ring) code = R_PYTHON;
     }
     if (!code) {
         STORE(mine[c->awake], awake + 1);
-        code = look(c, p, sig, decided, &ring);
+        code = look(c, p, m, sig, decided, &ring, to);
         if (!code && spin > 0) {
             Py_BEGIN_ALLOW_THREADS
             double end = now_s() + spin;
             do {
                 sched_yield();
-                code = look(c, p, sig, decided, &ring);
+                code = look(c, p, m, sig, decided, &ring, to);
             } while (!code && now_s() < end);
             Py_END_ALLOW_THREADS
         }
@@ -424,8 +440,9 @@ static PyObject *lane_now(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         PyErr_Format(PyExc_ValueError, "bad lane post: offset %lld, %zd bytes", (long long)off, nbytes);
     } else {
         uint64_t ring = 0;
-        int code = step(c, p, sig, off, in.obj ? in.buf : NULL, nbytes, res.buf, red, scale, spin, decided, awake,
-                        &ring, parts, nparts);
+        int64_t to = p + 1;
+        int code = step(c, p, 1, sig, off, in.obj ? in.buf : NULL, nbytes, res.buf, red, scale, spin, decided, awake,
+                        &ring, &to, parts, nparts);
         r = Py_BuildValue("(iK)", code, (unsigned long long)ring);
     }
     if (in.obj) PyBuffer_Release(&in);
@@ -529,26 +546,29 @@ static PyObject *part_handle_new(PyObject *cls, const Py_ssize_t *offsets, PyObj
     return h;
 }
 
-/* ctx.attach(lane, engine, PartHandle, batch_max, read_bytes, grace_s): front() and burst() read
- * and update lane's state (see Lane.allreduce_now, Lane.burst); engine's _pending and _queue say
- * whether its thread has work */
+/* ctx.attach(lane, engine, PartHandle, batch_max, read_bytes, grace_s, part_sig, slow, off): front(),
+ * burst() and flush() read and update lane's state (see Lane.allreduce_now, Lane.burst,
+ * Lane._flush_batch); engine's _pending and _queue say whether its thread has work */
 static PyObject *ctx_attach(Ctx *c, PyObject *args) {
     PyObject *lane, *engine, *lock, *part_handle;
-    long long batch_max, read_bytes;
+    long long batch_max, read_bytes, part_sig, slow, off;
     double grace_s;
-    if (!PyArg_ParseTuple(args, "OOOLLd", &lane, &engine, &part_handle, &batch_max, &read_bytes, &grace_s))
+    if (!PyArg_ParseTuple(args, "OOOLLdLLL", &lane, &engine, &part_handle, &batch_max, &read_bytes, &grace_s,
+                          &part_sig, &slow, &off))
         return NULL;
     Py_INCREF(part_handle);
     Py_XSETREF(c->part_handle, part_handle);
     slot_offsets(part_handle, c->part_slots);
     c->batch_max = batch_max, c->read_bytes = read_bytes, c->grace_s = grace_s;
+    c->part_sig = part_sig, c->slow = slow, c->off = off;
     if (!(lock = PyObject_GetAttrString(lane, "lock"))) return NULL;
-    Py_CLEAR(c->acquire); Py_CLEAR(c->release); Py_CLEAR(c->finish);
+    Py_CLEAR(c->acquire); Py_CLEAR(c->release); Py_CLEAR(c->finish); Py_CLEAR(c->finish_b);
     c->acquire = PyObject_GetAttrString(lock, "acquire");
     c->release = PyObject_GetAttrString(lock, "release");
     Py_DECREF(lock);
     c->finish = PyObject_GetAttrString(lane, "_finish_now");
-    if (!c->acquire || !c->release || !c->finish) return NULL;
+    c->finish_b = PyObject_GetAttrString(lane, "_finish_batch");
+    if (!c->acquire || !c->release || !c->finish || !c->finish_b) return NULL;
     Py_INCREF(lane), Py_INCREF(engine);
     Py_XSETREF(c->lane, lane);
     Py_XSETREF(c->engine, engine);
@@ -630,12 +650,8 @@ static void gentry_free(PyObject *cap) {
     }
 }
 
-/* ctx.learn_group(names, threshold, metas, group, layout, starts, spans, count, dtype, op, postscale,
- * sig, red, scale): front_group() runs the group of these names (a tuple), fusion threshold,
- * metas (a list of (dtype, shape) per array, sdp.api's plan key), group name, fusion.Layout and
- * its starts (a tuple), spans (a list) and count, op and postscale whole (the last learnt per
- * first name) */
-static PyObject *ctx_learn_group(Ctx *c, PyObject *args) {
+/* learn_group()'s and learn_batch()'s entry, kept in *cache by first name (emptied at 4096) */
+static PyObject *learn_into(PyObject **cache, PyObject *args) {
     PyObject *names, *metas, *group, *layout, *starts, *spans, *descr, *op;
     Py_ssize_t threshold, count;
     double postscale, scale;
@@ -678,7 +694,8 @@ static PyObject *ctx_learn_group(Ctx *c, PyObject *args) {
     PyObject *refs[7] = {names, metas, group, layout, spans, descr, op}, **to[7] = {&g->names, &g->metas, &g->group,
                                                                             &g->layout, &g->spans, &g->descr, &g->op};
     for (int k = 0; k < 7; k++) Py_INCREF(refs[k]), *to[k] = refs[k];
-    if ((!c->gcache && !(c->gcache = PyDict_New())) || PyDict_SetItem(c->gcache, PyTuple_GET_ITEM(names, 0), cap) < 0) {
+    if (*cache && PyDict_GET_SIZE(*cache) >= 4096) PyDict_Clear(*cache); /* (lane.py's _SIGS_MAX) */
+    if ((!*cache && !(*cache = PyDict_New())) || PyDict_SetItem(*cache, PyTuple_GET_ITEM(names, 0), cap) < 0) {
         Py_DECREF(cap);
         return NULL;
     }
@@ -688,6 +705,29 @@ bad:
     Py_DECREF(cap);
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad group entry");
     return NULL;
+}
+
+/* ctx.learn_group(names, threshold, metas, group, layout, starts, spans, count, dtype, op, postscale,
+ * sig, red, scale): front_group() runs the group of these names (a tuple), fusion threshold,
+ * metas (a list of (dtype, shape) per array, sdp.api's plan key), group name, fusion.Layout and
+ * its starts (a tuple), spans (a list) and count, op and postscale whole (the last learnt per
+ * first name) */
+static PyObject *ctx_learn_group(Ctx *c, PyObject *args) {
+    return learn_into(&c->gcache, args);
+}
+
+/* ctx.learn_batch(the same, threshold 0, group the batch's name): flush() posts a batch of these
+ * names, dtypes and shapes, op and postscale whole (Lane._flush_batch; the last learnt per first name) */
+static PyObject *ctx_learn_batch(Ctx *c, PyObject *args) {
+    return learn_into(&c->bcache, args);
+}
+
+/* ctx.batch_sig(name) -> the signature of the batch learnt for first name `name`, or 0 */
+static PyObject *ctx_batch_sig(Ctx *c, PyObject *name) {
+    PyObject *cap = c->bcache ? PyDict_GetItemWithError(c->bcache, name) : NULL;
+    GEntry *g = cap ? PyCapsule_GetPointer(cap, NULL) : NULL;
+    if (!g && PyErr_Occurred()) return NULL;
+    return PyLong_FromLongLong(g ? g->sig : 0);
 }
 
 static int same_shape(PyArrayObject *a, Entry *e) {
@@ -724,7 +764,7 @@ static int attr_is(PyObject *o, PyObject *name, int what) {
 static PyObject *S_failed, *S_off, *S_enabled, *S_held, *S_batch, *S_deferred, *S_head, *S_heads, *S_posted,
     *S_done, *S_decided, *S_awake, *S_first_seen, *S_active_until, *S_spin_s, *S_pending, *S_queue, *S_counts,
     *S_fast, *S_dtype, *S_op, *S_postscale, *S_arrays, *S_names, *S_nbytes, *S_ident, *S_handle, *S_shape,
-    *S_head_to_learn, *F_inf, *F_zero, *I_one;
+    *S_head_to_learn, *S_batches, *S_done_batch, *F_inf, *F_zero, *I_one;
 
 /* release lane.lock, keeping a pending exception: -1 when one is pending after */
 static int unlock(Ctx *c) {
@@ -793,14 +833,21 @@ static PyObject *result_of(Ctx *c, PyArray_Descr *descr, int nd, npy_intp *dims,
     return r;
 }
 
+/* nothing held or deferred here, the lane on and not failed: 1, 0, -1 error */
+static int lane_free(PyObject *L) {
+    int r;
+    if ((r = attr_is(L, S_failed, IS_NONE)) != 1 || (r = attr_is(L, S_off, IS_TRUE)) != 0 ||
+        (r = attr_is(L, S_enabled, IS_TRUE)) != 1 || (r = attr_is(L, S_held, IS_EMPTY)) != 1 ||
+        (r = attr_is(L, S_deferred, IS_EMPTY)) != 1)
+        return r < 0 ? -1 : 0;
+    return 1;
+}
+
 /* the lane is idle for allreduce_now (Lane._room_now's checks but the ring): 1, 0, -1 error */
 static int lane_idle(Ctx *c, PyObject *name) {
     PyObject *L = c->lane;
     int r;
-    if ((r = attr_is(L, S_failed, IS_NONE)) != 1 || (r = attr_is(L, S_off, IS_TRUE)) != 0 ||
-        (r = attr_is(L, S_enabled, IS_TRUE)) != 1 || (r = attr_is(L, S_held, IS_EMPTY)) != 1 ||
-        (r = attr_is(L, S_batch, IS_NONE)) != 1 || (r = attr_is(L, S_deferred, IS_EMPTY)) != 1 ||
-        (r = attr_is(L, S_head, IS_NONE)) != 1)
+    if ((r = lane_free(L)) != 1 || (r = attr_is(L, S_batch, IS_NONE)) != 1 || (r = attr_is(L, S_head, IS_NONE)) != 1)
         return r < 0 ? -1 : 0;
     PyObject *heads = PyObject_GetAttr(L, S_heads);
     if (!heads) return -1;
@@ -809,7 +856,7 @@ static int lane_idle(Ctx *c, PyObject *name) {
     return r < 0 ? -1 : !r;
 }
 
-/* one call of front() or front_group() once its arguments matched what was learnt */
+/* one call of front(), front_group() or flush() once its arguments matched what was learnt */
 typedef struct {
     PyObject *name;        /* the lane's name (a group's: Layout's group name) */
     int64_t sig;
@@ -818,9 +865,11 @@ typedef struct {
     Py_ssize_t nbytes;
     PyArrayObject *a;      /* front(): the input; NULL: a group */
     PyObject *out;         /* front(): out or None; a group: None */
-    GEntry *g;             /* front_group(): the entry, */
+    GEntry *g;             /* front_group(), flush(): the entry, */
     const Part *parts;     /* its arrays' data (every part, in order) */
     PyObject *args[4];     /* Lane._finish_now's (a, op, postscale, out) */
+    PyObject *batch;       /* flush(): the _Batch posted (its m positions), else NULL */
+    int64_t m;
 } Front;
 
 /* copy a group's parts into dst (count elements of item bytes), the gaps zeroed (lane_pack's) */
@@ -836,66 +885,72 @@ static void pack_parts(char *dst, const Part *parts, Py_ssize_t n, Py_ssize_t co
 
 static PyObject *views_of(PyArrayObject *flat, PyObject *spans);
 
-/* the rest of front() and front_group(): take the lane's lock (else None), check the lane is
- * idle with room, make the result, copy the input in (a group: packed here) and run the step;
- * consumed FAST without a doorbell: the result (a group: its views), else Lane._finish_now */
-static PyObject *run_front(Ctx *c, Front *f) {
-    PyObject *no = Py_False, *got = PyObject_Vectorcall(c->acquire, &no, 1, NULL);
-    if (got != Py_True) {
-        Py_XDECREF(got);
-        if (!got) return NULL;
-        Py_RETURN_NONE;
-    }
-    Py_DECREF(got);
-    PyObject *L = c->lane, *result = NULL;
-    int64_t p = int_attr(L, S_posted), done = int_attr(L, S_done), off = -1;
-    int idle = PyErr_Occurred() ? -1 : lane_idle(c, f->name);
-    int busy = idle != 1 || attr_is(c->engine, S_pending, IS_EMPTY) != 1 || attr_is(c->engine, S_queue, IS_EMPTY) != 1;
-    if (idle == 1 && !PyErr_Occurred() && LOAD(c->page[0][c->decided]) - done < c->depth / 4 &&
-        !(p - c->depth >= c->floor && p - c->depth >= min_done(c)))
-        off = alloc_at(c, f->nbytes, p);
-    if (off >= 0 && f->g) {
+/* lane.counts[key] += k: 0, -1 error */
+static int count_add(PyObject *L, PyObject *key, Py_ssize_t k) {
+    PyObject *counts = PyObject_GetAttr(L, S_counts), *n = counts ? PyDict_GetItemWithError(counts, key) : NULL;
+    PyObject *dk = n ? PyLong_FromSsize_t(k) : NULL, *n1 = dk ? PyNumber_Add(n, dk) : NULL;
+    int r = n1 && PyDict_SetItem(counts, key, n1) == 0 ? 0 : -1;
+    Py_XDECREF(n1), Py_XDECREF(dk), Py_XDECREF(counts);
+    return r;
+}
+
+/* the lock held, the lane idle, f's m positions free and off its place in the data ring: make the
+ * result, copy the input in (a group, a batch: packed here) and run the step; consumed FAST
+ * without a doorbell: the result (a group: its views; a batch: its views, after _Batch.done), else
+ * Lane._finish_now (a batch: Lane._finish_batch); busy: the engine thread has work (no spin) */
+static PyObject *run_posted(Ctx *c, Front *f, int64_t p, int64_t off, int busy, double spin) {
+    PyObject *L = c->lane, *result;
+    if (f->g) {
         npy_intp count = f->g->count;
         result = result_of(c, (PyArray_Descr *)f->g->descr, 1, &count, f->nbytes);
-    } else if (off >= 0) {
+    } else {
         result = f->out != Py_None ? (Py_INCREF(f->out), f->out)
                                    : result_of(c, PyArray_DESCR(f->a), PyArray_NDIM(f->a), PyArray_DIMS(f->a),
                                                f->nbytes);
     }
-    if (!result) { /* not idle, no room, or an error */
-        if (unlock(c) < 0) return NULL;
-        Py_RETURN_NONE;
+    if (!result) { /* (an error: nothing posted) */
+        unlock(c);
+        return NULL;
     }
-    double spin = 0.0;
-    if (!busy) {
-        PyObject *s = PyObject_GetAttr(L, S_spin_s);
-        spin = s ? PyFloat_AsDouble(s) : 0.0;
-        Py_XDECREF(s);
-    }
-    int64_t decided = c->rank == 0 ? int_attr(L, S_decided) : 0, awake = int_attr(L, S_awake);
+    if (busy) spin = 0.0;
+    int64_t decided = c->rank == 0 ? int_attr(L, S_decided) : 0, awake = int_attr(L, S_awake), to = p + 1;
     uint64_t ring = 0;
-    int code = 0, failed = PyErr_Occurred() || PyObject_SetAttr(L, S_active_until, F_inf) < 0;
+    int code = 0, failed = PyErr_Occurred() || PyObject_SetAttr(L, S_active_until, F_inf) < 0 ||
+                           (f->batch && PyObject_SetAttr(L, S_batch, Py_None) < 0);
     if (!failed) {
+        if (f->batch) /* its parts' records: PART_SIG, the first position, the positions left (Lane._flush_batch) */
+            for (int64_t k = 1; k < f->m; k++) {
+                int64_t i = ((p + k) % c->depth) * c->rec_n;
+                c->rec[c->rank][i] = c->part_sig, c->rec[c->rank][i + 1] = p, c->rec[c->rank][i + 2] = f->m - k;
+            }
         if (f->g) /* (the GIL kept: the parts' arrays are the caller's) */
             pack_parts(c->data[c->rank] + off, f->parts, f->g->n, f->g->count, ITEM[f->red >> 2]);
-        code = step(c, p, f->sig, off, f->g ? NULL : PyArray_DATA(f->a), f->nbytes,
-                    PyArray_DATA((PyArrayObject *)result), f->red, f->scale, spin, decided, awake, &ring, f->parts,
-                    f->g ? f->g->n : 0);
-        failed = PyObject_SetAttr(L, S_active_until, F_zero) < 0 || set_int(L, S_posted, p + 1) < 0 ||
+        code = step(c, p, f->m, f->sig, off, f->g ? NULL : PyArray_DATA(f->a), f->nbytes,
+                    PyArray_DATA((PyArrayObject *)result), f->red, f->scale, spin, decided, awake, &ring, &to,
+                    f->parts, f->g ? f->g->n : 0);
+        failed = PyObject_SetAttr(L, S_active_until, F_zero) < 0 || set_int(L, S_posted, p + f->m) < 0 ||
                  (c->rank == 0 && (code == R_FAST || code == R_RECORD) &&
-                  (set_int(L, S_decided, p + 1) < 0 || PyObject_SetAttr(L, S_first_seen, Py_None) < 0));
+                  (set_int(L, S_decided, to) < 0 || PyObject_SetAttr(L, S_first_seen, Py_None) < 0));
         if (!failed && code == R_FAST && !ring) { /* consumed and reduced: Lane._finish_now's FAST end */
-            PyObject *counts = PyObject_GetAttr(L, S_counts), *n = counts ? PyDict_GetItemWithError(counts, S_fast) : NULL;
-            PyObject *n1 = n ? PyNumber_Add(n, I_one) : NULL;
-            failed = !n1 || PyDict_SetItem(counts, S_fast, n1) < 0;
-            Py_XDECREF(n1), Py_XDECREF(counts);
-            failed |= set_int(L, S_done, p + 1) < 0;
-            STORE(c->page[c->rank][c->done], p + 1); /* (after the reduction read the peers' copies) */
-            if (unlock(c) < 0 || failed) Py_CLEAR(result);
-            if (result && f->g) {
+            int64_t done = c->rank == 0 ? to : p + 1;
+            if (c->rank && f->m > 1) { /* (a batch's parts, decided already: nothing to do; never OFF after FAST) */
+                int64_t d = LOAD(c->page[0][c->decided]);
+                if (d > p + f->m) d = p + f->m;
+                if (d > done && LOAD(c->dec[(d - 1) % c->depth]) != c->off) done = d;
+            }
+            failed = count_add(L, S_fast, f->m) < 0 || (f->batch && count_add(L, S_batches, 1) < 0) ||
+                     set_int(L, S_done, done) < 0;
+            STORE(c->page[c->rank][c->done], done); /* (after the reduction read the peers' copies) */
+            if (!failed && f->g) {
                 PyObject *views = views_of((PyArrayObject *)result, f->g->spans);
                 Py_SETREF(result, views);
             }
+            if (!failed && result && f->batch) { /* (under the lock, as Lane._consume_batch) */
+                PyObject *r = PyObject_CallMethodOneArg(f->batch, S_done_batch, result);
+                if (!r) Py_CLEAR(result);
+                Py_XDECREF(r);
+            }
+            if (unlock(c) < 0 || failed) Py_CLEAR(result);
             return result;
         }
     }
@@ -906,7 +961,10 @@ static PyObject *run_front(Ctx *c, Front *f) {
     }
     PyObject *pp = PyLong_FromLongLong(p), *cc = PyLong_FromLong(code), *rr = PyLong_FromUnsignedLongLong(ring);
     PyObject *r = NULL;
-    if (pp && cc && rr) {
+    if (pp && cc && rr && f->batch) {
+        PyObject *fargs[5] = {pp, cc, rr, f->batch, f->g->layout};
+        r = PyObject_Vectorcall(c->finish_b, fargs, 5, NULL); /* (it releases the lock) */
+    } else if (pp && cc && rr) {
         PyObject *fargs[10] = {pp, cc, rr, result, f->name, f->args[0], f->args[1], f->args[2], f->args[3],
                                f->g ? f->g->layout : NULL};
         r = PyObject_Vectorcall(c->finish, fargs, f->g ? 10 : 9, NULL); /* (it releases the lock) */
@@ -915,6 +973,50 @@ static PyObject *run_front(Ctx *c, Front *f) {
     }
     Py_XDECREF(pp), Py_XDECREF(cc), Py_XDECREF(rr), Py_DECREF(result);
     return r;
+}
+
+/* the lane's lock taken without blocking: 1, 0 (held elsewhere), -1 error */
+static int try_lock(Ctx *c) {
+    PyObject *no = Py_False, *got = PyObject_Vectorcall(c->acquire, &no, 1, NULL);
+    int r = got == Py_True ? 1 : got ? 0 : -1;
+    Py_XDECREF(got);
+    return r;
+}
+
+/* room for positions p .. last of lane L and its state read (lock held): 1, 0, -1 error */
+static int room(Ctx *c, int64_t p, int64_t last) {
+    int64_t done = int_attr(c->lane, S_done);
+    if (PyErr_Occurred()) return -1;
+    return LOAD(c->page[0][c->decided]) - done < c->depth / 4 &&
+           !(last - c->depth >= c->floor && last - c->depth >= min_done(c));
+}
+
+/* the spin a caller may poll for (lane.spin_s), and whether the engine thread has work: 0, -1 */
+static int spin_of(Ctx *c, double *spin, int *busy) {
+    *busy = attr_is(c->engine, S_pending, IS_EMPTY) != 1 || attr_is(c->engine, S_queue, IS_EMPTY) != 1;
+    PyObject *s = PyErr_Occurred() ? NULL : PyObject_GetAttr(c->lane, S_spin_s);
+    *spin = s ? PyFloat_AsDouble(s) : 0.0;
+    Py_XDECREF(s);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* the rest of front() and front_group(): take the lane's lock (else None), check the lane is
+ * idle with room, and run the step (run_posted) */
+static PyObject *run_front(Ctx *c, Front *f) {
+    int locked = try_lock(c);
+    if (locked != 1) {
+        if (locked < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    int64_t p = int_attr(c->lane, S_posted), off = -1;
+    int idle = PyErr_Occurred() ? -1 : lane_idle(c, f->name), busy;
+    double spin;
+    if (idle == 1 && room(c, p, p) == 1 && spin_of(c, &spin, &busy) == 0) off = alloc_at(c, f->nbytes, p);
+    if (off < 0) { /* not idle, no room, or an error */
+        if (unlock(c) < 0 || PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    return run_posted(c, f, p, off, busy, spin);
 }
 
 /* ctx.front(name, a, op, postscale, out) -> the result, or None (nothing posted: run
@@ -940,7 +1042,7 @@ static PyObject *ctx_front(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
                            !PyArray_IS_C_CONTIGUOUS(o) || !PyArray_ISWRITEABLE(o)))
         Py_RETURN_NONE;
     /* (copied: the entry may be replaced once the GIL is let go, in lock.acquire) */
-    Front f = {name, e->sig, e->red, e->scale, PyArray_NBYTES(arr), arr, out, NULL, NULL, {a, op, ps, out}};
+    Front f = {name, e->sig, e->red, e->scale, PyArray_NBYTES(arr), arr, out, NULL, NULL, {a, op, ps, out}, NULL, 1};
     return run_front(c, &f);
 }
 
@@ -989,7 +1091,7 @@ static PyObject *ctx_front_group(Ctx *c, PyObject *const *args, Py_ssize_t nargs
         parts[i] = (Part){PyArray_DATA((PyArrayObject *)PyList_GET_ITEM(held, i)), g->starts[i], g->sizes[i]};
     Py_INCREF(cap);
     Front f = {g->group, g->sig, g->red, g->scale, g->count * ITEM[g->red >> 2], NULL, Py_None, g, parts,
-               {held, op, ps, Py_None}};
+               {held, op, ps, Py_None}, NULL, 1};
     PyObject *r = run_front(c, &f);
     Py_DECREF(cap), Py_DECREF(held), PyMem_Free(parts);
     return r;
@@ -1089,11 +1191,75 @@ static PyObject *ctx_burst(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
     return h;
 }
 
+/* 1 when batch b (its fields c->b_*, n arrays) is what entry g was learnt from: the same names,
+ * dtypes and shapes (each array C-contiguous), op and postscale; 0 when not, -1 error */
+static int batch_matches(Ctx *c, GEntry *g, Py_ssize_t n) {
+    if (g->n != n || c->b_op != g->op || c->b_postscale != g->postscale || PyList_GET_SIZE(c->b_ident) != n) return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(c->b_ident, i), *x, *y = PyTuple_GET_ITEM(g->names, i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) return 0;
+        x = PyTuple_GET_ITEM(pair, 0);
+        if (x != y && (!PyUnicode_CheckExact(x) || PyUnicode_Compare(x, y) != 0)) return PyErr_Occurred() ? -1 : 0;
+    }
+    return metas_match(c->b_arrays, g->metas, 1);
+}
+
+/* ctx.flush(b, spin) -> the list of b's results, True (posted: Lane._finish_batch holds it), or
+ * None (nothing posted: Lane.flush posts it in Python) -- Lane.flush's common case whole, from a
+ * caller that waits on (spin true: it polls up to lane.spin_s) or polls a request of batch b: b is
+ * lane._batch and learnt (learn_batch(): the same names, dtypes and shapes, each C-contiguous, op
+ * and postscale), nothing else held or deferred here, room for its m positions.  They are posted
+ * as Lane._flush_batch posts them (the first with the batch's copy, packed here) and polled for;
+ * consumed FAST without a doorbell, the copies are reduced into one new array whose views
+ * _Batch.done gets (under the lock), else Lane._finish_batch goes on. */
+static PyObject *ctx_flush(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "flush() takes 2 arguments"), NULL;
+    PyObject *b = args[0], *L = c->lane, *cap = NULL, *cur;
+    int want_spin = PyObject_IsTrue(args[1]), locked, ok, busy = 1;
+    if (want_spin < 0) return NULL;
+    if (!L || !c->bcache || !c->finish_b) Py_RETURN_NONE;
+    if ((locked = try_lock(c)) != 1) return locked < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    GEntry *g = NULL;
+    int64_t p = 0, off = -1;
+    double spin = 0.0;
+    Py_ssize_t n = 0;
+    ok = (cur = PyObject_GetAttr(L, S_batch)) == b && lane_free(L) == 1 && learn_head(L) == 0 && batch_fields(c, b) == 0;
+    Py_XDECREF(cur);
+    if (ok && (n = PyList_GET_SIZE(c->b_arrays)) >= 2 && PyList_GET_SIZE(c->b_ident) == n) {
+        PyObject *first = PyList_GET_ITEM(c->b_ident, 0);
+        if (PyTuple_Check(first) && PyTuple_GET_SIZE(first) == 2 &&
+            (cap = PyDict_GetItemWithError(c->bcache, PyTuple_GET_ITEM(first, 0))))
+            g = PyCapsule_GetPointer(cap, NULL);
+    }
+    if (g && batch_matches(c, g, n) == 1 && (p = int_attr(L, S_posted)) >= 0 && room(c, p, p + n - 1) == 1 &&
+        spin_of(c, &spin, &busy) == 0)
+        off = alloc_at(c, g->count * ITEM[g->red >> 2], p);
+    if (off < 0) { /* not learnt, not idle, no room, or an error */
+        if (unlock(c) < 0 || PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    /* (held: the entry, which learn_batch may replace, and the arrays, while the GIL is let go) */
+    PyObject *held = c->b_arrays;
+    Part *parts = PyMem_Malloc(n * sizeof(Part));
+    if (!parts) {
+        unlock(c);
+        return PyErr_NoMemory();
+    }
+    Py_INCREF(held), Py_INCREF(cap), Py_INCREF(b);
+    for (Py_ssize_t i = 0; i < n; i++)
+        parts[i] = (Part){PyArray_DATA((PyArrayObject *)PyList_GET_ITEM(held, i)), g->starts[i], g->sizes[i]};
+    Front f = {g->group, g->sig, g->red, g->scale, g->count * ITEM[g->red >> 2], NULL, Py_None, g, parts,
+               {held, c->b_op, Py_None, Py_None}, b, n};
+    PyObject *r = run_posted(c, &f, p, off, busy, want_spin ? spin : 0.0);
+    Py_DECREF(cap), Py_DECREF(held), Py_DECREF(b), PyMem_Free(parts);
+    return r;
+}
+
 static int ctx_traverse(Ctx *c, visitproc visit, void *arg) {
     Py_VISIT(c->part_handle); Py_VISIT(c->batch); Py_VISIT(c->b_arrays); Py_VISIT(c->b_names);
     Py_VISIT(c->b_ident); Py_VISIT(c->b_handle); Py_VISIT(c->b_dtype); Py_VISIT(c->b_op);
     Py_VISIT(c->lane); Py_VISIT(c->engine); Py_VISIT(c->acquire); Py_VISIT(c->release); Py_VISIT(c->finish);
-    Py_VISIT(c->cache); Py_VISIT(c->chunk); Py_VISIT(c->gcache);
+    Py_VISIT(c->cache); Py_VISIT(c->chunk); Py_VISIT(c->gcache); Py_VISIT(c->bcache); Py_VISIT(c->finish_b);
     return 0;
 }
 
@@ -1101,7 +1267,7 @@ static int ctx_clear(Ctx *c) {
     Py_CLEAR(c->part_handle);
     forget_batch(c);
     Py_CLEAR(c->lane); Py_CLEAR(c->engine); Py_CLEAR(c->acquire); Py_CLEAR(c->release); Py_CLEAR(c->finish);
-    Py_CLEAR(c->cache); Py_CLEAR(c->chunk); Py_CLEAR(c->gcache);
+    Py_CLEAR(c->cache); Py_CLEAR(c->chunk); Py_CLEAR(c->gcache); Py_CLEAR(c->bcache); Py_CLEAR(c->finish_b);
     return 0;
 }
 
@@ -1119,6 +1285,12 @@ static PyMethodDef ctx_methods[] = {
     {"learn_group", (PyCFunction)ctx_learn_group, METH_VARARGS,
      "learn_group(names, threshold, metas, group, layout, starts, spans, count, dtype, op, postscale, sig, red, "
      "scale): what front_group() runs for names"},
+    {"flush", (PyCFunction)(void (*)(void))ctx_flush, METH_FASTCALL,
+     "flush(batch, spin) -> results or None (Lane.flush's common case)"},
+    {"learn_batch", (PyCFunction)ctx_learn_batch, METH_VARARGS,
+     "learn_batch(names, 0, metas, name, layout, starts, spans, count, dtype, op, postscale, sig, red, scale): "
+     "what flush() posts for names"},
+    {"batch_sig", (PyCFunction)ctx_batch_sig, METH_O, "batch_sig(name) -> the signature learn_batch() last learnt for name, or 0"},
     {"forget", (PyCFunction)ctx_forget, METH_NOARGS, "forget(): front() and front_group() know nothing"},
     {"decide", (PyCFunction)ctx_decide, METH_VARARGS,
      "decide(k, complete, slow, join) -> the first position not decided (Lane._decide, for a batch)"},
@@ -1171,7 +1343,7 @@ static PyObject *lane_pack(PyObject *mod, PyObject *const *args, Py_ssize_t narg
         PyArrayObject *a = (PyArrayObject *)PyList_GET_ITEM(args[0], i);
         Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[2], i)), size = PyArray_SIZE(a);
         if (start > end) memset(base + end * item, 0, (start - end) * item);
-        memcpy(base + start * item, PyArray_DATA(a), size * item);
+        copy_in(base + start * item, PyArray_DATA(a), size * item);
         end = start + size;
     }
     if (total > end) memset(base + end * item, 0, (total - end) * item);
@@ -1344,7 +1516,7 @@ PyMODINIT_FUNC PyInit__sdp_lane(void) {
     NAME(S_pending, "_pending"); NAME(S_queue, "_queue"); NAME(S_counts, "counts"); NAME(S_fast, "fast");
     NAME(S_dtype, "dtype"); NAME(S_op, "op"); NAME(S_postscale, "postscale"); NAME(S_arrays, "arrays");
     NAME(S_names, "names"); NAME(S_nbytes, "nbytes"); NAME(S_ident, "ident");
-    NAME(S_handle, "handle"); NAME(S_shape, "shape");
+    NAME(S_handle, "handle"); NAME(S_shape, "shape"); NAME(S_batches, "batches"); NAME(S_done_batch, "done");
 #undef NAME
     if (!(F_inf = PyFloat_FromDouble(Py_HUGE_VAL)) || !(F_zero = PyFloat_FromDouble(0.0)) ||
         !(I_one = PyLong_FromLong(1)))
