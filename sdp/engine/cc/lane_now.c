@@ -1343,7 +1343,7 @@ static PyObject *lane_pack(PyObject *mod, PyObject *const *args, Py_ssize_t narg
         PyArrayObject *a = (PyArrayObject *)PyList_GET_ITEM(args[0], i);
         Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[2], i)), size = PyArray_SIZE(a);
         if (start > end) memset(base + end * item, 0, (start - end) * item);
-        copy_in(base + start * item, PyArray_DATA(a), size * item);
+        memcpy(base + start * item, PyArray_DATA(a), size * item);
         end = start + size;
     }
     if (total > end) memset(base + end * item, 0, (total - end) * item);
