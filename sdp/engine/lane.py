@@ -701,7 +701,8 @@ class Lane:
         if self._full(self._posted + m - 1):
             self._wait_room(m - 1)
         p = self._posted
-        keys = (b.dtype, b.op, b.postscale, tuple(b.ident))  # (what Request.key() adds is the same for all)
+        keys = (b.dtype, b.op, b.postscale, tuple(b.order), tuple(a.shape for a in b.arrays))  # (what
+        # Request.key() adds is the same for all)
         known = self._batch_sigs.get(keys)
         if known is None:
             if len(self._batch_sigs) >= _SIGS_MAX:
@@ -795,11 +796,11 @@ class Lane:
         red = _NATIVE_DTYPES.get(b.dtype.str)
         if (self._ctx is None or red is None or b.op not in _NATIVE_OPS or len(b.arrays) < 2 or not self.enabled
                 or b.dtype.kind in "iub" and (b.op == ReduceOp.AVERAGE or b.postscale != 1.0)
-                or self._ctx.batch_sig(b.ident[0][0]) == sig):  # (learnt already: the common case)
+                or self._ctx.batch_sig(b.order[0]) == sig):  # (learnt already: the common case)
             return
         fscale = self._float_scale(b, b.dtype)
         try:
-            self._ctx.learn_batch(tuple(name for name, _ in b.ident), 0, [(a.dtype, a.shape) for a in b.arrays],
+            self._ctx.learn_batch(tuple(b.order), 0, [(a.dtype, a.shape) for a in b.arrays],
                                   b.name, layout, layout.starts, layout.spans, layout.count, b.dtype, b.op,
                                   b.postscale, sig, red * 4 + _NATIVE_OPS[b.op], 1.0 if fscale is None else float(fscale))
         except (TypeError, ValueError):  # (names that are not strings: not learnt)
@@ -1285,18 +1286,18 @@ class _Scaling:
 class _Batch:
     """Small allreduces of one burst (one dtype, op and postscale), gathered in the caller's
     thread and posted as one position (:meth:`Lane._flush_batch`).  Per part: its input
-    (``arrays``) and its name and shape (``ident``); ``own`` pairs a part submitted with a
+    (``arrays``) and its name (``order``); ``own`` pairs a part submitted with a
     :class:`Request` with its index (a part :meth:`Lane.burst` took has none: its caller holds a
     :class:`PartHandle` of the batch's ``handle``).  ``handle`` gives the
     list of the parts' results, or, once the batch went to the engine (:meth:`to_engine`), the
     list of the parts' handles there."""
 
-    __slots__ = ("own", "arrays", "names", "ident", "name", "dtype", "op", "postscale", "nbytes", "layout",
+    __slots__ = ("own", "arrays", "names", "order", "name", "dtype", "op", "postscale", "nbytes", "layout",
                  "handle")
     kind, prescale = "allreduce", 1.0
 
     def __init__(self, req, names: dict, lane):
-        self.own, self.arrays, self.ident, self.name = [], [], [], f"{req.name} (batch)"
+        self.own, self.arrays, self.order, self.name = [], [], [], f"{req.name} (batch)"
         self.names = names  # (the lane's: every name in a batch it gathers or holds)
         self.dtype, self.op, self.postscale = req.array.dtype, req.op, req.postscale
         self.nbytes = 0
@@ -1330,16 +1331,16 @@ class _Batch:
     def _add(self, name, a) -> None:
         self.arrays.append(a)
         self.names[name] = self
-        self.ident.append((name, a.shape))
+        self.order.append(name)
         self.nbytes += a.nbytes + _ALIGN  # (at most: each part starts on a cache line)
 
     def _release(self) -> None:
         """The lane no longer holds the batch: its names may be batched again."""
-        names, ident = self.names, self.ident
-        if len(names) == len(ident) and names.get(ident[0][0]) is self:  # (the common case: only ours there,
+        names, order = self.names, self.order
+        if len(names) == len(order) and names.get(order[0]) is self:  # (the common case: only ours there,
             names.clear()  # as a name is in one batch at a time and nothing is added after a clear)
         else:
-            for name, _ in ident:
+            for name in order:
                 if names.get(name) is self:  # (Lane.fail_all clears them first)
                     del names[name]
         self.handle._lane = None
@@ -1371,7 +1372,7 @@ class _Batch:
         self._release()
         given = dict(self.own)
         reqs = [given.get(i) or request.burst(name, a, self.op, self.postscale)
-                for i, ((name, _), a) in enumerate(zip(self.ident, self.arrays))]
+                for i, (name, a) in enumerate(zip(self.order, self.arrays))]
         for r in reqs:
             r.handle._lane = None
         self.handle._set(result=[r.handle for r in reqs])

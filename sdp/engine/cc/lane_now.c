@@ -70,9 +70,9 @@ typedef struct {
     Py_ssize_t chunk_used;
     /* burst(): the PartHandle class, and lane.py's _BATCH_MAX, READ_BYTES, GRACE_S (attach); the
      * batch it last added to and that batch's lists, dict, handle, dtype and op (batch_fields) */
-    PyObject *part_handle, *batch, *b_arrays, *b_names, *b_ident, *b_handle, *b_dtype, *b_op;
+    PyObject *part_handle, *batch, *b_arrays, *b_names, *b_order, *b_handle, *b_dtype, *b_op;
     Py_ssize_t part_slots[3]; /* PartHandle's slots name, _group, _index (offsets), or 0: call the class */
-    double b_postscale;
+    double b_postscale, b_until; /* (b_until: the last _active_until burst() set for this batch) */
     int64_t batch_max, read_bytes;
     double grace_s;
     int64_t part_sig, slow, off; /* lane.py's PART_SIG, SLOW and OFF (attach) */
@@ -763,7 +763,7 @@ static int attr_is(PyObject *o, PyObject *name, int what) {
 
 static PyObject *S_failed, *S_off, *S_enabled, *S_held, *S_batch, *S_deferred, *S_head, *S_heads, *S_posted,
     *S_done, *S_decided, *S_awake, *S_first_seen, *S_active_until, *S_spin_s, *S_pending, *S_queue, *S_counts,
-    *S_fast, *S_dtype, *S_op, *S_postscale, *S_arrays, *S_names, *S_nbytes, *S_ident, *S_handle, *S_shape,
+    *S_fast, *S_dtype, *S_op, *S_postscale, *S_arrays, *S_names, *S_nbytes, *S_order, *S_handle,
     *S_head_to_learn, *S_batches, *S_done_batch, *F_inf, *F_zero, *I_one;
 
 /* release lane.lock, keeping a pending exception: -1 when one is pending after */
@@ -1098,7 +1098,8 @@ static PyObject *ctx_front_group(Ctx *c, PyObject *const *args, Py_ssize_t nargs
 }
 
 static void forget_batch(Ctx *c) {
-    Py_CLEAR(c->batch); Py_CLEAR(c->b_arrays); Py_CLEAR(c->b_names); Py_CLEAR(c->b_ident);
+    c->b_until = 0.0;
+    Py_CLEAR(c->batch); Py_CLEAR(c->b_arrays); Py_CLEAR(c->b_names); Py_CLEAR(c->b_order);
     Py_CLEAR(c->b_handle); Py_CLEAR(c->b_dtype); Py_CLEAR(c->b_op);
 }
 
@@ -1110,10 +1111,10 @@ static int batch_fields(Ctx *c, PyObject *b) {
     c->b_postscale = ps ? PyFloat_AsDouble(ps) : 0.0;
     Py_XDECREF(ps);
     if (!(c->b_arrays = PyObject_GetAttr(b, S_arrays)) ||
-        !(c->b_names = PyObject_GetAttr(b, S_names)) || !(c->b_ident = PyObject_GetAttr(b, S_ident)) ||
+        !(c->b_names = PyObject_GetAttr(b, S_names)) || !(c->b_order = PyObject_GetAttr(b, S_order)) ||
         !(c->b_handle = PyObject_GetAttr(b, S_handle)) || !(c->b_dtype = PyObject_GetAttr(b, S_dtype)) ||
         !(c->b_op = PyObject_GetAttr(b, S_op)) || PyErr_Occurred() ||
-        !PyList_Check(c->b_arrays) || !PyDict_Check(c->b_names) || !PyList_Check(c->b_ident) ||
+        !PyList_Check(c->b_arrays) || !PyDict_Check(c->b_names) || !PyList_Check(c->b_order) ||
         !PyArray_DescrCheck(c->b_dtype)) {
         forget_batch(c);
         return PyErr_Occurred() ? -1 : (PyErr_SetString(PyExc_TypeError, "not a _Batch"), -1);
@@ -1140,17 +1141,24 @@ static int batch_fits(Ctx *c, PyObject *b, PyObject *name, PyArrayObject *arr, P
 }
 
 /* _Batch.add_part(name, a) for batch b (it fits; held: b.nbytes), and lane._active_until as
- * Lane.burst sets it: the PartHandle, or NULL (error) */
+ * Lane.burst sets it (here only once a quarter of GRACE_S passed since it last did for this batch:
+ * Python only raises it while the batch is open): the PartHandle, or NULL (error) */
 static PyObject *batch_add(Ctx *c, PyObject *b, PyObject *name, PyArrayObject *arr, int64_t held) {
-    PyObject *shape = PyObject_GetAttr((PyObject *)arr, S_shape), *pair = NULL, *index = NULL,
-             *until = PyFloat_FromDouble(now_s() + c->grace_s), *h = NULL;
-    if (shape && until && PyObject_SetAttr(c->lane, S_active_until, until) == 0 &&
-        PyList_Append(c->b_arrays, (PyObject *)arr) == 0 &&
-        PyDict_SetItem(c->b_names, name, b) == 0 && (pair = PyTuple_Pack(2, name, shape)) &&
-        PyList_Append(c->b_ident, pair) == 0 && set_int(b, S_nbytes, held + PyArray_NBYTES(arr) + ALIGN) == 0 &&
+    double until = now_s() + c->grace_s;
+    PyObject *index = NULL, *h = NULL, *u = NULL;
+    if (until > c->b_until + c->grace_s / 4) {
+        if (!(u = PyFloat_FromDouble(until)) || PyObject_SetAttr(c->lane, S_active_until, u) < 0) {
+            Py_XDECREF(u);
+            return NULL;
+        }
+        Py_DECREF(u);
+        c->b_until = until;
+    }
+    if (PyList_Append(c->b_arrays, (PyObject *)arr) == 0 && PyDict_SetItem(c->b_names, name, b) == 0 &&
+        PyList_Append(c->b_order, name) == 0 && set_int(b, S_nbytes, held + PyArray_NBYTES(arr) + ALIGN) == 0 &&
         (index = PyLong_FromSsize_t(PyList_GET_SIZE(c->b_arrays) - 1)))
         h = part_handle_new(c->part_handle, c->part_slots, name, c->b_handle, index);
-    Py_XDECREF(shape), Py_XDECREF(pair), Py_XDECREF(index), Py_XDECREF(until);
+    Py_XDECREF(index);
     return h;
 }
 
@@ -1194,11 +1202,9 @@ static PyObject *ctx_burst(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
 /* 1 when batch b (its fields c->b_*, n arrays) is what entry g was learnt from: the same names,
  * dtypes and shapes (each array C-contiguous), op and postscale; 0 when not, -1 error */
 static int batch_matches(Ctx *c, GEntry *g, Py_ssize_t n) {
-    if (g->n != n || c->b_op != g->op || c->b_postscale != g->postscale || PyList_GET_SIZE(c->b_ident) != n) return 0;
+    if (g->n != n || c->b_op != g->op || c->b_postscale != g->postscale || PyList_GET_SIZE(c->b_order) != n) return 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *pair = PyList_GET_ITEM(c->b_ident, i), *x, *y = PyTuple_GET_ITEM(g->names, i);
-        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) return 0;
-        x = PyTuple_GET_ITEM(pair, 0);
+        PyObject *x = PyList_GET_ITEM(c->b_order, i), *y = PyTuple_GET_ITEM(g->names, i);
         if (x != y && (!PyUnicode_CheckExact(x) || PyUnicode_Compare(x, y) != 0)) return PyErr_Occurred() ? -1 : 0;
     }
     return metas_match(c->b_arrays, g->metas, 1);
@@ -1225,12 +1231,9 @@ static PyObject *ctx_flush(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t n = 0;
     ok = (cur = PyObject_GetAttr(L, S_batch)) == b && lane_free(L) == 1 && learn_head(L) == 0 && batch_fields(c, b) == 0;
     Py_XDECREF(cur);
-    if (ok && (n = PyList_GET_SIZE(c->b_arrays)) >= 2 && PyList_GET_SIZE(c->b_ident) == n) {
-        PyObject *first = PyList_GET_ITEM(c->b_ident, 0);
-        if (PyTuple_Check(first) && PyTuple_GET_SIZE(first) == 2 &&
-            (cap = PyDict_GetItemWithError(c->bcache, PyTuple_GET_ITEM(first, 0))))
-            g = PyCapsule_GetPointer(cap, NULL);
-    }
+    if (ok && (n = PyList_GET_SIZE(c->b_arrays)) >= 2 && PyList_GET_SIZE(c->b_order) == n &&
+        (cap = PyDict_GetItemWithError(c->bcache, PyList_GET_ITEM(c->b_order, 0))))
+        g = PyCapsule_GetPointer(cap, NULL);
     if (g && batch_matches(c, g, n) == 1 && (p = int_attr(L, S_posted)) >= 0 && room(c, p, p + n - 1) == 1 &&
         spin_of(c, &spin, &busy) == 0)
         off = alloc_at(c, g->count * ITEM[g->red >> 2], p);
@@ -1257,7 +1260,7 @@ static PyObject *ctx_flush(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
 
 static int ctx_traverse(Ctx *c, visitproc visit, void *arg) {
     Py_VISIT(c->part_handle); Py_VISIT(c->batch); Py_VISIT(c->b_arrays); Py_VISIT(c->b_names);
-    Py_VISIT(c->b_ident); Py_VISIT(c->b_handle); Py_VISIT(c->b_dtype); Py_VISIT(c->b_op);
+    Py_VISIT(c->b_order); Py_VISIT(c->b_handle); Py_VISIT(c->b_dtype); Py_VISIT(c->b_op);
     Py_VISIT(c->lane); Py_VISIT(c->engine); Py_VISIT(c->acquire); Py_VISIT(c->release); Py_VISIT(c->finish);
     Py_VISIT(c->cache); Py_VISIT(c->chunk); Py_VISIT(c->gcache); Py_VISIT(c->bcache); Py_VISIT(c->finish_b);
     return 0;
@@ -1515,8 +1518,8 @@ PyMODINIT_FUNC PyInit__sdp_lane(void) {
     NAME(S_first_seen, "_first_seen"); NAME(S_active_until, "_active_until"); NAME(S_spin_s, "spin_s");
     NAME(S_pending, "_pending"); NAME(S_queue, "_queue"); NAME(S_counts, "counts"); NAME(S_fast, "fast");
     NAME(S_dtype, "dtype"); NAME(S_op, "op"); NAME(S_postscale, "postscale"); NAME(S_arrays, "arrays");
-    NAME(S_names, "names"); NAME(S_nbytes, "nbytes"); NAME(S_ident, "ident");
-    NAME(S_handle, "handle"); NAME(S_shape, "shape"); NAME(S_batches, "batches"); NAME(S_done_batch, "done");
+    NAME(S_names, "names"); NAME(S_nbytes, "nbytes"); NAME(S_order, "order");
+    NAME(S_handle, "handle"); NAME(S_batches, "batches"); NAME(S_done_batch, "done");
 #undef NAME
     if (!(F_inf = PyFloat_FromDouble(Py_HUGE_VAL)) || !(F_zero = PyFloat_FromDouble(0.0)) ||
         !(I_one = PyLong_FromLong(1)))
