@@ -780,12 +780,10 @@ class Lane:
             self._active_until = time.monotonic() + GRACE_S
             if ring:
                 self._after_native(ring)
-            self._progress()
-            engine = self._take_handoff()
-        finally:
+        except BaseException:
             self.lock.release()
-        if engine:
-            self._to_engine(engine)
+            raise
+        self._progress_and_release()
         return True
 
     def _learn_batch(self, b, sig: int, layout) -> None:
@@ -916,13 +914,17 @@ class Lane:
     def try_progress(self) -> None:
         """:meth:`progress` unless another thread is running the lane (never blocks)."""
         if self.lock.acquire(blocking=False):
-            try:
-                self._progress()
-                engine = self._take_handoff()
-            finally:
-                self.lock.release()
-            if engine:
-                self._to_engine(engine)
+            self._progress_and_release()
+
+    def _progress_and_release(self) -> None:
+        """(The lock held: released here.) :meth:`_progress`, then hand the engine what it gave up."""
+        try:
+            self._progress()
+            engine = self._take_handoff()
+        finally:
+            self.lock.release()
+        if engine:
+            self._to_engine(engine)
 
     def poll(self, handle) -> None:
         """For ``handle.done()``: move the lane on once (:meth:`try_progress`) and, if ``handle``
