@@ -812,6 +812,8 @@ class Lane:
         :meth:`unwait`."""
         waits = False
         self.flush(spin=spin)
+        if handle._lane is not self:  # (the compiled flush ran its batch whole)
+            return False
         self.try_progress()  # (often decided already: then no flags, no fence)
         if handle._lane is not self:
             return False
