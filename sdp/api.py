@@ -350,8 +350,31 @@ def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = 
     group by its first name and count; a timeline shows the group under that name, without
     the FUSE and UNPACK phases, which happen outside the engine); larger arrays go one request
     each, fused by the engine.  Groups are cut at the fusion threshold (0: one request per
-    array), so ranks must use the same threshold."""
+    array), so ranks must use the same threshold.  With every rank on this host, one group of
+    every array runs in the calling thread while the fast lane is idle, as
+    :func:`grouped_allreduce` does, for up to the lane's spin (200 us) if a peer has not
+    submitted it yet; then it is posted and the handles are returned as usual."""
+    rt = _runtime
+    front = rt.front_group if rt is not None else None  # (a learnt group: the compiled step, whole)
+    if (front is not None and type(names) is list and type(process_set) is int and not process_set
+            and prescale_factor == 1.0):
+        got = front(names, tensors, op if type(op) is ReduceOp else resolve_op(op), postscale_factor,
+                    rt.fusion_threshold, True)
+        if got is not None:
+            return _part_handles(names, got)
     return _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, process_set, True)
+
+
+def _part_handles(names: List[str], got) -> List[PartHandle]:
+    """Each array's handle of a group the fast lane ran in the caller: ``got``, the group's held
+    :class:`Handle`, or the list of its results."""
+    whole = got
+    if type(got) is not Handle:
+        whole = Handle(names[0])
+        whole._set(result=got)
+    step = fusion.compiled()
+    return (step.part_handles(PartHandle, names, whole) if step is not None  # (~20 us less for 100)
+            else [PartHandle(name, whole, j) for j, name in enumerate(names)])
 
 
 def _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, process_set, parts: bool):
@@ -390,16 +413,16 @@ def _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, proce
                 if len(_group_plans) >= _GROUP_PLANS_MAX:
                     _group_plans.clear()
                 _group_plans[key] = (metas, plan)
-    if (not parts and plan is not None and len(plan) == 1 and plan[0][2] is not None and not ps
+    if (plan is not None and len(plan) == 1 and plan[0][2] is not None and not ps
             and prescale_factor == 1.0 and type(arrays[0]) is np.ndarray):  # (one host group of every
-        # array, waited at once: the fast lane may run it whole here)
-        result = rt.allreduce_now(plan[0][1], arrays, op, float(postscale_factor), None, plan[0][2])
+        # array: the fast lane may run it whole here; asynchronous, held after its spin)
+        result = rt.allreduce_now(plan[0][1], arrays, op, float(postscale_factor), None, plan[0][2], parts)
         if result is not None:
             learnt = _group_plans.get(key)
             if rt.front_group is not None and learnt is not None and learnt[1] is plan:  # (its next calls:
                 rt.lane.learn_group(names, rt.fusion_threshold, learnt[0], plan[0][1], plan[0][2], op,  # whole in
                                     float(postscale_factor))  # the compiled entry)
-            return DoneHandle(result)
+            return _part_handles(names, result) if parts else DoneHandle(result)
     if (not parts and plan is not None and len(plan) == 1 and plan[0][2] is not None and not ps
             and prescale_factor == 1.0 and isinstance(arrays[0], DeviceTensor)):  # (one device group of
         # every array, waited at once: the fast lane may run it whole here)
@@ -425,8 +448,7 @@ def _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, proce
             if not parts:
                 rt.submit_many(reqs)
                 return whole
-            handles = (step.part_handles(PartHandle, names, whole) if step is not None  # (~20 us less for 100)
-                       else [PartHandle(name, whole, j) for j, name in enumerate(names)])
+            handles = _part_handles(names, whole)
             continue
         for j, i in enumerate(idx):
             handles[i] = PartHandle(names[i], whole, j)

@@ -211,10 +211,12 @@ def test_the_compiled_group_entry_runs_a_learnt_group_and_hands_the_rest_on(n):
             # (learnt by the first call, names changed or op changed too; a call that finds the lane
             # busy, a peer's last call not yet consumed, goes on in Python: most calls on a quiet
             # machine, not all)
-            for k in ("by name", "new equal lists", "one renamed", "op changed", "again", "after the mismatch"):
+            for k in ("by name", "new equal lists", "one renamed", "op changed", "again", "async",
+                      "after the mismatch"):
                 assert seen[k][2] >= (k in ("by name", "one renamed", "op changed")), (rank, k, seen)
                 assert seen[k][1] >= 1 and seen[k][1] + seen[k][2] == rounds, (rank, k, seen[k], seen)
             assert seen["late 2 ms"][1] >= 1 and seen["late 30 ms"][1] >= 1, (rank, seen)
+            assert seen["async late 2 ms"][1] >= 1 and seen["async late 30 ms"][1] >= 1, (rank, seen)
         else:
             assert all(seen[k][1] == 0 for k in seen if k != "mismatch"), (rank, seen)
 

@@ -673,7 +673,8 @@ def front_paths(rounds):
 def front_group_paths(rounds):
     """The compiled group entry (``Runtime.front_group``, learnt by a group's first call through
     ``sdp.api._grouped_submit``) and the roads around it: the same group by name (the entry), by
-    a new list of equal names each call (the entry), with one name changed, one member not
+    a new list of equal names each call (the entry), through ``grouped_allreduce_async`` (the
+    entry, a late peer's group held and its handle returned), with one name changed, one member not
     C-contiguous or the op changed (``_grouped_submit``, exact), integer AVERAGE (never learnt:
     Python scales), a peer later than the spin (the entry's post held, then consumed), a peer
     later than ``ESCALATE_S`` (the engine), a member's shape changed on one rank
@@ -741,6 +742,12 @@ def front_group_paths(rounds):
     case("late 2 ms", same_list, late_s=0.002)
     case("late 30 ms", same_list, late_s=0.03)
     case("again", same_list)
+
+    def waited_async(mine, names, op):  # (grouped_allreduce_async runs the learnt group whole too)
+        return [h.wait() for h in sdp.api.grouped_allreduce_async(mine, names, op)]
+    case("async", waited_async)
+    case("async late 2 ms", waited_async, late_s=0.002)
+    case("async late 30 ms", waited_async, late_s=0.03)
     sdp.barrier()
     try:
         mine = arrays(np.float32, 0)

@@ -372,7 +372,8 @@ class Lane:
         if self.rank == 0 and ring & 1:
             self._decide()
 
-    def allreduce_now(self, name: str, a, op, postscale: float, out: Optional[np.ndarray], layout=None):
+    def allreduce_now(self, name: str, a, op, postscale: float, out: Optional[np.ndarray], layout=None,
+                      hold: bool = False):
         """A synchronous allreduce of every rank, run whole in the calling thread while the lane
         is idle (nothing held, gathered or deferred for the engine here): posted as :meth:`post`
         posts it, then polled for as :meth:`drive` polls and, when every rank posted the same
@@ -384,7 +385,7 @@ class Lane:
         of its arrays' results, views of one array), or None when the lane does not take it now
         (nothing posted: the caller submits it as usual).  If it is not consumed while the
         caller polls (a rank late, or decided SLOW), it becomes a held request, waited on as
-        any other.  Raises what :class:`Request` raises for bad input, and the lane's failure.
+        any other (``hold``: its handle is returned instead, for an asynchronous caller).  Raises what :class:`Request` raises for bad input, and the lane's failure.
         (:attr:`front`, the compiled step's entry, runs the common case of this whole and calls
         :meth:`_finish_now` for the rest.)"""
         known = self._known(name, a, op, postscale, layout)
@@ -441,7 +442,7 @@ class Lane:
         if off is None:
             self.lock.release()
             return None
-        return self._finish_now(p, verdict, ring, result, name, a, op, postscale, out, layout, known)
+        return self._finish_now(p, verdict, ring, result, name, a, op, postscale, out, layout, known, hold)
 
     def learn_group(self, names, threshold: int, metas: list, group: str, layout, op, postscale: float) -> None:
         """After :meth:`allreduce_now` ran flattened group ``group`` (``layout``: ``sdp.api``'s plan
@@ -483,12 +484,13 @@ class Lane:
         return name not in self._heads  # (learnt: a burst follows it, see post)
 
     def _finish_now(self, p: int, verdict: int, ring: int, result, name, a, op, postscale, out, layout=None,
-                    known=None):
+                    known=None, hold: bool = False):
         """The rest of :meth:`allreduce_now` once position ``p`` is posted (the lock held: it
         is released here): ring the ranks of ``ring`` (:meth:`_after_native`), poll when the
         compiled step answered :data:`_NATIVE_PYTHON` (the Python post answers it too), reduce
         unless the compiled step did (``result``: its result array, or None), else hold the
-        request for the engine and wait on it.  ``known``: :meth:`_known`'s entry, or None."""
+        request for the engine and wait on it (``hold``: return its handle).  ``known``:
+        :meth:`_known`'s entry, or None."""
         try:
             if ring:
                 self._after_native(ring)
@@ -521,7 +523,7 @@ class Lane:
             engine = self._hold(p, req)
         finally:
             self.lock.release()
-        return self._wait_held(req, engine)
+        return self._wait_held(req, engine, hold)
 
     def _hold(self, p: int, req) -> list:
         """(Lock held.)  Position ``p``, ``req``'s, was not consumed while its caller polled (a
@@ -534,11 +536,12 @@ class Lane:
         self._progress()  # (decided SLOW or OFF: to the engine)
         return self._take_handoff()
 
-    def _wait_held(self, req, engine: list):
-        """(Lock let go.)  Hand ``engine`` (:meth:`_hold`'s) over, then wait for held ``req``'s result."""
+    def _wait_held(self, req, engine: list, hold: bool = False):
+        """(Lock let go.)  Hand ``engine`` (:meth:`_hold`'s) over, then wait for held ``req``'s result
+        (``hold``: return its handle instead)."""
         if engine:
             self._to_engine(engine)
-        return req.handle.wait(_spin=False)
+        return req.handle if hold else req.handle.wait(_spin=False)
 
     def device_now(self, req, pack):
         """A synchronous allreduce of device memory (``req``: a :class:`Request` of every rank, no

@@ -230,16 +230,16 @@ class Runtime:
         self._thread.start()
 
     # -- caller side -------------------------------------------------------------------------
-    def allreduce_now(self, name: str, array, op, postscale: float, out, layout=None):
+    def allreduce_now(self, name: str, array, op, postscale: float, out, layout=None, hold: bool = False):
         """A synchronous allreduce of every rank (or a flattened group's, with ``layout``) in the
-        fast lane, in the calling thread (:meth:`Lane.allreduce_now`); None where the lane does
-        not take it (submit it)."""
+        fast lane, in the calling thread (:meth:`Lane.allreduce_now`; ``hold``: its handle where
+        it is not consumed at once); None where the lane does not take it (submit it)."""
         if self._failed is not None or self._stop.is_set():
             return None
         if self.lane is None:
             link = self.link  # (across hosts: every plain call posts, see sdp.engine.hostlink)
             return None if link is None or layout is not None else link.allreduce_now(name, array, op, postscale, out)
-        return self.lane.allreduce_now(name, array, op, postscale, out, layout)
+        return self.lane.allreduce_now(name, array, op, postscale, out, layout, hold)
 
     def device_now(self, req: Request):
         """The result of synchronous allreduce ``req`` of device memory (every rank, no prescale),

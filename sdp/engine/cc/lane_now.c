@@ -870,6 +870,7 @@ typedef struct {
     PyObject *args[4];     /* Lane._finish_now's (a, op, postscale, out) */
     PyObject *batch;       /* flush(): the _Batch posted (its m positions), else NULL */
     int64_t m;
+    int hold;              /* front_group(): Lane._finish_now returns a held group's handle */
 } Front;
 
 /* copy a group's parts into dst (count elements of item bytes), the gaps zeroed (lane_pack's) */
@@ -965,9 +966,9 @@ static PyObject *run_posted(Ctx *c, Front *f, int64_t p, int64_t off, int busy, 
         PyObject *fargs[5] = {pp, cc, rr, f->batch, f->g->layout};
         r = PyObject_Vectorcall(c->finish_b, fargs, 5, NULL); /* (it releases the lock) */
     } else if (pp && cc && rr) {
-        PyObject *fargs[10] = {pp, cc, rr, result, f->name, f->args[0], f->args[1], f->args[2], f->args[3],
-                               f->g ? f->g->layout : NULL};
-        r = PyObject_Vectorcall(c->finish, fargs, f->g ? 10 : 9, NULL); /* (it releases the lock) */
+        PyObject *fargs[12] = {pp, cc, rr, result, f->name, f->args[0], f->args[1], f->args[2], f->args[3],
+                               f->g ? f->g->layout : NULL, Py_None, f->hold ? Py_True : Py_False};
+        r = PyObject_Vectorcall(c->finish, fargs, f->g ? 12 : 9, NULL); /* (it releases the lock) */
     } else {
         unlock(c);
     }
@@ -1048,14 +1049,17 @@ static PyObject *ctx_front(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
 
 static int metas_match(PyObject *arrays, PyObject *metas, int contiguous);
 
-/* ctx.front_group(names, arrays, op, postscale, threshold) -> the list of results, or None
- * (nothing posted: sdp.api._grouped_submit goes on) -- sdp.grouped_allreduce's common case whole:
+/* ctx.front_group(names, arrays, op, postscale, threshold[, hold]) -> the list of results, or None
+ * (nothing posted: sdp.api._grouped_submit goes on); hold true (grouped_allreduce_async): a group
+ * not consumed FAST is held and its Handle returned -- sdp.grouped_allreduce's common case whole:
  * the arrays (a list) of a group learnt under names (learn_group(): the same names, fusion
  * threshold, dtypes and shapes, op and postscale), each C-contiguous, packed into the data ring
  * here; its results are views of one new array (fusion.Layout.views).  What is not consumed FAST
  * without a doorbell goes on in Lane._finish_now with the group's layout. */
 static PyObject *ctx_front_group(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) return PyErr_Format(PyExc_TypeError, "front_group() takes 5 arguments"), NULL;
+    if (nargs != 5 && nargs != 6) return PyErr_Format(PyExc_TypeError, "front_group() takes 5 or 6 arguments"), NULL;
+    int hold = nargs == 6 ? PyObject_IsTrue(args[5]) : 0;
+    if (hold < 0) return NULL;
     PyObject *names = args[0], *arrays = args[1], *op = args[2], *ps = args[3];
     if (!c->lane || !c->gcache || !PyList_Check(names) || !PyList_Check(arrays) || !PyFloat_CheckExact(ps) ||
         !PyLong_CheckExact(args[4]) || PyList_GET_SIZE(names) < 2 || PyList_GET_SIZE(arrays) != PyList_GET_SIZE(names))
@@ -1091,7 +1095,7 @@ static PyObject *ctx_front_group(Ctx *c, PyObject *const *args, Py_ssize_t nargs
         parts[i] = (Part){PyArray_DATA((PyArrayObject *)PyList_GET_ITEM(held, i)), g->starts[i], g->sizes[i]};
     Py_INCREF(cap);
     Front f = {g->group, g->sig, g->red, g->scale, g->count * ITEM[g->red >> 2], NULL, Py_None, g, parts,
-               {held, op, ps, Py_None}, NULL, 1};
+               {held, op, ps, Py_None}, NULL, 1, hold};
     PyObject *r = run_front(c, &f);
     Py_DECREF(cap), Py_DECREF(held), PyMem_Free(parts);
     return r;
@@ -1284,7 +1288,8 @@ static PyMethodDef ctx_methods[] = {
     {"learn", (PyCFunction)ctx_learn, METH_VARARGS,
      "learn(name, dtype, shape, op, postscale, sig, red, scale): what front() runs for name"},
     {"front_group", (PyCFunction)(void (*)(void))ctx_front_group, METH_FASTCALL,
-     "front_group(names, arrays, op, postscale, threshold) -> results or None (sdp.grouped_allreduce's common case)"},
+     "front_group(names, arrays, op, postscale, threshold[, hold]) -> results (hold: or a Handle) or None "
+     "(sdp.grouped_allreduce's common case)"},
     {"learn_group", (PyCFunction)ctx_learn_group, METH_VARARGS,
      "learn_group(names, threshold, metas, group, layout, starts, spans, count, dtype, op, postscale, sig, red, "
      "scale): what front_group() runs for names"},
