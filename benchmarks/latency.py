@@ -20,8 +20,8 @@ Called by ``benchmarks/allreduce.py`` (its 1 KB latency section, and alone with
   each way back to back in a run of its own, against the memory time of its bytes (one
   ``np.copyto`` of 400 KB, timed here).
 
-The run is 5 rounds; each takes the floors (the round trip and, across hosts, the link floors
-below) just before its latencies, and every number printed is the median of the rounds, so the
+The run is 5 rounds; each takes the floors (the round trip, and the link floors or the data
+floor below) just before its latencies, and every number printed is the median of the rounds, so the
 floors and the latencies meet the same phases of a machine whose speed changes.  Everything but
 the floors is measured twice in the same run: as sdp runs (small allreduces in the
 fast lane, :mod:`sdp.engine.lane`, when every rank is on one host; across hosts inline with the
@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -226,26 +227,37 @@ def zmq_exchange(nbytes: int = 1024, iters: int = 2000, warmup: int = 200) -> fl
     return max_over_ranks(statistics.median(times) if rank == 0 else 0.0, "lat.zmq")
 
 
-def data_floor(sizes) -> dict:
-    """``{nbytes: seconds}``: the data floor of a 2-rank shared-memory allreduce of each size in
-    ``sizes`` (bytes, multiples of 64), by ``benchmarks/shm_floor.c``: two processes pinned to two
-    cores copy a private float32 input into shared memory, raise a flag, wait for the peer's and
-    sum their input with the peer's copy into a private result, back to back (median per
-    iteration, the larger of the two).  Compiled here with ``$CC`` (default ``cc``) at ``-O3
-    -march=native``; ``{}`` (and a line on stderr saying why) without a compiler or where it
-    fails.  Run on one rank while the others wait."""
+DATA_FLOOR_SIZES = (65536, STEP_COUNT * STEP_BYTES)  # bytes: what the data floor is measured for
+
+
+def build_data_floor(tmp: str) -> Optional[str]:
+    """``benchmarks/shm_floor.c`` compiled into directory ``tmp`` with ``$CC`` (default ``cc``) at
+    ``-O3 -march=native``: the program's path, or None (and a line on stderr saying why) without a
+    compiler or where it fails."""
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
         print("latency: no C compiler (cc): the data floor is not measured", file=sys.stderr)
-        return {}
+        return None
+    exe = os.path.join(tmp, "shm_floor")
+    try:
+        subprocess.run([cc, "-O3", "-march=native", "-o", exe, os.path.join(os.path.dirname(__file__), "shm_floor.c")],
+                       check=True, capture_output=True, timeout=120)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        print(f"latency: the data floor was not built: {e} {getattr(e, 'stderr', '')}", file=sys.stderr)
+        return None
+    return exe
+
+
+def data_floor(exe: str, sizes=DATA_FLOOR_SIZES) -> dict:
+    """``{nbytes: seconds}``: the data floor of a 2-rank shared-memory allreduce of each size in
+    ``sizes`` (bytes, multiples of 64), by ``exe`` (:func:`build_data_floor`): two processes
+    pinned to two cores copy a private float32 input into shared memory, raise a flag, wait for
+    the peer's and sum their input with the peer's copy into a private result, back to back
+    (median per iteration, the larger of the two); ``{}`` (and a line on stderr) where it fails.
+    Run on one rank while the others wait."""
     args = [str(a) for nbytes in sizes for a in (nbytes, 4000 if nbytes <= 65536 else 1000)]
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            exe = os.path.join(tmp, "shm_floor")
-            subprocess.run([cc, "-O3", "-march=native", "-o", exe, os.path.join(os.path.dirname(__file__),
-                                                                             "shm_floor.c")],
-                           check=True, capture_output=True, timeout=120)
-            out = subprocess.run([exe] + args, check=True, capture_output=True, text=True, timeout=120).stdout
+        out = subprocess.run([exe] + args, check=True, capture_output=True, text=True, timeout=120).stdout
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
         print(f"latency: the data floor was not measured: {e} {getattr(e, 'stderr', '')}", file=sys.stderr)
         return {}
@@ -355,32 +367,38 @@ def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 100, 
     sdp.barrier()
     several_hosts = len(set(job_hosts())) > 1
     res = {}
-    if not several_hosts:  # (the others wait here)
-        res["data_floor"] = sdp.broadcast_object(data_floor((65536, STEP_COUNT * STEP_BYTES))
-                                                 if sdp.rank() == 0 else None, 0, name="lat.floor")
     parts = [max(1, n // rounds) for n in (iters, isolated_iters, step_iters)]
     on, off, floor = [], [], []
-    for _ in range(rounds):
-        floor.append(floors(several_hosts))
-        with lane_off():
-            off.append(_latencies(*parts))
-        on.append(_latencies(*parts))
-    res.update({k: statistics.median(r[k] for r in floor) for k in floor[0]})
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = build_data_floor(tmp) if not several_hosts and sdp.rank() == 0 else None
+        for _ in range(rounds):
+            floor.append(floors(several_hosts, exe))
+            with lane_off():
+                off.append(_latencies(*parts))
+            on.append(_latencies(*parts))
+    keys = set(floor[0]).intersection(*floor[1:])  # (a data floor a round could not measure: left out)
+    res.update({k: statistics.median(r[k] for r in floor) for k in keys})
     res["rtt_rounds"] = [r["rtt"] for r in floor]
+    res["data_floor_rounds"] = [r[f"floor_{DATA_FLOOR_SIZES[-1]}"] for r in floor if f"floor_{DATA_FLOOR_SIZES[-1]}" in r]
     res["off"] = {k: statistics.median(r[k] for r in off) for k in off[0]}
     res.update({k: statistics.median(r[k] for r in on) for k in on[0]})
     res["rtt_idle"] = max_over_ranks(pipe_rtt(isolated_iters, 10, IDLE_S) if sdp.rank() == 0 else 0.0, "lat.rtt3")
     return res
 
 
-def floors(several_hosts: bool) -> dict:
+def floors(several_hosts: bool, shm_floor: Optional[str] = None) -> dict:
     """One round's floors (seconds, the same on every rank): ``rtt`` (:func:`pipe_rtt`, on rank 0
-    while the others wait) and, across hosts, ``tcp_rtt`` and ``zmq_exchange``."""
+    while the others wait); across hosts, ``tcp_rtt`` and ``zmq_exchange``; on one host, with
+    rank 0's ``shm_floor`` program (:func:`build_data_floor`), ``floor_<nbytes>`` for each of
+    :data:`DATA_FLOOR_SIZES` (:func:`data_floor`; none where it failed)."""
     sdp.barrier()
     res = {"rtt": max_over_ranks(pipe_rtt(1000, 100) if sdp.rank() == 0 else 0.0, "lat.rtt")}
     if several_hosts:
         res["tcp_rtt"] = tcp_rtt(iters=1000)
         res["zmq_exchange"] = zmq_exchange(iters=1000)
+    else:  # (the others wait here)
+        got = sdp.broadcast_object(data_floor(shm_floor) if shm_floor is not None else {}, 0, name="lat.floor")
+        res.update({f"floor_{nbytes}": seconds for nbytes, seconds in got.items()})
     return res
 
 
@@ -415,12 +433,13 @@ def report(res: dict) -> list:
             ("memory time of the step's bytes (one copy)", "step_memory")]
     lines += [f"{label:<44} {us(res[k])} {x(res[k])}   {us(res['off'][k])} {x(res['off'][k])}" for label, k in rows]
     step_bound = TARGET_STEP_RTT * rtt + res["step_memory"]
-    floor = res.get("data_floor") or {}
-    f64, fstep = floor.get(65536), floor.get(STEP_COUNT * STEP_BYTES)
-    if floor:
+    f64, fstep = res.get("floor_65536"), res.get(f"floor_{STEP_COUNT * STEP_BYTES}")
+    if f64 is not None and fstep is not None:
+        each = res["data_floor_rounds"]
         lines.append(f"data floor (copy into shared memory + reduce, two pinned processes, no control; "
-                     f"shm_floor.c): 64 KB {us(f64)} {x(f64)}, the step's {STEP_COUNT * STEP_BYTES // 1024} KB "
-                     f"in one buffer {us(fstep)} {x(fstep)}")
+                     f"shm_floor.c; the median of {len(each)} rounds', each beside its round): 64 KB {us(f64)} "
+                     f"{x(f64)}, the step's {STEP_COUNT * STEP_BYTES // 1024} KB in one buffer {us(fstep)} "
+                     f"{x(fstep)} ({min(each) * 1e6:.1f}-{max(each) * 1e6:.1f} us)")
     floor_name = "data floor"
     checks = [(f"1 KB back to back <= {TARGET_1K_B2B_RTT} RTT", res["b2b_1024"], TARGET_1K_B2B_RTT * rtt, None),
               (f"1 KB isolated <= {TARGET_1K_ISOLATED_RTT} RTT", res["iso_1024"], TARGET_1K_ISOLATED_RTT * rtt,

@@ -68,10 +68,12 @@ def test_latency_section_measures_its_floor_and_states_targets_as_round_trips():
     for label in ("1 KB back to back <= 1.5 RTT", "1 KB isolated <= 2.0 RTT", "64 KB back to back <= 2.0 RTT",
                   "step grouped <= 5 RTT + memory", "step one by one <= 3x (grouped bound)"):
         assert re.search(re.escape(label) + r": [0-9.]+ us <= [0-9.]+ us  (PASS|FAIL)", out), (label, out[-3000:])
-    # the data floor (shm_floor.c, compiled by the run), beside the targets it bounds
-    floor = re.search(r"data floor \(copy into shared memory \+ reduce, .*\): 64 KB\s+([0-9.]+) us\s+[0-9.]+ RTT, "
-                      r"the step's 400 KB in one buffer\s+([0-9.]+) us", out)
+    # the data floor (shm_floor.c, compiled by the run, measured beside each round), beside the targets it bounds
+    floor = re.search(r"data floor \(copy into shared memory \+ reduce, .*the median of 5 rounds', each beside its "
+                      r"round\): 64 KB\s+([0-9.]+) us\s+[0-9.]+ RTT, the step's 400 KB in one buffer\s+([0-9.]+) us\s+"
+                      r"[0-9.]+ RTT \(([0-9.]+)-([0-9.]+) us\)", out)
     assert floor and 0 < float(floor.group(1)) < float(floor.group(2)), out[-3000:]
+    assert float(floor.group(3)) <= float(floor.group(2)) <= float(floor.group(4)), out[-3000:]
     assert len(re.findall(r"(64 KB back to back|step grouped|step one by one) .*(PASS|FAIL) \(data floor [0-9.]+ us",
                           out)) == 3, out[-3000:]
     # the phase breakdown, back to back and isolated, one line per rank each
