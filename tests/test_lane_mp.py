@@ -254,3 +254,9 @@ def test_the_compiled_flush_runs_a_learnt_burst_and_hands_the_rest_back(n):
                 assert sum(seen[k][1] for k in steady) >= 1, (rank, seen)
         else:
             assert all(seen[k][1:3] == [0, 0] for k in seen if k != "mismatch"), (rank, seen)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_groups_submitted_asynchronously_from_two_threads_complete_exactly(n):
+    for rank, (ok, counts) in enumerate(check_ok(run_workers(n, "workers_lane:threaded_groups", [40], timeout=120))):
+        assert ok, (rank, counts)  # (in the caller, held, SLOW or the engine's: each exact, none left waiting)

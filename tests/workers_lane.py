@@ -824,3 +824,29 @@ def flush_paths(rounds):
     case("bad shape", bad=4)
     case("after the mismatch")
     return seen
+
+
+def threaded_groups(steps):
+    """Two threads per rank each submit their own group with ``grouped_allreduce_async`` and wait
+    for it, ``steps`` times, concurrently (as TensorFlow's executor runs two buckets' submit ops):
+    the ranks' threads reach the lane in any order, so a group may run whole in its caller, be
+    held, or meet another group's position on a peer (SLOW: the engine).  Returns (all exact,
+    lane counts)."""
+    import threading
+    n, r = sdp.size(), sdp.rank()
+    shapes = [(3,), (2, 5), (100,), (7,)]
+    ok = [True, True]
+
+    def run(t):
+        for k in range(steps):
+            xs = [np.full(sh, float(r + k + t + j), np.float32) for j, sh in enumerate(shapes)]
+            hs = sdp.api.grouped_allreduce_async(xs, [f"tg{t}.{j}" for j in range(len(shapes))], ReduceOp.SUM)
+            for j, (h, sh) in enumerate(zip(hs, shapes)):
+                got = h.wait()
+                ok[t] &= got.shape == sh and bool(np.all(got == sum(q + k + t + j for q in range(n))))
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return [all(ok), dict(sdp.api.runtime().lane.counts)]
