@@ -379,7 +379,8 @@ def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 100, 
     keys = set(floor[0]).intersection(*floor[1:])  # (a data floor a round could not measure: left out)
     res.update({k: statistics.median(r[k] for r in floor) for k in keys})
     res["rtt_rounds"] = [r["rtt"] for r in floor]
-    res["data_floor_rounds"] = [r[f"floor_{DATA_FLOOR_SIZES[-1]}"] for r in floor if f"floor_{DATA_FLOOR_SIZES[-1]}" in r]
+    step_key = f"floor_{DATA_FLOOR_SIZES[-1]}"
+    res["data_floor_rounds"] = [r[step_key] for r in floor if step_key in r]
     res["off"] = {k: statistics.median(r[k] for r in off) for k in off[0]}
     res.update({k: statistics.median(r[k] for r in on) for k in on[0]})
     res["rtt_idle"] = max_over_ranks(pipe_rtt(isolated_iters, 10, IDLE_S) if sdp.rank() == 0 else 0.0, "lat.rtt3")

@@ -385,7 +385,8 @@ class Lane:
         of its arrays' results, views of one array), or None when the lane does not take it now
         (nothing posted: the caller submits it as usual).  If it is not consumed while the
         caller polls (a rank late, or decided SLOW), it becomes a held request, waited on as
-        any other (``hold``: its handle is returned instead, for an asynchronous caller).  Raises what :class:`Request` raises for bad input, and the lane's failure.
+        any other (``hold``: its handle is returned instead, for an asynchronous caller).  Raises
+        what :class:`Request` raises for bad input, and the lane's failure.
         (:attr:`front`, the compiled step's entry, runs the common case of this whole and calls
         :meth:`_finish_now` for the rest.)"""
         known = self._known(name, a, op, postscale, layout)
@@ -792,8 +793,9 @@ class Lane:
     def _learn_batch(self, b, sig: int, layout) -> None:
         """Teach the compiled flush (``Context.learn_batch``) batch ``b``'s names, dtypes, shapes,
         op and postscale, signature ``sig`` and ``layout`` unless it knows them (one batch per first
-        name: the last posted in Python): its next flush by a caller runs whole (:meth:`flush`).  Not where Python must finish the reduction (integers scaled, a dtype the
-        compiled step does not reduce) or a timeline is written."""
+        name: the last posted in Python): its next flush by a caller runs whole (:meth:`flush`).
+        Not where Python must finish the reduction (integers scaled, a dtype the compiled step
+        does not reduce) or a timeline is written."""
         red = _NATIVE_DTYPES.get(b.dtype.str)
         if (self._ctx is None or red is None or b.op not in _NATIVE_OPS or len(b.arrays) < 2 or not self.enabled
                 or b.dtype.kind in "iub" and (b.op == ReduceOp.AVERAGE or b.postscale != 1.0)
@@ -803,7 +805,8 @@ class Lane:
         try:
             self._ctx.learn_batch(tuple(b.order), 0, [(a.dtype, a.shape) for a in b.arrays],
                                   b.name, layout, layout.starts, layout.spans, layout.count, b.dtype, b.op,
-                                  b.postscale, sig, red * 4 + _NATIVE_OPS[b.op], 1.0 if fscale is None else float(fscale))
+                                  b.postscale, sig, red * 4 + _NATIVE_OPS[b.op],
+                                  1.0 if fscale is None else float(fscale))
         except (TypeError, ValueError):  # (names that are not strings: not learnt)
             pass
 

@@ -1233,7 +1233,8 @@ static PyObject *ctx_flush(Ctx *c, PyObject *const *args, Py_ssize_t nargs) {
     int64_t p = 0, off = -1;
     double spin = 0.0;
     Py_ssize_t n = 0;
-    ok = (cur = PyObject_GetAttr(L, S_batch)) == b && lane_free(L) == 1 && learn_head(L) == 0 && batch_fields(c, b) == 0;
+    ok = (cur = PyObject_GetAttr(L, S_batch)) == b && lane_free(L) == 1 && learn_head(L) == 0 &&
+         batch_fields(c, b) == 0;
     Py_XDECREF(cur);
     if (ok && (n = PyList_GET_SIZE(c->b_arrays)) >= 2 && PyList_GET_SIZE(c->b_order) == n &&
         (cap = PyDict_GetItemWithError(c->bcache, PyList_GET_ITEM(c->b_order, 0))))
@@ -1298,7 +1299,8 @@ static PyMethodDef ctx_methods[] = {
     {"learn_batch", (PyCFunction)ctx_learn_batch, METH_VARARGS,
      "learn_batch(names, 0, metas, name, layout, starts, spans, count, dtype, op, postscale, sig, red, scale): "
      "what flush() posts for names"},
-    {"batch_sig", (PyCFunction)ctx_batch_sig, METH_O, "batch_sig(name) -> the signature learn_batch() last learnt for name, or 0"},
+    {"batch_sig", (PyCFunction)ctx_batch_sig, METH_O,
+     "batch_sig(name) -> the signature learn_batch() last learnt for name, or 0"},
     {"forget", (PyCFunction)ctx_forget, METH_NOARGS, "forget(): front() and front_group() know nothing"},
     {"decide", (PyCFunction)ctx_decide, METH_VARARGS,
      "decide(k, complete, slow, join) -> the first position not decided (Lane._decide, for a batch)"},
