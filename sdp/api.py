@@ -354,15 +354,21 @@ def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = 
     every array runs in the calling thread while the fast lane is idle, as
     :func:`grouped_allreduce` does, for up to the lane's spin (200 us) if a peer has not
     submitted it yet; then it is posted and the handles are returned as usual."""
-    rt = _runtime
-    front = rt.front_group if rt is not None else None  # (a learnt group: the compiled step, whole)
-    if (front is not None and type(names) is list and type(process_set) is int and not process_set
-            and prescale_factor == 1.0):
-        got = front(names, tensors, op if type(op) is ReduceOp else resolve_op(op), postscale_factor,
-                    rt.fusion_threshold, True)
-        if got is not None:
-            return _part_handles(names, got)
+    got = _front_group(_runtime, tensors, names, op, prescale_factor, postscale_factor, process_set, True)
+    if got is not None:
+        return _part_handles(names, got)
     return _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, process_set, True)
+
+
+def _front_group(rt, tensors, names, op, prescale_factor, postscale_factor, process_set, hold: bool = False):
+    """The compiled group entry's answer (``Runtime.front_group``: a learnt group run whole in
+    this thread; ``hold``: a held group's :class:`Handle` where it is not consumed at once), or
+    None where it does not run (no runtime or entry, a process set, a prescale, not learnt)."""
+    front = rt.front_group if rt is not None else None
+    if front is None or type(process_set) is not int or process_set or prescale_factor != 1.0:
+        return None
+    return front(names, tensors, op if type(op) is ReduceOp else resolve_op(op), postscale_factor,
+                 rt.fusion_threshold, hold)
 
 
 def _part_handles(names: List[str], got) -> List[PartHandle]:
@@ -508,13 +514,10 @@ def grouped_allreduce_named(tensors: Sequence, names: Optional[Sequence[str]], o
     a group of small arrays may run whole in the calling thread (the fast lane)."""
     if len(tensors) == 1 and names is not None:
         return [allreduce(tensors[0], names[0], op, prescale_factor, postscale_factor, None, process_set)]
-    rt = runtime("grouped_allreduce()")
-    front = rt.front_group  # (the compiled step's common case, whole)
-    if front is not None and type(process_set) is int and not process_set and prescale_factor == 1.0:
-        result = front(names, tensors, op if type(op) is ReduceOp else resolve_op(op), postscale_factor,
-                       rt.fusion_threshold)
-        if result is not None:
-            return result
+    result = _front_group(runtime("grouped_allreduce()"), tensors, names, op, prescale_factor, postscale_factor,
+                          process_set)
+    if result is not None:
+        return result
     handles = _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, process_set, False)
     if type(handles) is not list:  # (one group of every array, in order: its result is the list)
         return handles.wait()
