@@ -23,13 +23,17 @@ def test_results_are_numpys_and_the_same_bits_everywhere(counts):
         assert (fast, posted) == (CASE_FAST, CASE_POSITIONS), rank
 
 
-def test_off_when_a_rank_sets_the_fast_lane_off():
-    """A rank with SDP_FAST_LANE=0 offers no link: it is off on every rank (the results exact)."""
-    n, env = fake_hosts([2, 2])
-    values = check_ok(run_workers(n, "workers_hierarchical:inline_cases", [],
-                                  per_rank_env=lambda r: {**env(r), **({"SDP_FAST_LANE": "0"} if r == 2 else {})},
+@pytest.mark.parametrize("env, on", [({}, True), ({"SDP_ENCRYPT": "1"}, False), ({"SDP_FAST_LANE": "0"}, False)])
+def test_the_link_is_on_unless_encrypting_or_a_rank_sets_the_fast_lane_off(env, on):
+    """On by default (the leaders listen no more once it is open); with SDP_ENCRYPT=1 on every
+    rank (no TCP link: the engine's encrypted mesh), or SDP_FAST_LANE=0 on rank 2 alone, it is
+    off on every rank; the results are exact either way."""
+    n, env_of = fake_hosts([2, 2])
+    values = check_ok(run_workers(n, "workers_hostlink:link_state", [],
+                                  per_rank_env=lambda r: {**env_of(r), **(env if r == 2 or "SDP_ENCRYPT" in env else {})},
                                   timeout=120))
-    assert all(v[0] and v[1] == values[0][1] for v in values)
+    for rank, (got, link_on, fast, listening) in enumerate(values):
+        assert got == 10.0 and link_on == on and fast == int(on) and not listening, (rank, values)
 
 
 @pytest.mark.parametrize("kind, value", [("shape", "[5]"), ("dtype", "float64"), ("op", "MAX")])

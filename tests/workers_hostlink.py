@@ -172,3 +172,11 @@ def malformed_link():
             link.mesh.link_send(0, bad)
     got = [float(sdp.allreduce(np.full(3, 1.0 + i), name=f"ml.{i}", op=sdp.Sum)[0]) for i in range(3)]
     return [got, link.fast]
+
+
+def link_state():
+    """One synchronous allreduce: [its result, the link on here, link FASTs, leaders still listening]."""
+    link = _link()
+    got = float(sdp.allreduce(np.full(3, 1.0 + sdp.rank()), name="ls.x", op=sdp.Sum)[0])
+    leader = sdp.api.runtime().mesh.link
+    return [got, link is not None, link.fast if link else 0, leader is not None and leader._listener is not None]

@@ -1,5 +1,5 @@
 """Synchronous small allreduces across hosts in the caller's thread: a host's ranks through shared
-memory, the hosts' leaders over a ZeroMQ link of their own (issue 30).
+memory, the hosts' leaders over a TCP link of their own (:mod:`sdp.transport.tcp_link`, issue 30).
 
 Across hosts a small allreduce otherwise costs two trips through rank 0 (the request, then the
 response carrying the result: :mod:`sdp.engine.inline`), each through the engine threads and
@@ -41,7 +41,7 @@ shape and dtype, no timeline being written on this rank.  The result's bits can 
 engine's in the last place for 3 or more ranks (another order of the sums), as with the fast
 lane.  On in jobs across hosts (:attr:`sdp.transport.zmq_mesh.Mesh.link_on`: every rank offered
 it, x86-64 stores in order, shared memory on hosts with several ranks) unless
-``SDP_FAST_LANE=0``.
+``SDP_FAST_LANE=0`` or ``SDP_ENCRYPT=1`` (the link's TCP is not encrypted).
 
 Link messages: one frame, ``MAGIC, position (u64), host signature (i64), bytes (u64)`` packed,
 then the partial's bytes when the signature is positive.  A message that is not that (size, magic, a

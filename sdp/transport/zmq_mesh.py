@@ -44,7 +44,6 @@ import socket
 import struct
 import sys
 import tempfile
-import threading
 import time
 from typing import Dict, List, Optional
 
@@ -54,7 +53,7 @@ from zmq.utils.monitor import recv_monitor_message
 from sdp.common.errors import CollectiveTimeoutError, PeerLostError, ProtocolError, SdpError
 from sdp.common.config import Config
 from sdp.common.network import bind_address
-from sdp.transport import rendezvous, security, shm, shm_ctrl
+from sdp.transport import rendezvous, security, shm, shm_ctrl, tcp_link
 from sdp.transport.shm import process_state
 
 log = logging.getLogger("sdp.transport")
@@ -69,10 +68,9 @@ TRACKER_SLICE_S = 0.05  # seconds between checks for lost peers while a sent buf
 LOSS_GRACE_S = 1.0  # seconds a dropped peer's other connection may still deliver its last messages
 DEAD_GRACE_S = 0.1  # the same for a same-host peer whose process is gone (its kernel has sent it all)
 HEARTBEAT_IVL_MS = 1000  # ZeroMQ PING to every peer this often (ms)
-LINK_TIMEOUT_MS = 5000  # TCP: bytes unacknowledged this long (link down, host gone) end the connection
+LINK_TIMEOUT_MS = tcp_link.USER_TIMEOUT_MS  # TCP: bytes unacknowledged this long (link down, host gone) end the connection
 SMALL_FRAME = 64 * 1024  # bytes: collectives send buffers up to this in one frame (recursive doubling)
 CTRL_HEADROOM = 16 << 20  # bytes: room for control messages (a request naming ~100,000 new tensors)
-LINK_FRAME_BYTES = 256 << 10  # bytes: the largest frame the leaders' link accepts (sdp.engine.hostlink)
 
 
 class Mesh:
@@ -129,20 +127,13 @@ class Mesh:
         ip = bind_address(topology.rendezvous_addr) if topology.size > 1 else "127.0.0.1"
         tcp_port = self.router.bind_to_random_port(f"tcp://{ip}") if topology.size > 1 else 0
         self.endpoints = {"ipc": ipc, "tcp": f"tcp://{ip}:{tcp_port}"}
-        #: the host leaders' link (:mod:`sdp.engine.hostlink`): a ROUTER of its own, read only by
-        #: the thread holding the link's lock, and a DEALER to every other host's leader; made on
-        #: every rank (who leads a host is known after rendezvous), closed where unused
-        self.link_router, self.link_dealers, self.link_on, self._link_guard = None, {}, False, None
-        self._link_lock = threading.Lock()  # held for each use of a link socket, and to close them
-        if link and self._gate is not None:
-            lr = self.link_router = self.ctx.socket(zmq.ROUTER)
-            lr.setsockopt(zmq.LINGER, 0)
-            lr.setsockopt(zmq.MAXMSGSIZE, LINK_FRAME_BYTES)
-            security.secure_server(lr, self._secret, self.encrypt)
-            self._link_guard = self._gate.guard(lr, lambda: self.size)
-            self.endpoints["link"] = f"tcp://{ip}:{lr.bind_to_random_port(f'tcp://{ip}')}"
-            self._link_poller = zmq.Poller()
-            self._link_poller.register(lr, zmq.POLLIN)
+        #: the host leaders' link (:mod:`sdp.engine.hostlink`) over TCP (:mod:`sdp.transport.tcp_link`):
+        #: made on every rank (who leads a host is known after rendezvous), closed where unused;
+        #: none when encrypting
+        self.link: Optional[tcp_link.LeaderLink] = None
+        self.link_on = False
+        if link and self._gate is not None and not self.encrypt:
+            self.link = tcp_link.LeaderLink(ip, self.rank)
         self.peers: List[dict] = []
         self.dealers: Dict[int, zmq.Socket] = {}
         self.monitors: Dict[zmq.Socket, int] = {}
@@ -191,11 +182,10 @@ class Mesh:
             info["bell"] = shm_ctrl.bell_path(self._bell[1])
         if not self.encrypt:  # one single-use token per peer (see sdp.transport.security)
             info["tokens"] = {str(r): self._gate.issue_token(str(r)) for r in range(self.size) if r != self.rank}
-        if self.link_router is not None:  # (a rank that cannot take the link's shared memory: off everywhere)
+        if self.link is not None:  # (a rank that cannot take the link's shared memory: off everywhere)
             info["link"] = bool(self.shm is not None and self.shm.lane_bytes and shm_ctrl.STORES_ORDERED)
-            if not self.encrypt:
-                info["link_tokens"] = {str(r): self._gate.issue_token(f"link:{r}")
-                                       for r in range(self.size) if r != self.rank}
+            info["link_addr"] = self.link.address
+            info["link_tokens"] = self.link.offer(self.size)
         self.peers = rendezvous.serve_and_register(
             topology.rendezvous_addr, info, start_timeout_s,
             serve=topology.serve_rendezvous and self.rank == 0)
@@ -245,12 +235,12 @@ class Mesh:
                         self.ctrl = shm_ctrl.ControlRings(self.shm, self.rank, self._open_bells(same))
                         self.ctrl.start()
                 self.shm = None  # the world's collectives take ZeroMQ
-        self._open_link(topology.hostname)
         for r in self.dealers:  # HELLO from a peer also means it has mapped our segment
             self.send(r, HELLO)
         deadline = time.monotonic() + start_timeout_s
         for r in self.dealers:
             self.recv(r, HELLO, deadline=deadline)
+        self._open_link(deadline)
         if self.ctrl is not None:
             self.ctrl.ready()
 
@@ -261,60 +251,34 @@ class Mesh:
             first.setdefault(p["host"], int(p["rank"]))
         return sorted(first.values())
 
-    def _open_link(self, hostname: str) -> None:
+    def _open_link(self, deadline: float) -> None:
         """After rendezvous: the leaders' link is on when the job spans hosts and every rank offered
         it with the shared memory its host's ranks need (ranks alone on a host need none); then
-        this host's leader connects a DEALER to every other leader's link ROUTER."""
-        if self.link_router is None:
+        this host's leader connects to every other leader (by ``deadline``)."""
+        if self.link is None:
             return
         hosts = collections.Counter(p["host"] for p in self.peers)
         self.link_on = len(hosts) > 1 and all("link" in p and (p["link"] or hosts[p["host"]] == 1)
                                                      for p in self.peers)
         leaders = self.leaders()
         if not self.link_on or self.rank not in leaders:
-            self._link_guard.stop()
-            self.link_router.close(linger=0)
-            self.link_router = self._link_guard = None
+            self.link.close()
+            self.link = None
             return
-        by_rank = {int(p["rank"]): p for p in self.peers}
-        for r in leaders:
-            if r == self.rank:
-                continue
-            d = self.ctx.socket(zmq.DEALER)
-            d.setsockopt(zmq.ROUTING_ID, struct.pack("<I", self.rank))
-            d.setsockopt(zmq.LINGER, 0)
-            if self.encrypt:
-                security.secure_client(d, self._secret)
-            else:
-                security.secure_client(d, self._secret, f"link:{self.rank}",
-                                       by_rank[r]["link_tokens"][str(self.rank)])
-            d.connect(by_rank[r]["endpoints"]["link"])
-            self.link_dealers[r] = d
+        self.link.open(leaders, {int(p["rank"]): p for p in self.peers}, deadline)
 
     def link_send(self, dst: int, body) -> None:
-        """Queue ``body`` (bytes) to leader ``dst`` on the leaders' link (never blocks; nothing
-        once the mesh is closed: the caller's wait then meets the reason)."""
-        with self._link_lock:
-            if dst in self.link_dealers:
-                self.link_dealers[dst].send(body, copy=True)
+        """Send ``body`` (bytes-like) to leader ``dst`` on the leaders' link (nothing once the
+        mesh is closed: the caller's wait then meets the reason)."""
+        link = self.link
+        if link is not None:
+            link.send(dst, body)
 
     def link_recv(self, timeout_ms: float) -> list:
         """``[(source rank, frames), ...]`` that arrived on the leaders' link, waiting up to
-        ``timeout_ms`` for the first (``[]`` at once once the mesh is closed); a message from
-        anyone but another host's leader is logged and dropped."""
-        out = []
-        with self._link_lock:  # (close() waits for a poll to end: at most timeout_ms)
-            router = self.link_router
-            if router is None or not self._link_poller.poll(timeout_ms):
-                return out
-            while router.get(zmq.EVENTS) & zmq.POLLIN:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-                src = self._ident_to_rank.get(frames[0])
-                if src not in self.link_dealers:
-                    log.warning("rank %d: dropping a message on the leaders' link from %r", self.rank, src)
-                    continue
-                out.append((src, frames[1:]))
-            return out
+        ``timeout_ms`` for the first (``[]`` at once once the mesh is closed)."""
+        link = self.link
+        return link.recv(timeout_ms) if link is not None else []
 
     def _open_bells(self, peers: List[dict]) -> Dict[int, int]:
         """The doorbells of ``peers`` (same-host rendezvous entries) opened for writing, or {}
@@ -590,13 +554,8 @@ class Mesh:
             d.close(linger=0 if r in gone else int(linger_s * 1000))
         if self._guard is not None:
             self._guard.stop()
-        with self._link_lock:  # (a caller's thread may be using them)
-            if self.link_router is not None:
-                self._link_guard.stop()
-                self.link_router.close(linger=0)
-            for d in self.link_dealers.values():
-                d.close(linger=0)
-            self.link_router, self.link_dealers = None, {}
+        if self.link is not None:  # (waits for a caller's thread using it)
+            self.link.close()
         self.router.close(linger=0)
         if self._gate is not None:
             self._gate.stop()
