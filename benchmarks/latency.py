@@ -28,10 +28,12 @@ fast lane, :mod:`sdp.engine.lane`, when every rank is on one host; across hosts 
 negotiation, :mod:`sdp.engine.inline`) and with both set aside (:func:`lane_off`: the engine
 thread, rank 0's coordinator and the collective, as before them).
 
-* across hosts, also the **link floor**: the round trip of 1 KB over a plain TCP connection
-  between rank 0 and the first rank on another host (:func:`tcp_rtt`), and one exchange of 1 KB
-  each way over ZeroMQ between the same two (:func:`zmq_exchange`): what one hop between host
-  leaders costs with ZeroMQ's I/O threads and nothing else.
+* across hosts, also the **link floors**: the round trip of 1 KB over a plain TCP connection
+  between rank 0 and the first rank on another host (:func:`tcp_rtt`), and on two hosts the
+  floor of the host leaders' link's shape (:func:`link_floor`, ``benchmarks/link_floor.c``
+  compiled here): the same allreduce through shared memory and one TCP exchange between the
+  leaders, in C, with every rank of the job running it at once.  A bound below it cannot be met
+  on this machine by an allreduce of that shape.
 * on one host, also the **data floor** of 64 KB and of the step's bytes: what moving them costs
   with no control at all (:func:`data_floor`, ``benchmarks/shm_floor.c`` compiled here).  A
   target whose bound is below it cannot be met on this machine by an allreduce that copies its
@@ -181,76 +183,76 @@ def tcp_rtt(nbytes: int = 1024, iters: int = 2000, warmup: int = 200) -> float:
     return max_over_ranks(statistics.median(times) if sdp.rank() == 0 else 0.0, "lat.tcp")
 
 
-def zmq_exchange(nbytes: int = 1024, iters: int = 2000, warmup: int = 200) -> float:
-    """Median seconds of one exchange of ``nbytes`` each way over ZeroMQ between rank 0 and the
-    first rank on another host: each sends from a DEALER to the other's ROUTER, then waits for
-    the other's message (a blocking ``recv``), authenticated as sdp's mesh is by default (ZMTP
-    PLAIN with a single-use token handed out over sdp; the job's ZAP handler): one hop of the
-    host leaders' link (:mod:`sdp.engine.hostlink`) with nothing else, the floor of a small
-    allreduce between hosts over ZeroMQ.  Every rank calls it; the result is the same on every
-    rank."""
-    import zmq
+LINK_FLOOR_SHM_BYTES = 8 << 20  # bytes: the shared file link_floor.c maps (its Shared fits)
 
-    from sdp.transport import security
+
+def link_floor(exe: Optional[str], nbytes: int = 1024, iters: int = 2000) -> Optional[float]:
+    """Median seconds per allreduce of ``nbytes`` float32 done in the host leaders' link's shape
+    with nothing of sdp around it (``benchmarks/link_floor.c``, ``exe`` from :func:`build_floor`,
+    run by every rank at once): each host's other ranks post into shared memory and spin, its
+    leader sums them, exchanges the partial with the other leader over a plain TCP connection
+    (:func:`link_sockets`), sums and publishes.  The larger of the two leaders' medians; None
+    (on every rank) unless the job spans exactly two hosts and every rank has ``exe``."""
     hosts = job_hosts()
-    b = next(r for r in range(sdp.size()) if hosts[r] != hosts[0])
-    rank, me = sdp.rank(), None
-    if rank in (0, b):
-        secret = security.secret_from_env()
-        ctx = zmq.Context()
-        gate = security.Gatekeeper(ctx, secret, "latency")
-        router = ctx.socket(zmq.ROUTER)
-        security.secure_server(router, secret, encrypt=False)
-        ip = sdp.api.runtime().mesh.endpoints["tcp"][len("tcp://"):].rsplit(":", 1)[0]
-        me = (f"tcp://{ip}:{router.bind_to_random_port(f'tcp://{ip}')}", gate.issue_token("peer"))
-    ends = sdp.allgather_object(me, name="lat.zmq.where")
-    times = []
-    if me is not None:
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.RCVTIMEO, 30000)  # (a peer gone: zmq.Again, not a hang)
-        security.secure_client(dealer, secret, "peer", ends[b if rank == 0 else 0][1])
-        dealer.connect(ends[b if rank == 0 else 0][0])
-        msg = b"x" * nbytes
-        try:
-            for i in range(warmup + iters):
-                t0 = time.perf_counter()
-                dealer.send(msg)
-                router.recv_multipart()
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-        finally:
-            dealer.close(linger=0)
-            router.close(linger=0)
-            gate.stop()
-            ctx.term()
-    return max_over_ranks(statistics.median(times) if rank == 0 else 0.0, "lat.zmq")
+    names = sorted(set(hosts), key=hosts.index)
+    if len(names) != 2 or max_over_ranks(0.0 if exe else 1.0, "lat.lf.exe") > 0:
+        return None
+    socks, _ = link_sockets(1)
+    rank = sdp.rank()
+    local = [r for r in range(sdp.size()) if hosts[r] == hosts[rank]]
+    token = sdp.broadcast_object(os.urandom(8).hex() if rank == 0 else None, 0, name="lat.lf.token")
+    path = f"/dev/shm/sdp-link-floor-{token}-{names.index(hosts[rank])}"
+    me = local.index(rank)
+    if me == 0:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, LINK_FLOOR_SHM_BYTES)
+        os.close(fd)
+    sdp.barrier()
+    seconds = 0.0
+    try:
+        extra = [str(socks[0].fileno())] if me == 0 else []
+        out = subprocess.run([exe, path, str(me), str(len(local)), str(nbytes), str(iters)] + extra,
+                             pass_fds=[int(x) for x in extra], check=True, capture_output=True, text=True,
+                             timeout=120).stdout
+        seconds = float(out) if me == 0 else 0.0
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, ValueError) as e:
+        print(f"latency: the link floor was not measured on rank {rank}: {e} {getattr(e, 'stderr', '')}",
+              file=sys.stderr)
+        seconds = float("nan")
+    finally:
+        for sk in socks:
+            sk.close()
+        sdp.barrier()
+        if me == 0:
+            os.unlink(path)
+    got = max_over_ranks(seconds, "lat.lf")
+    return None if got != got else got  # (NaN: some rank failed)
 
 
 DATA_FLOOR_SIZES = (65536, STEP_COUNT * STEP_BYTES)  # bytes: what the data floor is measured for
 
 
-def build_data_floor(tmp: str) -> Optional[str]:
-    """``benchmarks/shm_floor.c`` compiled into directory ``tmp`` with ``$CC`` (default ``cc``) at
-    ``-O3 -march=native``: the program's path, or None (and a line on stderr saying why) without a
-    compiler or where it fails."""
+def build_floor(tmp: str, name: str) -> Optional[str]:
+    """``benchmarks/<name>.c`` (``shm_floor``, ``link_floor``) compiled into directory ``tmp``
+    with ``$CC`` (default ``cc``) at ``-O3 -march=native``: the program's path, or None (and a
+    line on stderr saying why) without a compiler or where it fails."""
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
-        print("latency: no C compiler (cc): the data floor is not measured", file=sys.stderr)
+        print(f"latency: no C compiler (cc): {name} is not measured", file=sys.stderr)
         return None
-    exe = os.path.join(tmp, "shm_floor")
+    exe = os.path.join(tmp, name)
     try:
-        subprocess.run([cc, "-O3", "-march=native", "-o", exe, os.path.join(os.path.dirname(__file__), "shm_floor.c")],
+        subprocess.run([cc, "-O3", "-march=native", "-o", exe, os.path.join(os.path.dirname(__file__), f"{name}.c")],
                        check=True, capture_output=True, timeout=120)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-        print(f"latency: the data floor was not built: {e} {getattr(e, 'stderr', '')}", file=sys.stderr)
+        print(f"latency: {name} was not built: {e} {getattr(e, 'stderr', '')}", file=sys.stderr)
         return None
     return exe
 
 
 def data_floor(exe: str, sizes=DATA_FLOOR_SIZES) -> dict:
     """``{nbytes: seconds}``: the data floor of a 2-rank shared-memory allreduce of each size in
-    ``sizes`` (bytes, multiples of 64), by ``exe`` (:func:`build_data_floor`): two processes
+    ``sizes`` (bytes, multiples of 64), by ``exe`` (:func:`build_floor`): two processes
     pinned to two cores copy a private float32 input into shared memory, raise a flag, wait for
     the peer's and sum their input with the peer's copy into a private result, back to back
     (median per iteration, the larger of the two); ``{}`` (and a line on stderr) where it fails.
@@ -370,7 +372,8 @@ def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 100, 
     parts = [max(1, n // rounds) for n in (iters, isolated_iters, step_iters)]
     on, off, floor = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        exe = build_data_floor(tmp) if not several_hosts and sdp.rank() == 0 else None
+        exe = (build_floor(tmp, "link_floor") if several_hosts
+               else build_floor(tmp, "shm_floor") if sdp.rank() == 0 else None)
         for _ in range(rounds):
             floor.append(floors(several_hosts, exe))
             with lane_off():
@@ -387,18 +390,21 @@ def measure(iters: int = 500, isolated_iters: int = 200, step_iters: int = 100, 
     return res
 
 
-def floors(several_hosts: bool, shm_floor: Optional[str] = None) -> dict:
+def floors(several_hosts: bool, exe: Optional[str] = None) -> dict:
     """One round's floors (seconds, the same on every rank): ``rtt`` (:func:`pipe_rtt`, on rank 0
-    while the others wait); across hosts, ``tcp_rtt`` and ``zmq_exchange``; on one host, with
-    rank 0's ``shm_floor`` program (:func:`build_data_floor`), ``floor_<nbytes>`` for each of
+    while the others wait); across hosts, ``tcp_rtt`` and, with every rank's ``link_floor``
+    program ``exe``, ``link_floor`` (:func:`link_floor`; none where it failed); on one host, with
+    rank 0's ``shm_floor`` program ``exe`` (:func:`build_floor`), ``floor_<nbytes>`` for each of
     :data:`DATA_FLOOR_SIZES` (:func:`data_floor`; none where it failed)."""
     sdp.barrier()
     res = {"rtt": max_over_ranks(pipe_rtt(1000, 100) if sdp.rank() == 0 else 0.0, "lat.rtt")}
     if several_hosts:
         res["tcp_rtt"] = tcp_rtt(iters=1000)
-        res["zmq_exchange"] = zmq_exchange(iters=1000)
+        lf = link_floor(exe, iters=1000)
+        if lf is not None:
+            res["link_floor"] = lf
     else:  # (the others wait here)
-        got = sdp.broadcast_object(data_floor(shm_floor) if shm_floor is not None else {}, 0, name="lat.floor")
+        got = sdp.broadcast_object(data_floor(exe) if exe is not None else {}, 0, name="lat.floor")
         res.update({f"floor_{nbytes}": seconds for nbytes, seconds in got.items()})
     return res
 
@@ -450,14 +456,14 @@ def report(res: dict) -> list:
               (f"step one by one <= {TARGET_STEP_ONE_BY_ONE:g}x (grouped bound)", res["step_one_by_one"],
                TARGET_STEP_ONE_BY_ONE * step_bound, fstep)]
     if "tcp_rtt" in res:  # (ranks on several hosts: the one-host targets do not apply)
-        tcp, zx = res["tcp_rtt"], res.get("zmq_exchange")
+        tcp, lf = res["tcp_rtt"], res.get("link_floor")
         lines.append(f"link floor: TCP round trip of 1 KB between two hosts (no Nagle) {us(tcp)}")
-        if zx is not None:
-            lines.append(f"link floor over ZeroMQ: 1 KB each way at once between two hosts (DEALER to ROUTER, "
-                         f"authenticated as sdp's mesh) {us(zx)}")
-        floor_name = "ZeroMQ floor"
+        if lf is not None:
+            lines.append(f"link floor of the leaders' link's shape: 1 KB through shared memory and one TCP exchange "
+                         f"between the leaders, in C, every rank at once (link_floor.c) {us(lf)}")
+        floor_name = "shape floor"
         checks = [(f"1 KB back to back across hosts <= {TARGET_1K_HOSTS_TCP_RTT:g} TCP RTT", res["b2b_1024"],
-                   TARGET_1K_HOSTS_TCP_RTT * tcp, zx)]
+                   TARGET_1K_HOSTS_TCP_RTT * tcp, lf)]
     lines.append(f"latency targets (issue 30; {'ranks on several hosts' if 'tcp_rtt' in res else '2 ranks on one host'}):")
     lines += [f"  {label}: {t * 1e6:.1f} us <= {bound * 1e6:.1f} us  {'PASS' if t <= bound else 'FAIL'}"
               + ("" if below is None else f" ({floor_name} {below * 1e6:.1f} us"

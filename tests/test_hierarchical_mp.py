@@ -1,5 +1,6 @@
 """Hierarchical allreduce across (fake) hosts: every rank's ``SDP_HOSTNAME`` names its host, so
 ranks of one "host" share memory and the others are reached over TCP, as between machines."""
+import glob
 import os
 import re
 import subprocess
@@ -126,7 +127,11 @@ def test_benchmark_compares_flat_and_hierarchical_across_hosts():
     # the latency section's floor between hosts, and issue 30's target against it
     tcp = re.search(r"link floor: TCP round trip of 1 KB between two hosts \(no Nagle\)\s+([0-9.]+) us", out)
     assert tcp and float(tcp.group(1)) > 0, out[-3000:]
-    assert re.search(r"1 KB back to back across hosts <= 2 TCP RTT: [0-9.]+ us <= ([0-9.]+) us", out), out[-3000:]
+    shape = re.search(r"link floor of the leaders' link's shape: .* \(link_floor.c\)\s+([0-9.]+) us", out)
+    assert shape and float(shape.group(1)) > 0, out[-3000:]  # (every rank ran link_floor.c, on two hosts)
+    assert re.search(r"1 KB back to back across hosts <= 2 TCP RTT: [0-9.]+ us <= [0-9.]+ us  (PASS|FAIL) "
+                     r"\(shape floor [0-9.]+ us", out), out[-3000:]
+    assert not glob.glob("/dev/shm/sdp-link-floor-*"), "the link floor's shared files are left"
 
 
 @pytest.mark.parametrize("victim", [1, 2])
