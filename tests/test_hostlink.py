@@ -4,23 +4,31 @@ import pytest
 
 from harness import check_ok, run_workers
 from test_hierarchical_mp import fake_hosts
+from test_lane_mp import _compiled_step
 
 # positions each rank of workers_hostlink.cases posts, and how many of them the link runs
-CASE_POSITIONS, CASE_FAST = 32, 27
+CASE_POSITIONS, CASE_FAST = 33, 28
 
 
 @pytest.mark.parametrize("counts", [[2, 2], [1, 1, 1], [4, 1], [1, 2, 2], "abab"])
 def test_results_are_numpys_and_the_same_bits_everywhere(counts):
     """Every op and eligible dtype gives numpy's result, bit-identical on every rank, through
-    the link; what it does not run (float16, strided, prescaled, over 64 KB, a position whose
-    names differ between hosts) goes to the engine on every rank and is exact too, and the
+    the link, with its compiled step (SDP_NATIVE=1, where it builds) and without it: the same
+    bits both ways; what it does not run (float16, strided, prescaled, over 64 KB, a position
+    whose names differ between hosts) goes to the engine on every rank and is exact too, and the
     link runs again after it and between asynchronous allreduces."""
     n, env = fake_hosts(counts)
-    values = check_ok(run_workers(n, "workers_hostlink:cases", [], per_rank_env=env, timeout=120))
-    for rank, (bad, digest, fast, posted) in enumerate(values):
-        assert not bad, (rank, bad)
-        assert digest == values[0][1], f"rank {rank} differs from rank 0"
-        assert (fast, posted) == (CASE_FAST, CASE_POSITIONS), rank
+    runs = {switch: check_ok(run_workers(n, "workers_hostlink:cases", [],
+                                         per_rank_env=lambda r: {**env(r), "SDP_NATIVE": switch}, timeout=120))
+            for switch in ("1", "0")}
+    for switch, values in runs.items():
+        for rank, (bad, digest, fast, posted, compiled) in enumerate(values):
+            assert not bad, (switch, rank, bad)
+            assert digest == runs["0"][0][1], f"rank {rank} with SDP_NATIVE={switch} differs from rank 0 without"
+            assert (fast, posted) == (CASE_FAST, CASE_POSITIONS), (switch, rank)
+            # (the compiled step: every call it takes unless a wait outlasts its spin, 2 ms locally or
+            # 10 ms for the other leaders, on a busy machine)
+            assert compiled == 0 if switch == "0" or not _compiled_step() else 0 < compiled <= fast, (switch, rank)
 
 
 @pytest.mark.parametrize("env, on", [({}, True), ({"SDP_ENCRYPT": "1"}, False), ({"SDP_FAST_LANE": "0"}, False)])

@@ -17,7 +17,8 @@ def cases():
     """Synchronous allreduces of every op, eligible dtype and scale (``out=``, in place, shapes,
     the largest eligible size) against numpy, then ineligible ones (float16, a strided view, a
     prescale, 128 KB, a name only some hosts use this position for) and asynchronous ones
-    between them: [what differed, SHA-1 of the results, link FASTs, positions posted]."""
+    between them: [what differed, SHA-1 of the results, link FASTs, positions posted, FASTs the
+    compiled step ran whole]."""
     r, n = sdp.rank(), sdp.size()
     rng = [np.random.default_rng(q) for q in range(n)]
     base = [g.standard_normal(300) for g in rng]
@@ -54,6 +55,14 @@ def cases():
     check(sdp.allreduce(np.array(r + 0.5), name="hl.0d", op=sdp.Sum), np.array(n * n / 2), np.float64, True)
     big = np.full(16384, r, np.float32)  # 64 KB: the largest eligible
     check(sdp.allreduce(big, name="hl.64k", op=sdp.Sum), np.full(16384, n * (n - 1) / 2, np.float32), np.float32, True)
+    # an input and an output not aligned to their items (the compiled step hands them to Python)
+    odd_in = np.frombuffer(bytearray(4 * 9 + 1), np.uint8)[1:].view(np.float32)
+    odd_in[:] = r + 1
+    odd_out = np.frombuffer(bytearray(4 * 9 + 1), np.uint8)[1:].view(np.float32)
+    check(sdp.allreduce(odd_in, name="hl.odd", op=sdp.Sum, out=odd_out), np.full(9, n * (n + 1) / 2, np.float32),
+          np.float32, True)
+    if odd_out.flags.aligned or odd_in.flags.aligned:
+        bad.append("the unaligned arrays are aligned")
     fast = _link().fast
     # not eligible here (the engine on every rank), each still one position
     check(sdp.allreduce(np.full(5, r, np.float16), name="hl.f16", op=sdp.Sum),
@@ -81,7 +90,8 @@ def cases():
     for hd in hs:
         check(hd.wait(), np.full(10, n * (n - 1) / 2, np.float32), np.float32, True)
     sdp.barrier()
-    return [bad, hashlib.sha1(b"".join(o.tobytes() for o in out)).hexdigest(), _link().fast, _link().k]
+    return [bad, hashlib.sha1(b"".join(o.tobytes() for o in out)).hexdigest(), _link().fast, _link().k,
+            _link().compiled]
 
 
 def mismatch(kind):

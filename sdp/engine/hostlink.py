@@ -59,8 +59,8 @@ import numpy as np
 
 from sdp.common import errors
 from sdp.common.reduce_ops import UFUNCS, ReduceOp
-from sdp.engine import collectives, fusion
-from sdp.engine.lane import signature
+from sdp.engine import collectives, fusion, native
+from sdp.engine.lane import _NATIVE_DTYPES, _NATIVE_OPS, signature
 
 log = logging.getLogger("sdp.engine")
 
@@ -74,7 +74,10 @@ STALL_GRACE_S = 2.0  # seconds after SDP_STALL_SHUTDOWN_TIME a wait gives rank 0
 _HDR = 8  # int64 slots of a rank's slot header
 POST, SIG, RES, DECISION = range(4)  # header slots (RES, DECISION: a leader's, for its host)
 FAST, SLOW, OFF = 1, 2, 3
+DONE = 4  # (FAST, the result written by the compiled step)
 JOIN_SIG = -1
+NATIVE_DONE, NATIVE_LOCAL, NATIVE_SENT, NATIVE_SKIP = 1, 0, -1, 2  # the compiled step's codes (cc/link_now.c)
+_INBOX_SLOT = 4 + 28 + MAX_BYTES  # bytes per host of the compiled step's frames (cc/link_now.c LK_SLOT)
 MAGIC = b"SDPL"
 _MSG = struct.Struct("<4sQqQ")
 _DTYPES = frozenset(("<f4", "<f8", "<i4", "<i8"))
@@ -96,6 +99,7 @@ class HostLink:
         self.k = 0  # positions posted
         self.off = False
         self.fast = 0  # allreduces completed here (for tests and benchmarks)
+        self.compiled = 0  # of which the compiled step ran whole
         self._early: Dict[tuple, tuple] = {}  # (leader, position) -> (signature, bytes) come ahead
         self._sigs: Dict[tuple, int] = {}
         self._lost_at: Optional[float] = None  # when this position's wait first saw a lost peer
@@ -106,6 +110,15 @@ class HostLink:
             self.hdr = {q: seg.at(q, off, np.int64, _HDR) for q in self.local}
             self.data = {q: seg.at(q, off + 8 * _HDR, np.uint8, MAX_BYTES) for q in self.local}
             self.res = seg.at(self.leader, off + 8 * _HDR + MAX_BYTES, np.uint8, MAX_BYTES)
+        #: the compiled step (sdp/engine/cc/link_now.c), or None: everything in Python
+        self._native = native.load()
+        self._nat: Dict[int, Optional[tuple]] = {}  # signature -> (reduction code, float scale) or None
+        self._hdrs = tuple(self.hdr[q] for q in self.local) if self.hdr is not None else ()
+        self._datas = tuple(self.data[q] for q in self.local) if self.hdr is not None else ()
+        self._host = self.leaders.index(self.leader)
+        if self._native is not None and self.rank == self.leader:
+            self._partial = fusion.aligned_empty(np.uint8, MAX_BYTES)
+            self._inbox = fusion.aligned_empty(np.uint8, _INBOX_SLOT * len(self.leaders))
 
     # -- the calls ------------------------------------------------------------------------------
     def allreduce_now(self, name: str, a, op, postscale: float, out: Optional[np.ndarray]):
@@ -123,22 +136,44 @@ class HostLink:
                 return None
             if self.hdr is None and out is not None and np.may_share_memory(a, out):
                 a = a.copy()  # (alone on its host, the leader's input is its host's partial: kept whole)
-            decision, copies = self._run(sig, a, UFUNCS[op])
-            if decision != FAST:
-                return None
             result = fusion.aligned_empty(a.dtype, a.size) if out is None else out
             flat = result.reshape(-1)
-            if copies is None:  # (a follower: its leader's result)
-                flat.view(np.uint8)[:] = self.res[:a.nbytes]
-            else:
-                scaling = types.SimpleNamespace(op=op, postscale=postscale)
-                collectives.reduce_copies(UFUNCS[op], copies, flat, None, self.rt._float_scale(scaling, a.dtype))
-                self.rt._int_scale(flat, scaling)
-                if self.hdr is not None:
-                    self.res[:a.nbytes] = flat.view(np.uint8)
+            decision, copies = self._run(sig, a, UFUNCS[op], self._native_args(sig, a, op, postscale), flat)
+            if decision not in (FAST, DONE):
+                return None
+            if decision == FAST:
+                if copies is not None and self.hdr is not None:  # (a leader: its host's ranks get the result first)
+                    self._reduce(copies, self.res[:a.nbytes].view(a.dtype), op, postscale)
                     self._publish(FAST)
+                if copies is None or self.hdr is not None:  # (the result its host's leader published)
+                    flat.view(np.uint8)[:] = self.res[:a.nbytes]
+                else:
+                    self._reduce(copies, flat, op, postscale)
             self.fast += 1
             return result if out is not None else result.reshape(a.shape)
+
+    def _reduce(self, copies: list, flat: np.ndarray, op, postscale: float) -> None:
+        """The hosts' partials (in host order) reduced into ``flat``, then scaled."""
+        scaling = types.SimpleNamespace(op=op, postscale=postscale)
+        collectives.reduce_copies(UFUNCS[op], copies, flat, None, self.rt._float_scale(scaling, flat.dtype))
+        self.rt._int_scale(flat, scaling)
+
+    def _native_args(self, sig: int, a, op, postscale: float) -> Optional[tuple]:
+        """(reduction code, float scale) of the compiled step for a call of signature ``sig``, or
+        None where it does not run it (no extension; integers averaged or scaled)."""
+        if self._native is None:
+            return None
+        try:
+            return self._nat[sig]
+        except KeyError:
+            pass
+        if len(self._nat) >= 4096:
+            self._nat.clear()
+        fscale = self.rt._float_scale(types.SimpleNamespace(op=op, postscale=postscale), a.dtype)
+        nat = self._nat[sig] = (None if a.dtype.kind == "i" and (op == ReduceOp.AVERAGE or postscale != 1.0)
+                                else (_NATIVE_DTYPES[a.dtype.str] * 4 + _NATIVE_OPS[op],
+                                      1.0 if fscale is None else float(fscale)))
+        return nat
 
     def skip(self, sig: int = 0) -> None:
         """Post a synchronous global allreduce this path does not run (``sig`` 0), or ``join()``
@@ -160,20 +195,28 @@ class HostLink:
             return 0
         return signature(self._sigs, (name, a.dtype.str, a.shape, int(op), postscale))
 
-    def _run(self, sig: int, a, ufunc=None) -> tuple:
+    def _run(self, sig: int, a, ufunc=None, nat: Optional[tuple] = None, flat=None) -> tuple:
         """Post position ``k`` with ``sig`` (and ``a``'s bytes) and wait for its decision:
         ``(decision, copies)``, ``copies`` being the hosts' partials in host order on a leader
-        whose decision is FAST (it reduces them with ``ufunc`` and publishes the result), else None."""
+        whose decision is FAST (it reduces them with ``ufunc`` and publishes the result), else
+        None; DONE where the compiled step (``nat``: :meth:`_native_args`) ran it whole, its
+        result in ``flat``."""
         self.rt.link_busy, self._lost_at = True, None
         try:
-            return self._position(sig, a, ufunc)
+            return self._position(sig, a, ufunc, nat, flat)
         finally:
             self.rt.link_busy = False
 
-    def _position(self, sig: int, a, ufunc) -> tuple:
+    def _position(self, sig: int, a, ufunc, nat, flat) -> tuple:
         k = self.k = self.k + 1
         nbytes = a.nbytes if sig > 0 else 0
-        if self.hdr is not None:
+        step = self._native_step(k, sig, a, nat, flat) if nat is not None and sig > 0 else None
+        if step == NATIVE_SKIP:  # (an input or output not aligned: nothing done)
+            step = None
+        elif step == NATIVE_DONE:
+            self.compiled += 1
+            return DONE, None
+        if self.hdr is not None and step is None:
             mine = self.hdr[self.rank]
             if nbytes and self.rank != self.leader:  # (the leader reads its own input where it is)
                 self.data[self.rank][:nbytes] = a.reshape(-1).view(np.uint8)
@@ -186,21 +229,14 @@ class HostLink:
             if decision == OFF:
                 self.off = True
             return decision, None
-        host_sig, partial = sig, (a.reshape(-1) if nbytes else None)
-        if self.hdr is not None:
-            hdr = self.hdr
-            self._wait(lambda: all(hdr[q][POST] >= k for q in self.local), k,
-                       lambda: [q for q in self.local if hdr[q][POST] < k])
-            sigs = [int(hdr[q][SIG]) for q in self.local]
-            host_sig = JOIN_SIG if JOIN_SIG in sigs else sig if sig > 0 and sigs.count(sig) == len(sigs) else 0
-            if host_sig > 0:
-                copies = [partial] + [self.data[q][:nbytes].view(a.dtype) for q in self.local[1:]]
-                partial = np.empty(a.size, a.dtype)
-                collectives.reduce_copies(ufunc, copies, partial, None, None)
-        head = _MSG.pack(MAGIC, k, host_sig, nbytes if host_sig > 0 else 0)
-        for q in self.leaders:
-            if q != self.rank:
-                self.mesh.link_send(q, head + partial.data if host_sig > 0 else head)
+        if step == NATIVE_SENT:  # (the compiled step sent this host's partial)
+            host_sig, partial = sig, self._partial[:nbytes].view(a.dtype)
+        else:
+            host_sig, partial = self._host_partial(k, sig, a, nbytes, ufunc)
+            head = _MSG.pack(MAGIC, k, host_sig, nbytes if host_sig > 0 else 0)
+            for q in self.leaders:
+                if q != self.rank:
+                    self.mesh.link_send(q, head + partial.data if host_sig > 0 else head)
         got = self._gather(k)
         sigs = [host_sig if q == self.rank else got[q][0] for q in self.leaders]
         if host_sig > 0 and sigs.count(host_sig) == len(sigs):
@@ -215,6 +251,43 @@ class HostLink:
         if decision == OFF:
             self.off = True
         return decision, None
+
+    def _host_partial(self, k: int, sig: int, a, nbytes: int, ufunc) -> tuple:
+        """(Leader, after its own post.) ``(host signature, host partial or None)`` of position
+        ``k``, once every local rank posted it."""
+        host_sig, partial = sig, (a.reshape(-1) if nbytes else None)
+        if self.hdr is not None:
+            hdr = self.hdr
+            self._wait(lambda: all(hdr[q][POST] >= k for q in self.local), k,
+                       lambda: [q for q in self.local if hdr[q][POST] < k])
+            sigs = [int(hdr[q][SIG]) for q in self.local]
+            host_sig = JOIN_SIG if JOIN_SIG in sigs else sig if sig > 0 and sigs.count(sig) == len(sigs) else 0
+            if host_sig > 0:
+                copies = [partial] + [self.data[q][:nbytes].view(a.dtype) for q in self.local[1:]]
+                partial = np.empty(a.size, a.dtype)
+                collectives.reduce_copies(ufunc, copies, partial, None, None)
+        return host_sig, partial
+
+    def _native_step(self, k: int, sig: int, a, nat: tuple, flat) -> Optional[int]:
+        """Position ``k`` in the compiled step (sdp/engine/cc/link_now.c) as far as it goes: its
+        code (NATIVE_DONE: the result in ``flat``, published for the host; NATIVE_LOCAL: posted;
+        NATIVE_SENT: posted, and this leader's host partial sent, the frames it read kept here),
+        or None where it did not run."""
+        if self.rank != self.leader:
+            return self._native.link_follow(self.hdr[self.rank], self.data[self.rank], self.hdr[self.leader],
+                                            self.res, k, sig, a, flat, SPIN_S)
+        link = self.mesh.link
+        if link is None or self._early:
+            return None
+        with link.direct(self.leaders) as fds:
+            if fds is None:
+                return None
+            code, frames = self._native.link_lead(self._hdrs, self._datas, self.res, k, sig, a, flat, self._partial,
+                                                  nat[0], nat[1], fds[0], fds[1], self._host, SPIN_S, CHECK_S,
+                                                  self._inbox)
+        for h, body in frames:
+            self._take(self.leaders[h], [body], k)
+        return code
 
     def _publish(self, decision: int) -> None:
         """(Leader.) The decision of this position (and, FAST, the result written before it)

@@ -31,6 +31,7 @@ from sdp.common.native_build import BuildError
 log = logging.getLogger("sdp.engine")
 
 SOURCE = Path(__file__).resolve().parent / "cc" / "lane_now.c"
+INCLUDED = (Path(__file__).resolve().parent / "cc" / "link_now.c",)  # (#included by SOURCE)
 SWITCH = "SDP_NATIVE"  # 0: never build or load the extension (the lane runs in Python)
 MODULE = "_sdp_lane"
 
@@ -53,7 +54,7 @@ def library_path() -> Path:
     """The extension for this source, Python and machine (it may not exist yet)."""
     import numpy
     h = native_build.digest(SOURCE, [sys.implementation.cache_tag, platform.machine(), sys.version, numpy.__version__,
-                                     *_flags()])
+                                     *_flags(), *(p.read_text() for p in INCLUDED)])
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     return native_build.cache_dir("native") / f"{MODULE}-{h}{suffix}"
 

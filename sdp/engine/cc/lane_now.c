@@ -1494,7 +1494,15 @@ static PyObject *lane_part_handles(PyObject *mod, PyObject *const *args, Py_ssiz
     return out;
 }
 
+#include "link_now.c" /* (the host leaders' link's step: link_follow, link_lead) */
+
 static PyMethodDef methods[] = {
+    {"link_follow", (PyCFunction)(void (*)(void))link_follow, METH_FASTCALL,
+     "link_follow(hdr_me, data_me, hdr_leader, res, k, sig, a, out, spin_s) -> 1 (FAST: out holds the result) "
+     "or 0 (posted: Python waits) (sdp.engine.hostlink)"},
+    {"link_lead", (PyCFunction)(void (*)(void))link_lead, METH_FASTCALL,
+     "link_lead(hdrs, datas, res, k, sig, a, out, partial, red, scale, out_fds, in_fds, me_host, spin_s, check_s, "
+     "inbox) -> (1 FAST | 0 posted | -1 sent, frames taken) (sdp.engine.hostlink)"},
     {"part_handles", (PyCFunction)(void (*)(void))lane_part_handles, METH_FASTCALL,
      "part_handles(cls, names, group) -> [cls(name, group, i) for i, name in enumerate(names)] (PartHandle)"},
     {"aligned_empty", (PyCFunction)(void (*)(void))lane_aligned_empty, METH_FASTCALL,
