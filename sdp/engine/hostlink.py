@@ -87,8 +87,8 @@ class HostLink:
     """The path of the module docstring for rank ``rt.rank`` of runtime ``rt`` (its mesh's link
     sockets and, on a host with several ranks, ``rt.mesh.host_shm``)."""
 
-    def __init__(self, rt):
-        self.rt = rt
+    def __init__(self, rt, request):
+        self.rt, self._request = rt, request  # (request: sdp.engine.runtime.Request, for _resume)
         mesh = rt.mesh
         self.mesh, self.rank, self.size = mesh, rt.rank, rt.size
         hosts = [p["host"] for p in sorted(mesh.peers, key=lambda p: int(p["rank"]))]
@@ -110,15 +110,25 @@ class HostLink:
             self.hdr = {q: seg.at(q, off, np.int64, _HDR) for q in self.local}
             self.data = {q: seg.at(q, off + 8 * _HDR, np.uint8, MAX_BYTES) for q in self.local}
             self.res = seg.at(self.leader, off + 8 * _HDR + MAX_BYTES, np.uint8, MAX_BYTES)
-        #: the compiled step (sdp/engine/cc/link_now.c), or None: everything in Python
-        self._native = native.load()
+        #: the compiled step (sdp/engine/cc/link_now.c's LinkFront), or None: everything in Python
+        self._native = None
         self._nat: Dict[int, Optional[tuple]] = {}  # signature -> (reduction code, float scale) or None
-        self._hdrs = tuple(self.hdr[q] for q in self.local) if self.hdr is not None else ()
-        self._datas = tuple(self.data[q] for q in self.local) if self.hdr is not None else ()
-        self._host = self.leaders.index(self.leader)
-        if self._native is not None and self.rank == self.leader:
-            self._partial = fusion.aligned_empty(np.uint8, MAX_BYTES)
-            self._inbox = fusion.aligned_empty(np.uint8, _INBOX_SLOT * len(self.leaders))
+        #: ``front(name, a, op, postscale, out)``: sdp.allreduce whole in C for a name this path has
+        #: run (else None: go on in allreduce_now); None without the extension
+        self.front = None
+        module = native.load()
+        if module is not None:
+            me = self.local.index(self.rank) if self.hdr is not None else 0
+            leader = self.rank == self.leader
+            #: (a leader's) its host's partial, as the compiled step sent it
+            self._partial = fusion.aligned_empty(np.uint8, MAX_BYTES) if leader else None
+            self._native = module.LinkFront(
+                self, rt, mesh, list(self.leaders),
+                tuple(self.hdr[q] for q in self.local) if self.hdr is not None else (),
+                tuple(self.data[q] for q in self.local) if self.hdr is not None else (), self.res, self._partial,
+                fusion.aligned_empty(np.uint8, _INBOX_SLOT * len(self.leaders)) if leader else None,
+                me, self.leaders.index(self.leader), SPIN_S, CHECK_S)
+            self.front = self._native.front
 
     # -- the calls ------------------------------------------------------------------------------
     def allreduce_now(self, name: str, a, op, postscale: float, out: Optional[np.ndarray]):
@@ -137,20 +147,46 @@ class HostLink:
             if self.hdr is None and out is not None and np.may_share_memory(a, out):
                 a = a.copy()  # (alone on its host, the leader's input is its host's partial: kept whole)
             result = fusion.aligned_empty(a.dtype, a.size) if out is None else out
+            nat = self._native_args(sig, a, op, postscale)
+            decision, copies = self._run(sig, a, UFUNCS[op], nat, result.reshape(-1))
+            if nat is not None and self.rt.timeline is None and type(postscale) is float and type(name) is str:
+                self._native.learn(name, a.dtype, a.shape, op, postscale, sig, *nat)  # (front() runs it next time)
+            return self._finish(decision, copies, a, op, postscale, out, result)
+
+    def _resume(self, k: int, sig: int, a, result, step: int, frames: list, name: str, op, postscale: float, out):
+        """The rest of position ``k`` the compiled entry (``front``) began and handed back
+        (``step``, the frames it read): holding :attr:`lock`, which this lets go, with
+        ``rt.link_busy`` set.  The result, or the engine's where the position is not FAST."""
+        try:
+            try:
+                for h, body in frames:
+                    self._take(self.leaders[h], [body], k)
+                decision, copies = self._position(sig, a, UFUNCS[op], None, result.reshape(-1), (k, step))
+            finally:
+                self.rt.link_busy = False
+            got = self._finish(decision, copies, a, op, postscale, out, result)
+        finally:
+            self.lock.release()
+        if got is None:  # (SLOW or OFF: the engine, as sdp.api.allreduce goes on)
+            return self.rt.submit(self._request(name, "allreduce", a, op, None, 1.0, postscale, None, out, 0)).wait()
+        return got
+
+    def _finish(self, decision: int, copies, a, op, postscale: float, out, result):
+        """The result of a position decided ``decision`` (``copies``: the hosts' partials on a
+        leader whose decision is FAST), written into ``result``; None unless FAST or DONE."""
+        if decision not in (FAST, DONE):
+            return None
+        if decision == FAST:
             flat = result.reshape(-1)
-            decision, copies = self._run(sig, a, UFUNCS[op], self._native_args(sig, a, op, postscale), flat)
-            if decision not in (FAST, DONE):
-                return None
-            if decision == FAST:
-                if copies is not None and self.hdr is not None:  # (a leader: its host's ranks get the result first)
-                    self._reduce(copies, self.res[:a.nbytes].view(a.dtype), op, postscale)
-                    self._publish(FAST)
-                if copies is None or self.hdr is not None:  # (the result its host's leader published)
-                    flat.view(np.uint8)[:] = self.res[:a.nbytes]
-                else:
-                    self._reduce(copies, flat, op, postscale)
-            self.fast += 1
-            return result if out is not None else result.reshape(a.shape)
+            if copies is not None and self.hdr is not None:  # (a leader: its host's ranks get the result first)
+                self._reduce(copies, self.res[:a.nbytes].view(a.dtype), op, postscale)
+                self._publish(FAST)
+            if copies is None or self.hdr is not None:  # (the result its host's leader published)
+                flat.view(np.uint8)[:] = self.res[:a.nbytes]
+            else:
+                self._reduce(copies, flat, op, postscale)
+        self.fast += 1
+        return result if out is not None else result.reshape(a.shape)
 
     def _reduce(self, copies: list, flat: np.ndarray, op, postscale: float) -> None:
         """The hosts' partials (in host order) reduced into ``flat``, then scaled."""
@@ -207,10 +243,15 @@ class HostLink:
         finally:
             self.rt.link_busy = False
 
-    def _position(self, sig: int, a, ufunc, nat, flat) -> tuple:
-        k = self.k = self.k + 1
+    def _position(self, sig: int, a, ufunc, nat, flat, resume: Optional[tuple] = None) -> tuple:
+        """Position ``k`` (the next, or ``resume``'s: ``(k, code)`` of the compiled step that began
+        it) to its decision: see :meth:`_run`."""
+        if resume is None:
+            k = self.k = self.k + 1
+            step = self._native_step(k, sig, a, nat, flat) if nat is not None and sig > 0 else None
+        else:
+            k, step = resume
         nbytes = a.nbytes if sig > 0 else 0
-        step = self._native_step(k, sig, a, nat, flat) if nat is not None and sig > 0 else None
         if step == NATIVE_SKIP:  # (an input or output not aligned: nothing done)
             step = None
         elif step == NATIVE_DONE:
@@ -274,17 +315,17 @@ class HostLink:
         NATIVE_SENT: posted, and this leader's host partial sent, the frames it read kept here),
         or None where it did not run."""
         if self.rank != self.leader:
-            return self._native.link_follow(self.hdr[self.rank], self.data[self.rank], self.hdr[self.leader],
-                                            self.res, k, sig, a, flat, SPIN_S)
+            return self._native.step(k, sig, a, flat, nat[0], nat[1], None)[0]
         link = self.mesh.link
         if link is None or self._early:
             return None
-        with link.direct(self.leaders) as fds:
-            if fds is None:
-                return None
-            code, frames = self._native.link_lead(self._hdrs, self._datas, self.res, k, sig, a, flat, self._partial,
-                                                  nat[0], nat[1], fds[0], fds[1], self._host, SPIN_S, CHECK_S,
-                                                  self._inbox)
+        fds = link.hold(self.leaders)
+        if fds is None:
+            return None
+        try:
+            code, frames = self._native.step(k, sig, a, flat, nat[0], nat[1], fds)
+        finally:
+            link.release()
         for h, body in frames:
             self._take(self.leaders[h], [body], k)
         return code

@@ -224,7 +224,9 @@ class Runtime:
         self.inline_allreduces = 0  # allreduces completed inline (for tests and benchmarks)
         #: sdp.engine.hostlink.HostLink: synchronous small allreduces across hosts in the caller's
         #: thread, through the host leaders' link (None: off; also once stopping or failed)
-        self.link = hostlink.HostLink(self) if self.mesh.link_on else None
+        self.link = hostlink.HostLink(self, Request) if self.mesh.link_on else None
+        if self.link is not None:  # (its compiled entry for sdp.allreduce, as the lane's on one host)
+            self.front = self.link.front
         self.link_busy = False  # a caller waits in the link: a lost peer fails the engine (_waits_on_lost)
         self._thread = threading.Thread(target=self._run, name=f"sdp-engine-{self.rank}", daemon=True)
         self._thread.start()

@@ -26,7 +26,6 @@ they opened to it, so a hop is one ``sendmsg`` and one ``recv_into``.
   connection after ``TCP_USER_TIMEOUT``); a send on a closed connection is dropped, as the
   caller's wait then meets the lost peer through the mesh.
 """
-import contextlib
 import hmac
 import logging
 import secrets
@@ -209,20 +208,23 @@ class LeaderLink:
                 self._frames(fd, c, out)
         return out
 
-    @contextlib.contextmanager
-    def direct(self, leaders: List[int]):
-        """Hold the link (as :meth:`send` and :meth:`recv` do) and give ``(out fds, in fds)``: the
-        descriptors of the connections to every other leader in ``leaders``, and of theirs in that
-        order (-1 for this rank), for a caller that writes whole frames and reads only whole ones
-        (``sdp/engine/cc/link_now.c``); None when one is closed or a frame is partly read here."""
-        with self._lock:
-            ins = {c.src: fd for fd, c in self._in.items() if c.have == 0}
-            others = [q for q in leaders if q != self.rank]
-            if all(q in ins and q in self._out for q in others) and len(self._in) == len(others):
-                yield (tuple(self._out[q].fileno() for q in others),
-                       tuple(-1 if q == self.rank else ins[q] for q in leaders))
-            else:
-                yield None
+    def hold(self, leaders: List[int]) -> Optional[tuple]:
+        """Take the link (as :meth:`send` and :meth:`recv` do, until :meth:`release`) and give
+        ``(out fds, in fds)``: the descriptors of the connections to every other leader in
+        ``leaders``, and of theirs in that order (-1 for this rank), for a caller that writes
+        whole frames and reads only whole ones (``sdp/engine/cc/link_now.c``); None, not taking
+        it, when one is closed or a frame is partly read here."""
+        self._lock.acquire()
+        ins = {c.src: fd for fd, c in self._in.items() if c.have == 0}
+        others = [q for q in leaders if q != self.rank]
+        if len(ins) == len(self._in) == len(others) and all(q in ins and q in self._out for q in others):
+            return (tuple(self._out[q].fileno() for q in others), tuple(-1 if q == self.rank else ins[q] for q in leaders))
+        self._lock.release()
+        return None
+
+    def release(self) -> None:
+        """Let go of the link :meth:`hold` took."""
+        self._lock.release()
 
     def _frames(self, fd: int, c: _Incoming, out: list) -> None:
         at = 0

@@ -1494,15 +1494,9 @@ static PyObject *lane_part_handles(PyObject *mod, PyObject *const *args, Py_ssiz
     return out;
 }
 
-#include "link_now.c" /* (the host leaders' link's step: link_follow, link_lead) */
+#include "link_now.c" /* (the host leaders' link's compiled step: LinkFront) */
 
 static PyMethodDef methods[] = {
-    {"link_follow", (PyCFunction)(void (*)(void))link_follow, METH_FASTCALL,
-     "link_follow(hdr_me, data_me, hdr_leader, res, k, sig, a, out, spin_s) -> 1 (FAST: out holds the result) "
-     "or 0 (posted: Python waits) (sdp.engine.hostlink)"},
-    {"link_lead", (PyCFunction)(void (*)(void))link_lead, METH_FASTCALL,
-     "link_lead(hdrs, datas, res, k, sig, a, out, partial, red, scale, out_fds, in_fds, me_host, spin_s, check_s, "
-     "inbox) -> (1 FAST | 0 posted | -1 sent, frames taken) (sdp.engine.hostlink)"},
     {"part_handles", (PyCFunction)(void (*)(void))lane_part_handles, METH_FASTCALL,
      "part_handles(cls, names, group) -> [cls(name, group, i) for i, name in enumerate(names)] (PartHandle)"},
     {"aligned_empty", (PyCFunction)(void (*)(void))lane_aligned_empty, METH_FASTCALL,
@@ -1539,12 +1533,18 @@ PyMODINIT_FUNC PyInit__sdp_lane(void) {
     if (!(F_inf = PyFloat_FromDouble(Py_HUGE_VAL)) || !(F_zero = PyFloat_FromDouble(0.0)) ||
         !(I_one = PyLong_FromLong(1)))
         return NULL;
-    if (PyType_Ready(&CtxType) < 0) return NULL;
+    if (PyType_Ready(&CtxType) < 0 || PyType_Ready(&LinkFrontType) < 0 || link_names() < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&CtxType);
     if (PyModule_AddObject(m, "Context", (PyObject *)&CtxType) < 0) {
         Py_DECREF(&CtxType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&LinkFrontType);
+    if (PyModule_AddObject(m, "LinkFront", (PyObject *)&LinkFrontType) < 0) {
+        Py_DECREF(&LinkFrontType);
         Py_DECREF(m);
         return NULL;
     }
