@@ -123,7 +123,7 @@ class HostLink:
             #: (a leader's) its host's partial, as the compiled step sent it
             self._partial = fusion.aligned_empty(np.uint8, MAX_BYTES) if leader else None
             self._native = module.LinkFront(
-                self, rt, mesh, list(self.leaders),
+                self, rt, mesh.link if leader else None, list(self.leaders),
                 tuple(self.hdr[q] for q in self.local) if self.hdr is not None else (),
                 tuple(self.data[q] for q in self.local) if self.hdr is not None else (), self.res, self._partial,
                 fusion.aligned_empty(np.uint8, _INBOX_SLOT * len(self.leaders)) if leader else None,
@@ -319,7 +319,7 @@ class HostLink:
         link = self.mesh.link
         if link is None or self._early:
             return None
-        fds = link.hold(self.leaders)
+        fds = link.hold()
         if fds is None:
             return None
         try:

@@ -77,6 +77,10 @@ class LeaderLink:
         self._in: Dict[int, _Incoming] = {}  # by descriptor
         self._poll = select.poll()
         self._refusals = RefusalLog(f"rank {rank} (leaders' link)")
+        self._leaders: List[int] = []
+        #: ``(out fds, in fds)`` while every connection is open and no frame is partly read here
+        #: (see :meth:`hold`), else None; changed only under the link's lock
+        self.direct: Optional[tuple] = None
 
     def offer(self, size: int) -> Dict[str, str]:
         """The tokens (hex) this rank issues, one for each other rank of a job of ``size``, for
@@ -103,6 +107,9 @@ class LeaderLink:
             self._accept(set(others), deadline)
         finally:
             self._stop_listening()
+        with self._lock:
+            self._leaders = list(leaders)
+            self._set_direct()
 
     def _accept(self, want: set, deadline: float) -> None:
         sel = selectors.DefaultSelector()
@@ -182,6 +189,7 @@ class LeaderLink:
                 log.debug("rank %d: the leaders' link to rank %d is gone (%s)", self.rank, dst, e)
                 del self._out[dst]
                 s.close()
+                self._set_direct()
 
     def recv(self, timeout_ms: float) -> list:
         """``[(source rank, [frame bytes]), ...]``: the whole frames that arrived, waiting up to
@@ -206,21 +214,27 @@ class LeaderLink:
                     continue
                 c.have += n
                 self._frames(fd, c, out)
+            self._set_direct()
         return out
 
-    def hold(self, leaders: List[int]) -> Optional[tuple]:
+    def hold(self) -> Optional[tuple]:
         """Take the link (as :meth:`send` and :meth:`recv` do, until :meth:`release`) and give
-        ``(out fds, in fds)``: the descriptors of the connections to every other leader in
-        ``leaders``, and of theirs in that order (-1 for this rank), for a caller that writes
-        whole frames and reads only whole ones (``sdp/engine/cc/link_now.c``); None, not taking
-        it, when one is closed or a frame is partly read here."""
+        :attr:`direct`: the descriptors of the connections to every other leader, and of theirs
+        in the leaders' order (-1 for this rank), for a caller that writes whole frames and reads
+        only whole ones (``sdp/engine/cc/link_now.c``); None, not taking it, when a connection is
+        closed or a frame is partly read here."""
         self._lock.acquire()
+        if self.direct is None:
+            self._lock.release()
+        return self.direct
+
+    def _set_direct(self) -> None:
+        """(Holding the lock.) :attr:`direct` as the connections now are."""
         ins = {c.src: fd for fd, c in self._in.items() if c.have == 0}
-        others = [q for q in leaders if q != self.rank]
-        if len(ins) == len(self._in) == len(others) and all(q in ins and q in self._out for q in others):
-            return (tuple(self._out[q].fileno() for q in others), tuple(-1 if q == self.rank else ins[q] for q in leaders))
-        self._lock.release()
-        return None
+        others = [q for q in self._leaders if q != self.rank]
+        ok = others and len(ins) == len(self._in) == len(others) and all(q in ins and q in self._out for q in others)
+        self.direct = ((tuple(self._out[q].fileno() for q in others),
+                        tuple(-1 if q == self.rank else ins[q] for q in self._leaders)) if ok else None)
 
     def release(self) -> None:
         """Let go of the link :meth:`hold` took."""
@@ -248,6 +262,7 @@ class LeaderLink:
         c = self._in.pop(fd)
         self._poll.unregister(fd)
         c.sock.close()
+        self.direct = None
 
     def close(self) -> None:
         """Close every socket (waits for a :meth:`recv` in another thread: ``timeout_ms`` at most)."""
@@ -258,3 +273,4 @@ class LeaderLink:
             for s in self._out.values():
                 s.close()
             self._out = {}
+            self.direct = None

@@ -43,8 +43,9 @@
 
 typedef struct {
     PyObject_HEAD
-    PyObject *hl, *rt, *mesh, *leaders;  /* the HostLink, its runtime and mesh; the leaders (a list) */
+    PyObject *hl, *rt, *link, *leaders;  /* the HostLink, its runtime, (a leader) its LeaderLink; the leaders */
     PyObject *acquire, *release;         /* HostLink.lock's */
+    PyObject *link_acquire, *link_release; /* (a leader) its LeaderLink's lock's */
     PyObject *cache;                     /* name -> (dtype, shape, op, postscale, signature, red, scale) */
     PyObject *keep;                      /* the arrays whose memory this reads and writes */
     int nlocal, me, me_host, nhosts;     /* this host's ranks with slots (0: alone), this rank's index */
@@ -54,7 +55,7 @@ typedef struct {
 } LinkFront;
 
 static PyObject *S_k, *S_off, *S_early, *S_fast, *S_compiled, *S_link_busy, *S_lost_at, *S_failed_rt, *S_timeline,
-    *S_link, *S_hold, *S_release, *S_resume;
+    *S_direct, *S_resume;
 
 static int64_t *lk_slots(PyObject *o, Py_ssize_t need) {
     if (!PyArray_Check(o) || !PyArray_ISCARRAY((PyArrayObject *)o) || PyArray_NBYTES((PyArrayObject *)o) < need)
@@ -91,15 +92,16 @@ static int lk_send_all(int fd, struct iovec *iov, int n) {
 }
 
 /* the whole frame waiting on fd, if it has fully arrived, into slot: 1 taken, 0 not yet, -1 Python
- * must read it (closed, an error, a length beyond what this reads) */
-static int lk_take(int fd, char *slot) {
-    int avail = 0;
+ * must read it (closed, an error, a length beyond what this reads); one peek, then one read */
+static int lk_take(int fd, char *slot, size_t want) {
+    ssize_t got = recv(fd, slot, want, MSG_PEEK | MSG_DONTWAIT); /* (want: the frame expected, whole) */
+    if (got < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -1;
+    if (got == 0) return -1; /* (closed) */
+    if (got < 4) return 0;
     uint32_t len;
-    if (ioctl(fd, FIONREAD, &avail) < 0) return -1;
-    if (avail < 4) return 0;
-    if (recv(fd, &len, 4, MSG_PEEK | MSG_DONTWAIT) != 4) return -1;
+    memcpy(&len, slot, 4);
     if (len < LK_HDR || len > LK_HDR + LK_MAX) return -1;
-    if ((uint32_t)avail < 4 + len) return 0;
+    if ((size_t)got < 4 + len) return got < (ssize_t)want ? 0 : -1; /* (longer than expected: Python reads it) */
     return recv(fd, slot, 4 + len, MSG_DONTWAIT) == (ssize_t)(4 + len) ? 1 : -1;
 }
 
@@ -155,7 +157,7 @@ static int lk_lead(LinkFront *f, int64_t k, int64_t sig, const char *a, char *ou
         for (Py_ssize_t h = 0; h < nhosts && !odd; h++) {
             if (h == me_host || taken[h]) continue;
             char *fr = f->inbox + h * LK_SLOT;
-            int got = lk_take(ifd[h], fr);
+            int got = lk_take(ifd[h], fr, 4 + LK_HDR + nb);
             if (got < 0) odd = 1;
             else if (got > 0) {
                 uint32_t flen;
@@ -335,10 +337,13 @@ static PyObject *lf_front(LinkFront *f, PyObject *const *args, Py_ssize_t nargs)
     Py_INCREF(descr); /* (entry is the cache's: Python code below may drop it) */
     PyObject *link = NULL, *fds = NULL, *result = NULL, *kobj = NULL;
     int ofd[LK_HOSTS], ifd[LK_HOSTS], nout = 0, taken[LK_HOSTS] = {0}, code = -2;
-    if (f->me == 0) {
-        if (!(link = PyObject_GetAttr(f->mesh, S_link))) goto fail;
-        if (link == Py_None || !(fds = PyObject_CallMethodOneArg(link, S_hold, f->leaders))) goto fail;
-        if (fds == Py_None) goto fail;
+    if (f->me == 0) { /* (LeaderLink.hold, without its Python) */
+        PyObject *r = PyObject_CallNoArgs(f->link_acquire);
+        if (!r) goto fail;
+        Py_DECREF(r);
+        link = f->link;
+        Py_INCREF(link);
+        if (!(fds = PyObject_GetAttr(link, S_direct)) || fds == Py_None) goto fail_held;
         if (lk_fds(f, fds, ofd, &nout, ifd) < 0) goto fail_held;
     }
     if (out) {
@@ -359,7 +364,7 @@ static PyObject *lf_front(LinkFront *f, PyObject *const *args, Py_ssize_t nargs)
                  : lk_lead(f, k, sig, src, dst, nb, red, scale, ofd, nout, ifd, taken);
     Py_END_ALLOW_THREADS
     if (link) {
-        PyObject *r = PyObject_CallMethodNoArgs(link, S_release);
+        PyObject *r = PyObject_CallNoArgs(f->link_release);
         Py_XDECREF(r);
         Py_CLEAR(link);
         Py_CLEAR(fds);
@@ -395,9 +400,12 @@ static PyObject *lf_front(LinkFront *f, PyObject *const *args, Py_ssize_t nargs)
         return r;
     }
 fail_held:
-    if (link && fds && fds != Py_None) {
-        PyObject *r = PyObject_CallMethodNoArgs(link, S_release);
+    if (link) { /* (let go of the LeaderLink's lock, keeping any error) */
+        PyObject *t, *v, *tb, *r;
+        PyErr_Fetch(&t, &v, &tb);
+        r = PyObject_CallNoArgs(f->link_release);
         Py_XDECREF(r);
+        PyErr_Restore(t, v, tb);
     }
 fail:
     Py_XDECREF(link), Py_XDECREF(fds), Py_XDECREF(result), Py_XDECREF(kobj), Py_DECREF(descr);
@@ -413,10 +421,10 @@ fail:
 }
 
 static PyObject *lf_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    PyObject *hl, *rt, *mesh, *leaders, *hdrs, *datas, *res, *partial, *inbox, *lock;
+    PyObject *hl, *rt, *link, *leaders, *hdrs, *datas, *res, *partial, *inbox, *lock;
     int me, me_host;
     double spin, check;
-    if (!PyArg_ParseTuple(args, "OOOO!O!O!OOOiidd", &hl, &rt, &mesh, &PyList_Type, &leaders, &PyTuple_Type, &hdrs,
+    if (!PyArg_ParseTuple(args, "OOOO!O!O!OOOiidd", &hl, &rt, &link, &PyList_Type, &leaders, &PyTuple_Type, &hdrs,
                           &PyTuple_Type, &datas, &res, &partial, &inbox, &me, &me_host, &spin, &check))
         return NULL;
     Py_ssize_t nlocal = PyTuple_GET_SIZE(hdrs), nhosts = PyList_GET_SIZE(leaders);
@@ -428,8 +436,8 @@ static PyObject *lf_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     LinkFront *f = (LinkFront *)type->tp_alloc(type, 0);
     if (!f) return NULL;
     f->nlocal = (int)nlocal, f->me = me, f->me_host = me_host, f->nhosts = (int)nhosts, f->spin = spin, f->check = check;
-    Py_INCREF(hl), Py_INCREF(rt), Py_INCREF(mesh), Py_INCREF(leaders);
-    f->hl = hl, f->rt = rt, f->mesh = mesh, f->leaders = leaders;
+    Py_INCREF(hl), Py_INCREF(rt), Py_INCREF(link), Py_INCREF(leaders);
+    f->hl = hl, f->rt = rt, f->link = link, f->leaders = leaders;
     if (!(f->cache = PyDict_New()) || !(f->keep = Py_BuildValue("(OOOOO)", hdrs, datas, res, partial, inbox)) ||
             !(lock = PyObject_GetAttrString(hl, "lock")))
         goto bad;
@@ -437,6 +445,16 @@ static PyObject *lf_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     f->release = PyObject_GetAttrString(lock, "release");
     Py_DECREF(lock);
     if (!f->acquire || !f->release) goto bad;
+    if (me == 0) {
+        if (link == Py_None || !(lock = PyObject_GetAttrString(link, "_lock"))) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "LinkFront: a leader without its LeaderLink");
+            goto bad;
+        }
+        f->link_acquire = PyObject_GetAttrString(lock, "acquire");
+        f->link_release = PyObject_GetAttrString(lock, "release");
+        Py_DECREF(lock);
+        if (!f->link_acquire || !f->link_release) goto bad;
+    }
     for (Py_ssize_t q = 0; q < nlocal; q++) {
         f->hdr[q] = lk_slots(PyTuple_GET_ITEM(hdrs, q), 32);
         f->data[q] = (char *)lk_slots(PyTuple_GET_ITEM(datas, q), LK_MAX);
@@ -457,7 +475,9 @@ bad:
 static int lf_traverse(LinkFront *f, visitproc visit, void *arg) {
     Py_VISIT(f->hl);
     Py_VISIT(f->rt);
-    Py_VISIT(f->mesh);
+    Py_VISIT(f->link);
+    Py_VISIT(f->link_acquire);
+    Py_VISIT(f->link_release);
     Py_VISIT(f->leaders);
     Py_VISIT(f->acquire);
     Py_VISIT(f->release);
@@ -469,7 +489,9 @@ static int lf_traverse(LinkFront *f, visitproc visit, void *arg) {
 static int lf_clear(LinkFront *f) {
     Py_CLEAR(f->hl);
     Py_CLEAR(f->rt);
-    Py_CLEAR(f->mesh);
+    Py_CLEAR(f->link);
+    Py_CLEAR(f->link_acquire);
+    Py_CLEAR(f->link_release);
     Py_CLEAR(f->leaders);
     Py_CLEAR(f->acquire);
     Py_CLEAR(f->release);
@@ -503,7 +525,7 @@ static PyTypeObject LinkFrontType = {
     .tp_traverse = (traverseproc)lf_traverse,
     .tp_clear = (inquiry)lf_clear,
     .tp_methods = lf_methods,
-    .tp_doc = "LinkFront(hostlink, runtime, mesh, leaders, hdrs, datas, res, partial, inbox, me, me_host, spin_s, "
+    .tp_doc = "LinkFront(hostlink, runtime, leader's LeaderLink or None, leaders, hdrs, datas, res, partial, inbox, me, me_host, spin_s, "
               "check_s): one rank's compiled step of the host leaders' link (sdp.engine.hostlink).",
 };
 
@@ -511,8 +533,8 @@ static int link_names(void) {
 #define LNAME(var, text) if (!(var = PyUnicode_InternFromString(text))) return -1
     LNAME(S_k, "k"); LNAME(S_off, "off"); LNAME(S_early, "_early"); LNAME(S_fast, "fast");
     LNAME(S_compiled, "compiled"); LNAME(S_link_busy, "link_busy"); LNAME(S_lost_at, "_lost_at");
-    LNAME(S_failed_rt, "_failed"); LNAME(S_timeline, "timeline"); LNAME(S_link, "link"); LNAME(S_hold, "hold");
-    LNAME(S_release, "release"); LNAME(S_resume, "_resume");
+    LNAME(S_failed_rt, "_failed"); LNAME(S_timeline, "timeline"); LNAME(S_direct, "direct");
+    LNAME(S_resume, "_resume");
 #undef LNAME
     return 0;
 }
