@@ -94,12 +94,15 @@ def cases():
             _link().compiled]
 
 
-def mismatch(kind):
-    """A synchronous allreduce that differs on the last rank (``kind``: shape, dtype or op):
+def mismatch(kind, learnt=False):
+    """A synchronous allreduce that differs on the last rank (``kind``: shape, dtype or op;
+    ``learnt``: after two that agree, so the others enter it through the compiled entry):
     [error type, message, seconds, whether a later allreduce is exact and took the link]."""
     r, n = sdp.rank(), sdp.size()
     sdp.allreduce(np.ones(4, np.float32), name="mm.warm", op=sdp.Sum)
     x, op = np.ones(4, np.float32), sdp.Sum
+    for _ in range(2 if learnt else 0):
+        sdp.allreduce(x, name="mm.x", op=op)
     if r == n - 1:
         x, op = {"shape": (np.ones(5, np.float32), op), "dtype": (np.ones(4, np.float64), op),
                  "op": (x, sdp.Max)}[kind]
@@ -190,3 +193,20 @@ def link_state():
     got = float(sdp.allreduce(np.full(3, 1.0 + sdp.rank()), name="ls.x", op=sdp.Sum)[0])
     leader = sdp.api.runtime().mesh.link
     return [got, link is not None, link.fast if link else 0, leader is not None and leader._listener is not None]
+
+
+def late_ranks():
+    """Calls of a name the link has learnt where one rank comes 30 ms late (host 0's follower,
+    host 1's leader, host 0's leader, host 1's follower in turn): the others' compiled spins run
+    out and Python goes on with the position.  [results, link FASTs, of which compiled]."""
+    r, n = sdp.rank(), sdp.size()
+    x = np.full(3, r + 1.0, np.float32)
+    for _ in range(3):
+        sdp.allreduce(x, name="late.x", op=sdp.Sum)
+    link = _link()
+    fast, compiled, got = link.fast, link.compiled, []
+    for late in (1, 2, 0, 3):
+        if r == late:
+            time.sleep(0.03)
+        got.append(float(sdp.allreduce(x, name="late.x", op=sdp.Sum)[0]))
+    return [got, link.fast - fast, link.compiled - compiled]

@@ -43,6 +43,13 @@ lane.  On in jobs across hosts (:attr:`sdp.transport.zmq_mesh.Mesh.link_on`: eve
 it, x86-64 stores in order, shared memory on hosts with several ranks) unless
 ``SDP_FAST_LANE=0`` or ``SDP_ENCRYPT=1`` (the link's TCP is not encrypted).
 
+*Compiled* (``sdp/engine/cc/link_now.c``'s ``LinkFront``, where the fast lane's extension builds:
+:mod:`sdp.engine.native`): :attr:`HostLink.front` (the runtime's ``front``) runs a call of a
+name this path has run before whole in C, and :meth:`_native_step` a position the Python path
+began, as far as its common case goes (every rank FAST in time); the rest continues here
+(:meth:`_resume`, the codes ``NATIVE_*``).  Without it all of the above runs in Python, with the
+same bits.
+
 Link messages: one frame, ``MAGIC, position (u64), host signature (i64), bytes (u64)`` packed,
 then the partial's bytes when the signature is positive.  A message that is not that (size, magic, a
 position other than this one or the next, a length that does not match) is logged and dropped.

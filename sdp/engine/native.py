@@ -5,9 +5,11 @@ is ~60 short Python operations (~10 us back to back, ~27 us after 1 ms idle on a
 its common case (post, poll, reduce) is one call of this C extension instead, and
 ``sdp.allreduce`` enters it first (``Context.front``: the lane's checks, data-ring allocation and
 result array too, for a name the Python path has run once).  The Python code stays the reference
-and runs everything else, and all of it when the extension is missing.
+and runs everything else, and all of it when the extension is missing.  The same extension holds
+the host leaders' link's compiled step across hosts (``cc/link_now.c``, included by
+``lane_now.c``: ``LinkFront``, :mod:`sdp.engine.hostlink`).
 
-* Built at the first lane of a process (every rank at once: under a file lock, so one process
+* Built at the first lane or host leaders' link of a process (every rank at once: under a file lock, so one process
   per cache directory compiles it, ~1 s with gcc) into ``$SDP_CACHE_DIR/native/`` (default
   ``$XDG_CACHE_HOME/sdp`` or ``~/.cache/sdp``), named by a hash of the source, the Python ABI and
   the machine; ``python -m sdp.engine.native`` builds it ahead (``--force`` rebuilds).
