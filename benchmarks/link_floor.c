@@ -30,13 +30,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "floor.h"
+
 #define MAX_LOCAL 64
 #define MAX_BYTES 65536
 
-typedef struct { /* one cache line each */
-    _Atomic long v;
-    char pad[64 - sizeof(long)];
-} Flag;
 
 typedef struct {
     Flag posted[MAX_LOCAL], result;
@@ -44,11 +42,6 @@ typedef struct {
     float res[MAX_BYTES / 4];
 } Shared;
 
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 static void wait_at_least(Flag *f, long want) {
     double limit = now_s() + 10.0;
@@ -74,10 +67,6 @@ static void exchange(int fd, const float *mine, float *theirs, size_t nb) {
     }
 }
 
-static int by_value(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 int main(int argc, char **argv) {
     if (argc < 6) {
@@ -131,7 +120,6 @@ int main(int argc, char **argv) {
         times[it - 1] = now_s() - t0;
     }
     if (me) return 0;
-    qsort(times + warm, iters - warm, sizeof(double), by_value);
-    printf("%.9f\n", times[warm + (iters - warm) / 2]);
+    printf("%.9f\n", median_after(times, warm, iters));
     return 0;
 }

@@ -22,21 +22,14 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef struct { /* one cache line each: no false sharing between the two processes' flags */
-    _Atomic long v;
-    char pad[64 - sizeof(long)];
-} Flag;
+#include "floor.h"
+
 
 typedef struct {
     Flag posted[2], done[2];
     double median[2];
 } Shared;
 
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 static void wait_at_least(Flag *f, long want) {
     double limit = 0;
@@ -60,10 +53,6 @@ static void copy_in(void *dst, const void *src, size_t n) {
 #endif
 }
 
-static int by_value(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 static void pin(int me) {
     cpu_set_t set;
@@ -126,8 +115,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "shm_floor: a wrong sum\n");
             return 4;
         }
-        qsort(times + warm, iters - warm, sizeof(double), by_value);
-        sh->median[me] = times[warm + (iters - warm) / 2];
+        sh->median[me] = median_after(times, warm, iters);
         atomic_store_explicit(&sh->posted[me].v, ++it, memory_order_release); /* the medians are written */
         wait_at_least(&sh->posted[1 - me], it);
         if (!me) printf("%zu %.9f\n", nb, sh->median[0] > sh->median[1] ? sh->median[0] : sh->median[1]);
