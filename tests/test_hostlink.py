@@ -7,7 +7,7 @@ from test_hierarchical_mp import fake_hosts
 from test_lane_mp import _compiled_step
 
 # positions each rank of workers_hostlink.cases posts, and how many of them the link runs
-CASE_POSITIONS, CASE_FAST = 33, 28
+CASE_POSITIONS, CASE_FAST = 59, 54
 
 
 @pytest.mark.parametrize("counts", [[2, 2], [1, 1, 1], [4, 1], [1, 2, 2], "abab"])
@@ -37,9 +37,9 @@ def test_the_link_is_on_unless_encrypting_or_a_rank_sets_the_fast_lane_off(env, 
     rank (no TCP link: the engine's encrypted mesh), or SDP_FAST_LANE=0 on rank 2 alone, it is
     off on every rank; the results are exact either way."""
     n, env_of = fake_hosts([2, 2])
-    values = check_ok(run_workers(n, "workers_hostlink:link_state", [],
-                                  per_rank_env=lambda r: {**env_of(r), **(env if r == 2 or "SDP_ENCRYPT" in env else {})},
-                                  timeout=120))
+    values = check_ok(run_workers(
+        n, "workers_hostlink:link_state", [], timeout=120,
+        per_rank_env=lambda r: {**env_of(r), **(env if r == 2 or "SDP_ENCRYPT" in env else {})}))
     for rank, (got, link_on, fast, listening) in enumerate(values):
         assert got == 10.0 and link_on == on and fast == int(on) and not listening, (rank, values)
 

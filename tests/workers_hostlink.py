@@ -15,10 +15,11 @@ def _link():
 
 def cases():
     """Synchronous allreduces of every op, eligible dtype and scale (``out=``, in place, shapes,
-    the largest eligible size) against numpy, then ineligible ones (float16, a strided view, a
+    the largest eligible size, inputs and outputs not aligned) against numpy, twice (a name's
+    second call enters the compiled entry), then ineligible ones (float16, a strided view, a
     prescale, 128 KB, a name only some hosts use this position for) and asynchronous ones
     between them: [what differed, SHA-1 of the results, link FASTs, positions posted, FASTs the
-    compiled step ran whole]."""
+    compiled step or entry ran whole]."""
     r, n = sdp.rank(), sdp.size()
     rng = [np.random.default_rng(q) for q in range(n)]
     base = [g.standard_normal(300) for g in rng]
@@ -31,38 +32,41 @@ def cases():
             bad.append(f"#{len(out)}: {got.dtype} {got.shape} {got.reshape(-1)[:3]} vs {want.reshape(-1)[:3]}")
         out.append(np.asarray(got))
 
-    for dtype in (np.float32, np.float64, np.int32, np.int64):
-        xs = [(b * 100).astype(dtype) for b in base]
-        exact = np.dtype(dtype).kind == "i"
-        wide = [x.astype(np.float64) for x in xs]
-        for op, ref in ((sdp.Sum, sum(wide)), (sdp.Min, np.minimum.reduce(wide)), (sdp.Max, np.maximum.reduce(wide)),
-                        (sdp.Product, np.prod(np.stack([np.sign(w) for w in wide]), axis=0))):
-            x = np.sign(xs[r]).astype(dtype) if op == sdp.Product else xs[r]
-            check(sdp.allreduce(x, name=f"hl.{np.dtype(dtype).name}.{op}", op=op), ref.astype(dtype), dtype, exact)
-        avg = sdp.allreduce(xs[r], name=f"hl.{np.dtype(dtype).name}.avg", op=sdp.Average)
-        want = (sum(x.astype(np.int64) for x in xs) // n).astype(dtype) if exact else (sum(wide) / n).astype(dtype)
-        check(avg, want, dtype, exact)
-    check(sdp.allreduce(base[r].astype(np.float32), name="hl.post", op=sdp.Sum, postscale_factor=0.5),
-          (sum(base) * 0.5).astype(np.float32), np.float32, False)
-    buf = np.empty((3, 100), np.float32)
-    got = sdp.allreduce(base[r].astype(np.float32).reshape(3, 100), name="hl.out", op=sdp.Sum, out=buf)
-    if got is not buf:
-        bad.append("out= not returned")
-    check(buf, sum(base).astype(np.float32).reshape(3, 100), np.float32, False)
-    mine = np.full(7, r + 1, np.int64)
-    sdp.allreduce(mine, name="hl.inplace", op=sdp.Sum, out=mine)
-    check(mine, np.full(7, n * (n + 1) // 2, np.int64), np.int64, True)
-    check(sdp.allreduce(np.array(r + 0.5), name="hl.0d", op=sdp.Sum), np.array(n * n / 2), np.float64, True)
-    big = np.full(16384, r, np.float32)  # 64 KB: the largest eligible
-    check(sdp.allreduce(big, name="hl.64k", op=sdp.Sum), np.full(16384, n * (n - 1) / 2, np.float32), np.float32, True)
-    # an input and an output not aligned to their items (the compiled step hands them to Python)
-    odd_in = np.frombuffer(bytearray(4 * 9 + 1), np.uint8)[1:].view(np.float32)
-    odd_in[:] = r + 1
-    odd_out = np.frombuffer(bytearray(4 * 9 + 1), np.uint8)[1:].view(np.float32)
-    check(sdp.allreduce(odd_in, name="hl.odd", op=sdp.Sum, out=odd_out), np.full(9, n * (n + 1) / 2, np.float32),
-          np.float32, True)
-    if odd_out.flags.aligned or odd_in.flags.aligned:
-        bad.append("the unaligned arrays are aligned")
+    for _ in range(2):  # (a name's first call: Python and the compiled step; its second: the compiled entry)
+        for dtype in (np.float32, np.float64, np.int32, np.int64):
+            xs = [(b * 100).astype(dtype) for b in base]
+            exact = np.dtype(dtype).kind == "i"
+            wide = [x.astype(np.float64) for x in xs]
+            for op, ref in ((sdp.Sum, sum(wide)), (sdp.Min, np.minimum.reduce(wide)),
+                            (sdp.Max, np.maximum.reduce(wide)),
+                            (sdp.Product, np.prod(np.stack([np.sign(w) for w in wide]), axis=0))):
+                x = np.sign(xs[r]).astype(dtype) if op == sdp.Product else xs[r]
+                check(sdp.allreduce(x, name=f"hl.{np.dtype(dtype).name}.{op}", op=op), ref.astype(dtype), dtype, exact)
+            avg = sdp.allreduce(xs[r], name=f"hl.{np.dtype(dtype).name}.avg", op=sdp.Average)
+            want = (sum(x.astype(np.int64) for x in xs) // n).astype(dtype) if exact else (sum(wide) / n).astype(dtype)
+            check(avg, want, dtype, exact)
+        check(sdp.allreduce(base[r].astype(np.float32), name="hl.post", op=sdp.Sum, postscale_factor=0.5),
+              (sum(base) * 0.5).astype(np.float32), np.float32, False)
+        buf = np.empty((3, 100), np.float32)
+        got = sdp.allreduce(base[r].astype(np.float32).reshape(3, 100), name="hl.out", op=sdp.Sum, out=buf)
+        if got is not buf:
+            bad.append("out= not returned")
+        check(buf, sum(base).astype(np.float32).reshape(3, 100), np.float32, False)
+        mine = np.full(7, r + 1, np.int64)
+        sdp.allreduce(mine, name="hl.inplace", op=sdp.Sum, out=mine)
+        check(mine, np.full(7, n * (n + 1) // 2, np.int64), np.int64, True)
+        check(sdp.allreduce(np.array(r + 0.5), name="hl.0d", op=sdp.Sum), np.array(n * n / 2), np.float64, True)
+        big = np.full(16384, r, np.float32)  # 64 KB: the largest eligible
+        check(sdp.allreduce(big, name="hl.64k", op=sdp.Sum), np.full(16384, n * (n - 1) / 2, np.float32),
+              np.float32, True)
+        # an input and an output not aligned to their items (the compiled step hands them to Python)
+        odd_in = np.frombuffer(bytearray(4 * 9 + 1), np.uint8)[1:].view(np.float32)
+        odd_in[:] = r + 1
+        odd_out = np.frombuffer(bytearray(4 * 9 + 1), np.uint8)[1:].view(np.float32)
+        check(sdp.allreduce(odd_in, name="hl.odd", op=sdp.Sum, out=odd_out), np.full(9, n * (n + 1) / 2, np.float32),
+              np.float32, True)
+        if odd_out.flags.aligned or odd_in.flags.aligned:
+            bad.append("the unaligned arrays are aligned")
     fast = _link().fast
     # not eligible here (the engine on every rank), each still one position
     check(sdp.allreduce(np.full(5, r, np.float16), name="hl.f16", op=sdp.Sum),
@@ -199,7 +203,7 @@ def late_ranks():
     """Calls of a name the link has learnt where one rank comes 30 ms late (host 0's follower,
     host 1's leader, host 0's leader, host 1's follower in turn): the others' compiled spins run
     out and Python goes on with the position.  [results, link FASTs, of which compiled]."""
-    r, n = sdp.rank(), sdp.size()
+    r = sdp.rank()
     x = np.full(3, r + 1.0, np.float32)
     for _ in range(3):
         sdp.allreduce(x, name="late.x", op=sdp.Sum)

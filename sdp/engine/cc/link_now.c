@@ -388,7 +388,8 @@ static PyObject *lf_front(LinkFront *f, PyObject *const *args, Py_ssize_t nargs)
         PyObject *r = NULL;
         Py_DECREF(descr);
         if (frames && cobj && sobj)
-            r = PyObject_CallMethodObjArgs(f->hl, S_resume, kobj, sobj, oa, result, cobj, frames, name, op, ps, oo, NULL);
+            r = PyObject_CallMethodObjArgs(f->hl, S_resume, kobj, sobj, oa, result, cobj, frames, name, op, ps, oo,
+                                           NULL);
         else { /* (no memory: the lock let go here) */
             PyObject *t, *v, *tb, *rr;
             PyErr_Fetch(&t, &v, &tb);
@@ -435,7 +436,8 @@ static PyObject *lf_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     }
     LinkFront *f = (LinkFront *)type->tp_alloc(type, 0);
     if (!f) return NULL;
-    f->nlocal = (int)nlocal, f->me = me, f->me_host = me_host, f->nhosts = (int)nhosts, f->spin = spin, f->check = check;
+    f->nlocal = (int)nlocal, f->me = me, f->me_host = me_host, f->nhosts = (int)nhosts;
+    f->spin = spin, f->check = check;
     Py_INCREF(hl), Py_INCREF(rt), Py_INCREF(link), Py_INCREF(leaders);
     f->hl = hl, f->rt = rt, f->link = link, f->leaders = leaders;
     if (!(f->cache = PyDict_New()) || !(f->keep = Py_BuildValue("(OOOOO)", hdrs, datas, res, partial, inbox)) ||
@@ -525,8 +527,9 @@ static PyTypeObject LinkFrontType = {
     .tp_traverse = (traverseproc)lf_traverse,
     .tp_clear = (inquiry)lf_clear,
     .tp_methods = lf_methods,
-    .tp_doc = "LinkFront(hostlink, runtime, leader's LeaderLink or None, leaders, hdrs, datas, res, partial, inbox, me, me_host, spin_s, "
-              "check_s): one rank's compiled step of the host leaders' link (sdp.engine.hostlink).",
+    .tp_doc = "LinkFront(hostlink, runtime, leader's LeaderLink or None, leaders, hdrs, datas, res, partial, inbox, "
+              "me, me_host, spin_s, check_s): one rank's compiled step of the host leaders' link "
+              "(sdp.engine.hostlink).",
 };
 
 static int link_names(void) {
