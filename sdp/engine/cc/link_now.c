@@ -321,19 +321,24 @@ static PyObject *lf_front(LinkFront *f, PyObject *const *args, Py_ssize_t nargs)
                 (f->nlocal == 0 && od < ad + nb && ad < od + nb)) /* (alone: the input is the partial, kept whole) */
             Py_RETURN_NONE;
     }
-    int off = lk_attr_true(f->hl, S_off), early = lk_attr_true(f->hl, S_early), failed = -1, timeline = -1;
-    PyObject *v = PyObject_GetAttr(f->rt, S_failed_rt);
-    if (v) failed = v != Py_None, Py_DECREF(v);
-    if ((v = PyObject_GetAttr(f->rt, S_timeline))) timeline = v != Py_None, Py_DECREF(v);
-    if (off || early || failed || timeline) {
-        if (off < 0 || early < 0 || failed < 0 || timeline < 0) return NULL;
-        Py_RETURN_NONE;
-    }
     PyObject *got = PyObject_CallOneArg(f->acquire, Py_False);
     if (!got) return NULL;
     int locked = got == Py_True;
     Py_DECREF(got);
     if (!locked) Py_RETURN_NONE; /* (another thread in the link: Python waits for it) */
+    int off = lk_attr_true(f->hl, S_off), early = lk_attr_true(f->hl, S_early), failed = -1, timeline = -1;
+    PyObject *v = PyObject_GetAttr(f->rt, S_failed_rt);
+    if (v) failed = v != Py_None, Py_DECREF(v);
+    if ((v = PyObject_GetAttr(f->rt, S_timeline))) timeline = v != Py_None, Py_DECREF(v);
+    if (off || early || failed || timeline) { /* (off, frames come ahead, failed, a timeline: Python) */
+        PyObject *t, *e, *tb, *r;
+        PyErr_Fetch(&t, &e, &tb);
+        r = PyObject_CallNoArgs(f->release);
+        Py_XDECREF(r);
+        PyErr_Restore(t, e, tb);
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
     Py_INCREF(descr); /* (entry is the cache's: Python code below may drop it) */
     PyObject *link = NULL, *fds = NULL, *result = NULL, *kobj = NULL;
     int ofd[LK_HOSTS], ifd[LK_HOSTS], nout = 0, taken[LK_HOSTS] = {0}, code = -2;
