@@ -84,9 +84,9 @@ FAST, SLOW, OFF = 1, 2, 3
 DONE = 4  # (FAST, the result written by the compiled step)
 JOIN_SIG = -1
 NATIVE_DONE, NATIVE_LOCAL, NATIVE_SENT, NATIVE_SKIP = 1, 0, -1, 2  # the compiled step's codes (cc/link_now.c)
-_INBOX_SLOT = 4 + 28 + MAX_BYTES  # bytes per host of the compiled step's frames (cc/link_now.c LK_SLOT)
 MAGIC = b"SDPL"
 _MSG = struct.Struct("<4sQqQ")
+_INBOX_SLOT = 4 + _MSG.size + MAX_BYTES  # bytes per host of the compiled step's frames (cc/link_now.c LK_SLOT)
 _DTYPES = frozenset(("<f4", "<f8", "<i4", "<i8"))
 
 
