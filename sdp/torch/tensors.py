@@ -1,0 +1,134 @@
+"""torch tensors in and out of :mod:`sdp.api` without copies: what both PyTorch faces share.
+
+``sdp.api`` takes numpy arrays (host memory) and ``__cuda_array_interface__`` / DLPack objects
+(device memory, see :mod:`sdp.engine.device_arrays`); this module turns a ``torch.Tensor`` into
+that and the engine's results back into tensors on the input's device:
+
+- :func:`as_input`: a CPU tensor becomes a numpy view of its memory (``Tensor.numpy()`` of the
+  detached tensor; bfloat16, which numpy lacks, as its bits viewed as ``ml_dtypes.bfloat16``, the
+  name the engine reduces); a CUDA tensor becomes a :class:`CudaTensor`, which names the caller's
+  *current* stream (``__cuda_array_interface__`` v3, so the engine waits on it before reading)
+  and gives bfloat16 through DLPack.  A non-contiguous tensor is made contiguous first (a copy).
+- :func:`as_tensor`: a result (numpy array, or a tensor the engine made through
+  ``torch.from_dlpack``) as a ``torch.Tensor`` sharing its memory (bfloat16 bits viewed back).
+- :func:`out_array`: the numpy array an in-place host collective writes into (the caller's own
+  memory), or None where the result must be copied in (:func:`copy_into`: CUDA, non-contiguous).
+
+Dtypes: bool, uint8, int8-64, float16, bfloat16, float32, float64 (as :mod:`sdp.api` carries them;
+reductions do not take bool with Average).  Other dtypes (complex, quantized, float8) raise
+``TypeError`` naming the dtype.  The engine never imports torch; this module is a face's.
+"""
+from typing import Optional
+
+import numpy as np
+import torch
+
+_BF16 = None  # np.dtype(ml_dtypes.bfloat16), read at the first bfloat16 tensor
+_CARRIED = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+            torch.bfloat16, torch.float32, torch.float64}
+
+
+def _bf16() -> np.dtype:
+    global _BF16
+    if _BF16 is None:
+        import ml_dtypes  # (the engine's name for bfloat16: sdp.engine.coordinator reads it so)
+        _BF16 = np.dtype(ml_dtypes.bfloat16)
+    return _BF16
+
+
+def check_dtype(tensor: torch.Tensor, what: str = "collective") -> None:
+    """``TypeError`` unless sdp carries ``tensor``'s dtype (see the module docstring)."""
+    if tensor.dtype not in _CARRIED:
+        raise TypeError(f"{what}: torch dtype {tensor.dtype} is not supported (bool, uint8, int8-int64, "
+                        "float16, bfloat16, float32, float64 are)")
+
+
+class CudaTensor:
+    """A contiguous CUDA ``torch.Tensor`` as the engine's device path reads it: its
+    ``__cuda_array_interface__`` (v3) names the stream that was current when this was made (the
+    engine waits on it; PyTorch's own interface is v2 and names none), ``__dlpack__`` is the
+    tensor's (bfloat16, which has no interface typestr, goes that way, synchronised with the
+    legacy default stream).  Its ``__module__`` is ``torch``, so the engine hands results back
+    through ``torch.from_dlpack``: CUDA tensors on the same device."""
+
+    __slots__ = ("tensor", "stream")
+    __module__ = "torch"  # (results: sys.modules["torch"].from_dlpack, see DeviceTensor.wrap_result)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        handle = torch.cuda.current_stream(tensor.device).cuda_stream
+        self.stream = handle or 1  # (0, PyTorch's default stream, is the legacy default: 1 in the interface)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        cai = dict(self.tensor.__cuda_array_interface__)  # (TypeError for bfloat16: no typestr)
+        cai["version"], cai["stream"] = 3, self.stream
+        return cai
+
+    def __dlpack__(self, stream=None, **kw):
+        return self.tensor.__dlpack__(stream=stream, **kw)
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+def as_input(tensor: torch.Tensor, what: str = "collective"):
+    """``tensor`` as :mod:`sdp.api` takes it, without a copy where it is contiguous: a numpy view
+    (CPU) or a :class:`CudaTensor` (CUDA).  ``TypeError`` for a dtype sdp does not carry, a
+    tensor neither on the CPU nor on a CUDA device, or something that is not a tensor."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.is_cuda:
+        check_dtype(t, what)
+        return CudaTensor(t)
+    if t.device.type != "cpu":
+        raise TypeError(f"{what}: tensors on {t.device} are not supported (CPU and CUDA are)")
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if t.dtype is torch.bfloat16:
+        return t.view(torch.int16).numpy().view(_bf16())
+    check_dtype(t, what)
+    return t.numpy()
+
+
+def out_array(tensor: torch.Tensor) -> Optional[np.ndarray]:
+    """The numpy view an in-place host collective may write its result into: ``tensor``'s own
+    memory (CPU, contiguous), else None (the result is copied in with :func:`copy_into`)."""
+    if tensor.is_cuda or not tensor.is_contiguous() or tensor.device.type != "cpu":
+        return None
+    arr = as_input(tensor)
+    return arr if arr.flags.writeable else None
+
+
+def as_tensor(result, device: Optional[torch.device] = None) -> torch.Tensor:
+    """A result of :mod:`sdp.api` as a ``torch.Tensor`` sharing its memory: a numpy array through
+    ``torch.from_numpy`` (bfloat16 through its bits; a read-only result is copied, as PyTorch
+    cannot mark a tensor read-only), a tensor as it is, any other DLPack object through
+    ``torch.from_dlpack``.  ``device``: where a host result must go (a CUDA tensor's
+    collective that came back in host memory), None to leave it on the CPU."""
+    if isinstance(result, torch.Tensor):
+        out = result
+    elif isinstance(result, np.ndarray):
+        arr = result if result.flags.writeable else result.copy()
+        if arr.dtype.name == "bfloat16":
+            out = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        else:
+            out = torch.from_numpy(arr)
+    else:
+        out = torch.from_dlpack(result)
+    if device is not None and out.device != device:
+        out = out.to(device)
+    return out
+
+
+def copy_into(tensor: torch.Tensor, result) -> torch.Tensor:
+    """Write ``result`` into ``tensor`` (the caller's own, for the in-place collectives) and
+    return ``tensor``; nothing is copied where ``result`` already is ``tensor``'s memory."""
+    src = as_tensor(result)
+    if src.data_ptr() != tensor.data_ptr() or src.device != tensor.device:
+        with torch.no_grad():
+            tensor.copy_(src.view(tensor.shape) if src.shape != tensor.shape else src)
+    return tensor
