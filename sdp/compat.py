@@ -5,17 +5,19 @@ After :func:`install` (or in the workers of ``sdprun --compat horovod,smdistribu
     import horovod.tensorflow as hvd                       # sdp.tensorflow, Horovod's init()
     import horovod.tensorflow.keras as hvd                 # sdp.tensorflow.keras, Horovod's init()
     import horovod.keras as hvd                            # the same (legacy name)
-    import smdistributed.dataparallel.tensorflow as sdp    # is sdp.tensorflow
+    import smdistributed.dataparallel.tensorflow as sdp    # sdp.tensorflow, SMDDP's init()
     import kungfu.python                                   # is sdp_kungfu_bridge.python
     from kungfu.tensorflow.optimizers import ...           # from sdp_kungfu_bridge.tensorflow.optimizers
 
 Where Horovod and SageMaker differ, the family the script imported decides
-    ``init()`` called again is a no-op under ``horovod.*`` (Horovod's rule) and raises
-    :class:`~sdp.common.errors.AlreadyInitializedError` under ``smdistributed.*`` and in plain
-    ``sdp.tensorflow`` (SMDDP's rule, which sdp.tensorflow mirrors).  So ``horovod.tensorflow``
-    and ``horovod.tensorflow.keras`` are the thin modules :mod:`sdp.compat_horovod.tensorflow` /
-    :mod:`sdp.compat_horovod.keras`: every name in them is sdp.tensorflow's (or
-    sdp.tensorflow.keras's) own object except ``init`` (:func:`sdp.tensorflow.mpi_ops.init`).
+    ``init()`` called again is a no-op in plain ``sdp.tensorflow`` and under ``horovod.*``
+    (Horovod's rule) and raises :class:`~sdp.common.errors.AlreadyInitializedError` under
+    ``smdistributed.*`` only (SMDDP's rule).  So ``smdistributed.dataparallel.tensorflow`` and
+    ``smdistributed.dataparallel.tensorflow.keras`` are the thin modules
+    :mod:`sdp.compat_smddp.tensorflow` / :mod:`sdp.compat_smddp.keras`: every name in them is
+    sdp.tensorflow's (or sdp.tensorflow.keras's) own object except ``init``.
+    ``horovod.tensorflow`` and ``horovod.tensorflow.keras`` are :mod:`sdp.compat_horovod.tensorflow`
+    / :mod:`sdp.compat_horovod.keras`: sdp's objects plus Horovod's process-set names.
 
 Horovod's other module paths
     ``horovod.tensorflow.util`` / ``.mpi_ops`` / ``.functions`` / ``.compression`` / ``.elastic``
@@ -25,8 +27,8 @@ Horovod's other module paths
 
 Mechanism
     A :class:`importlib.abc.MetaPathFinder` at the front of ``sys.meta_path`` maps names to sdp
-    modules.  An alias is the *same module object* (``sys.modules["smdistributed.dataparallel.
-    tensorflow"] is sys.modules["sdp.tensorflow"]``), so identity and ``isinstance`` hold; every
+    modules.  An alias is the *same module object* (``sys.modules["horovod.tensorflow.
+    elastic"] is sys.modules["sdp.tensorflow.elastic"]``), so identity and ``isinstance`` hold; every
     submodule follows its prefix (``horovod.tensorflow.X`` -> ``sdp.tensorflow.X``) unless the
     family names that exact module (``_Family.exact``, e.g. ``horovod.tensorflow`` itself).
     Targets are imported lazily, when the alias is imported: a missing target (e.g. a bridge
@@ -104,8 +106,8 @@ _FAMILY_DEFS: Dict[str, _Family] = {
                  ("horovod.common", "sdp.common"), ("horovod.runner", "sdp.compat_horovod.runner"),
                  ("horovod.ray", "sdp.ray")),
         dists=("horovod",),
-        # Horovod's init() may be called again (SMDDP's raises): these modules are sdp.tensorflow
-        # and sdp.tensorflow.keras with that init; their submodules still follow the aliases.
+        # sdp.tensorflow and sdp.tensorflow.keras plus Horovod's low-level names (process sets,
+        # mpi_ops); their submodules still follow the aliases.
         exact=(("horovod.tensorflow", "sdp.compat_horovod.tensorflow"),
                ("horovod.tensorflow.keras", "sdp.compat_horovod.keras"),
                ("horovod.keras", "sdp.compat_horovod.keras"),
@@ -114,7 +116,11 @@ _FAMILY_DEFS: Dict[str, _Family] = {
     "smdistributed": _Family(
         packages=("smdistributed", "smdistributed.dataparallel"),
         aliases=(("smdistributed.dataparallel.tensorflow", "sdp.tensorflow"),),
-        dists=("smdistributed-dataparallel", "smdistributed_dataparallel")),
+        dists=("smdistributed-dataparallel", "smdistributed_dataparallel"),
+        # SMDDP's init() raises when called again (sdp's and Horovod's return): these two modules
+        # are sdp.tensorflow and sdp.tensorflow.keras with that init
+        exact=(("smdistributed.dataparallel.tensorflow", "sdp.compat_smddp.tensorflow"),
+               ("smdistributed.dataparallel.tensorflow.keras", "sdp.compat_smddp.keras"))),
     "kungfu": _Family(
         packages=("kungfu",),
         aliases=(("kungfu.python", "sdp_kungfu_bridge.python"),
@@ -129,11 +135,12 @@ _FAMILY_DEFS: Dict[str, _Family] = {
 
 _PACKAGE_DOCS = {
     "horovod": "horovod on sdp (sdp.compat): horovod.tensorflow and horovod.tensorflow.keras "
-               "are sdp.tensorflow and sdp.tensorflow.keras with Horovod's init() (see "
+               "are sdp.tensorflow and sdp.tensorflow.keras with Horovod's process sets (see "
                "sdp.compat_horovod); horovod.run starts the ranks of a function.",
     "smdistributed": "smdistributed on sdp (sdp.compat).",
     "smdistributed.dataparallel": "smdistributed.dataparallel on sdp (sdp.compat): "
-                                  "smdistributed.dataparallel.tensorflow is sdp.tensorflow.",
+                                  "smdistributed.dataparallel.tensorflow is sdp.tensorflow with "
+                                  "SMDDP's init() (see sdp.compat_smddp).",
     "kungfu": "kungfu on sdp (sdp.compat): kungfu.python and kungfu.tensorflow are "
               "sdp_kungfu_bridge.python and sdp_kungfu_bridge.tensorflow; the KungFu fork's "
               "MindSpore modules are sdp_kungfu_bridge.mindspore.",
@@ -368,7 +375,7 @@ def _populate_package(module, name: str, family: str) -> None:
         module.__getattr__ = lambda attr: getattr(importlib.import_module("sdp_kungfu_bridge"), attr)
 
 
-_TF_FACES = ("sdp.tensorflow", "sdp.compat_horovod.tensorflow", "sdp.compat_horovod.keras")
+_TF_FACES = ("sdp.tensorflow", "sdp.compat_horovod.tensorflow", "sdp.compat_horovod.keras", "sdp.compat_smddp")
 _lock = threading.RLock()
 _finder: Optional[_CompatFinder] = None
 

@@ -79,7 +79,7 @@ print("WEIGHTS", json.dumps(weights))
 @pytest.mark.tf
 @pytest.mark.parametrize("family,import_line,module", [
     ("horovod", "import horovod.tensorflow as hvd", "sdp.compat_horovod.tensorflow"),
-    ("smdistributed", "import smdistributed.dataparallel.tensorflow as hvd", "sdp.tensorflow"),
+    ("smdistributed", "import smdistributed.dataparallel.tensorflow as hvd", "sdp.compat_smddp.tensorflow"),
 ])
 def test_unmodified_script_runs_under_sdprun_compat(tmp_path, family, import_line, module):
     pytest.importorskip("tensorflow")
@@ -138,13 +138,14 @@ def test_install_in_process_aliases_the_same_module(installed_compat):
 
     import sdp.tensorflow
     import sdp.tensorflow.compression
-    assert smd is sdp.tensorflow
-    assert smd.__spec__.name == "sdp.tensorflow"  # the real module keeps its own spec
-    # horovod.tensorflow is sdp.tensorflow with Horovod's init(): every other name is sdp's object
+    # smdistributed.dataparallel.tensorflow is sdp.tensorflow with SMDDP's init(); horovod.tensorflow
+    # sdp.tensorflow with Horovod's process-set names: every other name is sdp's object
+    assert smd.__spec__.name == "sdp.compat_smddp.tensorflow"  # the real module keeps its own spec
+    assert smd.allreduce is sdp.tensorflow.allreduce and smd.init is not sdp.tensorflow.init
     assert hvd.__spec__.name == "sdp.compat_horovod.tensorflow"
     assert hvd.allreduce is sdp.tensorflow.allreduce and hvd.Compression is sdp.tensorflow.Compression
     assert hvd.AlreadyInitializedError is sdp.tensorflow.AlreadyInitializedError  # not in __all__
-    assert hvd.init is not sdp.tensorflow.init
+    assert hvd.init is sdp.tensorflow.init  # Horovod's rule is sdp's own
     from horovod.tensorflow.compression import Compression  # submodules follow their prefix
     assert Compression is sdp.tensorflow.compression.Compression
     assert horovod.run is compat.run
@@ -178,8 +179,9 @@ def test_name_table():
         "horovod.common.exceptions": "sdp.common.errors",
         "horovod.runner": "sdp.compat_horovod.runner",
         "horovod.runner.util.threads": "sdp.compat_horovod.runner.util.threads",
-        "smdistributed.dataparallel.tensorflow": "sdp.tensorflow",
-        "smdistributed.dataparallel.tensorflow.keras": "sdp.tensorflow.keras",
+        "smdistributed.dataparallel.tensorflow": "sdp.compat_smddp.tensorflow",
+        "smdistributed.dataparallel.tensorflow.keras": "sdp.compat_smddp.keras",
+        "smdistributed.dataparallel.tensorflow.elastic": "sdp.tensorflow.elastic",
         "kungfu.python": "sdp_kungfu_bridge.python",
         "kungfu.tensorflow": "sdp_kungfu_bridge.tensorflow",
         "kungfu.tensorflow.ops": "sdp_kungfu_bridge.tensorflow.ops",

@@ -56,7 +56,7 @@ def test_no_import_circle_in_sdp():
 
 def test_launcher_does_not_import_the_faces():
     graph = grimp.build_graph("sdp")
-    for face in ("sdp.compat", "sdp.tensorflow", "sdp.torch", "sdp.compat_horovod"):
+    for face in ("sdp.compat", "sdp.tensorflow", "sdp.torch", "sdp.compat_horovod", "sdp.compat_smddp"):
         for mod in sorted(m for m in graph.modules if m.startswith("sdp.launcher")):
             chain = graph.find_shortest_chain(importer=mod, imported=face)
             assert chain is None, f"{mod} imports {face}: {' -> '.join(chain)}"

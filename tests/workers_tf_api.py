@@ -26,7 +26,7 @@ def _errors(hvd, tf):
     expect("op_and_average", lambda: hvd.allreduce(x, op=hvd.Sum, average=True))
     expect("adasum", lambda: hvd.allreduce(x, op=hvd.Adasum))
     expect("join", lambda: int(hvd.join()) in (0, 1) or 1 / 0)
-    expect("init_twice", hvd.init)
+    expect("init_twice", hvd.init)  # Horovod's rule under sdp's own name
     expect("bad_param_index", lambda: hvd.allreduce(x, 3, 2))
     expect("bucket_cap", lambda: hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
                                                           bucket_cap_mb=1e-9))

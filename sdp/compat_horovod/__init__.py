@@ -4,8 +4,8 @@ Under ``sdprun --compat horovod`` (or ``sdp.compat.install("horovod")``):
 
 - ``horovod.tensorflow`` is :mod:`sdp.compat_horovod.tensorflow` and ``horovod.tensorflow.keras`` /
   ``horovod.keras`` are :mod:`sdp.compat_horovod.keras`: :mod:`sdp.tensorflow` and
-  :mod:`sdp.tensorflow.keras` with Horovod's ``init()`` (a second call is a no-op).  Everything
-  else in them *is* sdp's object (same functions and classes, so ``isinstance`` holds).
+  :mod:`sdp.tensorflow.keras` plus Horovod's process-set names.  Everything in them *is* sdp's
+  object (same functions and classes, so ``isinstance`` holds).
 - ``horovod.runner`` is :mod:`sdp.compat_horovod.runner` (``run``, ``util.threads``).
 
 Their submodules (``horovod.tensorflow.util``, ``.mpi_ops``, ``.functions``, ``.compression``,

@@ -15,9 +15,10 @@ contributes zeros to the Sum/Average allreduces the other ranks still run (Avera
 ``size()``); it blocks until every rank has joined and returns the rank that joined last, as an
 int32 scalar tensor.  Other collectives that involve a joined rank raise ``TensorMismatchError``.
 
-``init()`` follows SMDDP (a second call raises ``AlreadyInitializedError``); the same module
-under Horovod's names (``import horovod.tensorflow as hvd`` with ``sdprun --compat horovod``) is
-:mod:`sdp.compat_horovod.tensorflow`, whose ``init()`` follows Horovod (a second call is a no-op).
+``init()`` follows Horovod (a second call is a no-op), as under Horovod's names
+(``import horovod.tensorflow as hvd`` with ``sdprun --compat horovod`` is
+:mod:`sdp.compat_horovod.tensorflow`); under SMDDP's name (``smdistributed.dataparallel.tensorflow``,
+:mod:`sdp.compat_smddp`) a second call raises ``AlreadyInitializedError``, as in SMDDP.
 Horovod's submodules are here too: ``util``, ``mpi_ops``, ``functions``, ``compression``,
 ``elastic`` (Horovod Elastic: ``hvd.elastic.run``, ``TensorFlowKerasState``, ...; see
 :mod:`sdp.elastic` and ``sdprun --host-discovery-script``).
@@ -56,22 +57,21 @@ from sdp.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 from sdp.tensorflow import elastic  # noqa: F401,E402  (hvd.elastic.run, as Horovod's package has it)
 
 
-def init(*args, **kwargs):
-    """Initialize sdp: read the topology, meet the other ranks, start the engine.
+def init(comm=None, process_sets=None):
+    """Initialize sdp: read the topology, meet the other ranks, start the engine; do nothing if
+    it already is.
 
-    Mirrors ``smdistributed.dataparallel.tensorflow.init``: a second call raises
-    ``AlreadyInitializedError`` ("init() called more than once. smdistributed.dataparallel is
-    already initialized.").  Horovod's optional ``comm`` (None or ``[]``; anything else raises
-    ``NotImplementedError``: sdp has no MPI) and ``process_sets`` (a list of :class:`ProcessSet`
-    registered as static sets, the same list on every rank, or ``"dynamic"``; see
-    :mod:`sdp.process_sets`) arguments are accepted.  Under Horovod's names
-    (``horovod.tensorflow.init`` with ``sdprun --compat horovod``) ``init`` is
-    :func:`sdp.tensorflow.mpi_ops.init`, for which a second call is a no-op, as in Horovod."""
-    comm = kwargs.pop("comm", args[0] if args else None)
-    process_sets = kwargs.pop("process_sets", args[1] if len(args) > 1 else None)
-    if comm not in (None, []) or kwargs or len(args) > 2:
-        raise NotImplementedError("sdp.tensorflow.init() supports no MPI communicator or other "
-                                  f"arguments (got args={args!r}, kwargs={kwargs!r})")
+    Mirrors ``horovod.tensorflow.init``: a second call on an initialized process returns at once
+    (after :func:`shutdown` it initializes again).  ``comm``: None or ``[]`` (all ranks; anything
+    else raises ``NotImplementedError``, sdp has no MPI; checked on every call).
+    ``process_sets``: a list of :class:`ProcessSet` registered as static sets (the same list on
+    every rank; see :mod:`sdp.process_sets`), or ``"dynamic"``; used by the call that
+    initializes.  SMDDP's rule (a second call raises ``AlreadyInitializedError``) applies under
+    SMDDP's name only: ``smdistributed.dataparallel.tensorflow.init`` (:mod:`sdp.compat_smddp`)."""
+    if comm not in (None, []):
+        raise NotImplementedError(f"sdp.tensorflow.init() takes no MPI communicator (got comm={comm!r})")
+    if _api.is_initialized():
+        return  # Horovod's rule
     _api.init()
     _threads.configure(_api.local_size())
     _init_process_sets(process_sets)

@@ -8,10 +8,9 @@ Horovod's *low-level* ops and their conventions, which differ from the top-level
   compression.  ``allgather``, ``grouped_allgather``, ``broadcast``, ``broadcast_``,
   ``alltoall``, ``join``, ``barrier``, ``size_op``, ``rank_op``, ``local_size_op``,
   ``local_rank_op``, ``process_set_included_op`` are :mod:`sdp.tensorflow`'s.
-- ``init()`` follows Horovod: calling it again while initialized is a no-op (SMDDP, and
-  ``sdp.tensorflow.init``, raise :class:`~sdp.common.errors.AlreadyInitializedError`).  After
-  ``shutdown()`` it initializes again.  ``horovod.tensorflow.init`` under ``--compat horovod``
-  is this function.
+- ``init()`` is :func:`sdp.tensorflow.init`, which follows Horovod: calling it again while
+  initialized is a no-op (SMDDP's, ``smdistributed.dataparallel.tensorflow.init``, raises
+  :class:`~sdp.common.errors.AlreadyInitializedError`).  After ``shutdown()`` it initializes again.
 - ``handle_average_backwards_compatibility(op, average)``, ``check_num_rank_power_of_2(n)``,
   ``_normalize_name(name)`` (every character outside ``[a-zA-Z0-9_]`` becomes ``_``),
   ``_executing_eagerly()``; the reduce ops ``Average, Sum, Adasum, Min, Max, Product`` (sdp's
@@ -27,10 +26,9 @@ Horovod's *low-level* ops and their conventions, which differ from the top-level
 import re
 
 from sdp.common import reduce_ops as _reduce_ops
-from sdp.common.errors import AlreadyInitializedError as _AlreadyInitializedError
 from sdp.common.reduce_ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
 from sdp.common.util import get_average_backwards_compatibility_fun, num_rank_is_power_2
-from sdp.process_sets import ProcessSet, add_process_set, init_process_sets, remove_process_set  # noqa: F401
+from sdp.process_sets import ProcessSet, add_process_set, remove_process_set  # noqa: F401
 from sdp.tensorflow import (allgather, alltoall, barrier, broadcast, broadcast_, ccl_built,  # noqa: F401
                             cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
                             global_process_set, grouped_allgather, grouped_allreduce, grouped_reducescatter,
@@ -39,29 +37,11 @@ from sdp.tensorflow import (allgather, alltoall, barrier, broadcast, broadcast_,
                             process_set_included_op, rank, rank_op, reducescatter, rocm_built, shutdown, size,
                             size_op, start_timeline, stop_timeline)
 from sdp.tensorflow import allreduce as _allreduce_top
-from sdp.tensorflow import init as _sdp_init
+from sdp.tensorflow import init  # noqa: F401  (Horovod's: a second call is a no-op)
 from sdp.tensorflow.util import _executing_eagerly  # noqa: F401
 
 handle_average_backwards_compatibility = get_average_backwards_compatibility_fun(_reduce_ops)
 check_num_rank_power_of_2 = num_rank_is_power_2
-
-
-def init(comm=None, process_sets=None):
-    """Initialize sdp, or do nothing if it already is.  Mirrors ``horovod.tensorflow.init``
-    (Horovod initializes once; later calls return at once).  ``comm``: None or ``[]`` (all
-    ranks; anything else raises ``NotImplementedError``, checked on every call).
-    ``process_sets``: a list of :class:`ProcessSet` registered as static sets (every rank passes
-    the same list; their ``process_set_id`` is set; ``ValueError`` for a duplicate), or
-    ``"dynamic"`` (sets ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` for :func:`add_process_set`); used by
-    the call that initializes."""
-    from sdp import api
-    first = not api.is_initialized()
-    try:
-        _sdp_init(comm)
-    except _AlreadyInitializedError:
-        pass  # Horovod's rule: init() on an initialized process is a no-op
-    if first:
-        init_process_sets(process_sets)
 
 
 def _normalize_name(name: str) -> str:

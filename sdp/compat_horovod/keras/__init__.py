@@ -1,11 +1,11 @@
-"""``horovod.tensorflow.keras`` / ``horovod.keras`` on sdp: :mod:`sdp.tensorflow.keras` with
-Horovod's ``init()`` (a second call is a no-op; see :mod:`sdp.compat_horovod.tensorflow`).  Every
+"""``horovod.tensorflow.keras`` / ``horovod.keras`` on sdp: :mod:`sdp.tensorflow.keras` plus
+Horovod's process-set names (``init()`` is sdp's: a second call is a no-op, as in Horovod).  Every
 other name is :mod:`sdp.tensorflow.keras`'s own object; ``horovod.tensorflow.keras.<sub>`` (e.g.
 ``callbacks``) is ``sdp.tensorflow.keras.<sub>``."""
 import sdp.tensorflow.keras as _face
 from sdp.tensorflow.keras import *  # noqa: F401,F403
 from sdp.tensorflow.keras import elastic  # noqa: F401  (Horovod's hvd.elastic.KerasState, ...)
-from sdp.tensorflow.mpi_ops import ProcessSet, add_process_set, init, remove_process_set  # noqa: F401
+from sdp.tensorflow.mpi_ops import ProcessSet, add_process_set, remove_process_set  # noqa: F401
 
 __all__ = list(_face.__all__) + ["ProcessSet", "add_process_set", "remove_process_set"]
 

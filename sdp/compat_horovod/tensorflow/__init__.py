@@ -1,8 +1,6 @@
-"""``horovod.tensorflow`` on sdp: :mod:`sdp.tensorflow` with Horovod's ``init()``.
+"""``horovod.tensorflow`` on sdp: :mod:`sdp.tensorflow` plus Horovod's low-level names.
 
-The one difference from :mod:`sdp.tensorflow` (which mirrors SageMaker's rule, shared with
-``smdistributed.dataparallel.tensorflow``): ``init()`` on an initialized process is a no-op, as in
-Horovod, and takes Horovod's ``process_sets`` (:func:`sdp.tensorflow.mpi_ops.init`).  Process
+``init()`` is :func:`sdp.tensorflow.init` (Horovod's rule: a second call is a no-op).  Process
 sets (``ProcessSet``, ``add_process_set``, ``remove_process_set``, ``global_process_set``) are
 :mod:`sdp.process_sets`'s.  Every other name is :mod:`sdp.tensorflow`'s own
 object, looked up there (names added to :mod:`sdp.tensorflow` later appear here too), then in
@@ -14,7 +12,7 @@ import sdp.tensorflow as _face
 from sdp.tensorflow import *  # noqa: F401,F403
 from sdp.tensorflow import elastic  # noqa: F401  (Horovod's hvd.elastic.run, ...)
 from sdp.tensorflow import mpi_ops as _mpi_ops
-from sdp.tensorflow.mpi_ops import ProcessSet, add_process_set, init, remove_process_set  # noqa: F401
+from sdp.tensorflow.mpi_ops import ProcessSet, add_process_set, remove_process_set  # noqa: F401
 
 __all__ = list(_face.__all__) + ["ProcessSet", "add_process_set", "remove_process_set"]
 
