@@ -21,6 +21,7 @@ import tensorflow as tf
 import sdp.tensorflow as hvd          # was: import horovod.tensorflow as hvd
 
 hvd.init()
+hvd.init()                            # a no-op, as in Horovod
 model = tf.keras.Sequential([tf.keras.Input(shape=(4,)), tf.keras.layers.Dense(2)])
 opt = tf.keras.optimizers.Adam(0.001 * hvd.size())
 tf.keras.utils.set_random_seed(hvd.rank())
@@ -161,3 +162,54 @@ def test_mnist_progress_then_quiet_ctrl_c(tmp_path):
     assert not any("Traceback" in ln for ln in after), after
     assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not [f for f in os.listdir("/dev/shm") if job in f]  # (other jobs may run beside this one)
+
+
+@pytest.mark.parametrize("family,line", [("horovod", "import horovod.tensorflow as hvd"),
+                                          ("kungfu", "from kungfu.python import current_rank")])
+def test_unmodified_script_without_compat_is_told_to_add_it(family, line):
+    """Issue 54 item 7: a Horovod/KungFu import without ``--compat`` ends in one sdprun line that
+    says which ``--compat`` to add; with the flag given, no such line."""
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, "-c", line],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert f"No module named '{family}" in p.stderr
+    hints = [ln for ln in p.stderr.splitlines() if f"add --compat {family}" in ln]
+    assert len(hints) == 1 and hints[0].startswith("sdprun ERROR:"), p.stderr[-3000:]
+    assert p.stderr.rstrip().endswith(hints[0])  # the last thing the user reads
+
+
+MISMATCH_IN_GRAPH = """\
+import tensorflow as tf
+import sdp.tensorflow as hvd
+hvd.init()
+
+@tf.function
+def step(x):
+    return hvd.allreduce(x, name="grad")
+
+step(tf.ones([4 + hvd.rank()]))
+"""
+
+
+def test_an_error_is_one_line_per_rank(tmp_path):
+    """Issue 54 item 9: a mismatch in a graph collective ends each rank with sdp's message once,
+    naming the script's line, no traceback (TensorFlow's aborting-rendezvous warning left out);
+    with SDP_LOG_LEVEL=debug the traceback is back (here: the numpy API, no TensorFlow)."""
+    pytest.importorskip("tensorflow")
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCH_IN_GRAPH)
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, str(script)],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    assert p.returncode == 1, p.stderr[-3000:]
+    for rank in (0, 1):
+        lines = [ln for ln in p.stderr.splitlines() if ln.startswith(f"[{rank}]<stderr>:")]
+        useful = [ln for ln in lines if "shape mismatch, rank 0 has [4], rank 1 has [5]" in ln]
+        assert len(useful) == 1, p.stderr[-4000:]
+        assert f"rank {rank}: FailedPreconditionError: allreduce of 'grad'" in useful[0]
+        assert f"{script}, line 9" in useful[0] and "SDP_LOG_LEVEL=debug" in useful[0]
+    assert "Traceback" not in p.stderr and "rendezvous" not in p.stderr, p.stderr[-3000:]
+    numpy_script = tmp_path / "mismatch_np.py"
+    numpy_script.write_text("import numpy as np, sdp\nsdp.init()\nsdp.allreduce(np.ones(4 + sdp.rank()), name='g')\n")
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, str(numpy_script)],
+                       cwd=ROOT, env=_env(SDP_LOG_LEVEL="debug"), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.count("Traceback (most recent call last)") == 2, p.stderr[-3000:]

@@ -3,11 +3,41 @@
 Every error a user can see derives from :class:`SdpError`, so ``except sdp.errors.SdpError``
 catches all of them.  The names mirror what Horovod users know (``HorovodInternalError`` is
 ``SdpError``'s role) while staying specific enough to act on.
+
+:func:`sdp_message` finds sdp's message in an exception that ends a rank, also where TensorFlow
+re-raised it under its own class and text (a graph collective's status): a rank started by
+``sdprun`` prints that one line instead of the traceback (:mod:`sdp.common.rank_signals`).
 """
+import collections
+from typing import Optional, Tuple
+
+_RECENT = collections.deque(maxlen=32)  # the messages of the last sdp errors made in this process
 
 
 class SdpError(RuntimeError):
     """Base class of every sdp error."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        if args and isinstance(args[0], str) and len(args[0]) >= 16:
+            _RECENT.append(args[0])
+
+
+def sdp_message(exc: BaseException) -> Optional[Tuple[str, str]]:
+    """``(class name, message)`` of the sdp error that ``exc`` is or was raised from (its
+    ``__cause__`` / ``__context__`` chain), or of ``exc`` when its text holds the message of an sdp
+    error made in this process (TensorFlow's error for a graph collective's status); else None."""
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, SdpError):
+            return type(e).__name__, str(e)
+        e = e.__cause__ or e.__context__
+    text = str(exc)
+    for message in reversed(_RECENT):
+        if message in text:
+            return type(exc).__name__, message
+    return None
 
 
 class NotInitializedError(SdpError, ValueError):

@@ -21,6 +21,15 @@ Quiet stops
     longer than ``sdprun``'s 3 s grace period on a loaded 2-core machine, so the ranks were
     killed.  A script that catches the interruption itself ends as it chooses.
 
+sdp's errors in one line
+    An sdp error that ends the script (:func:`sdp.common.errors.sdp_message`: a
+    ``TensorMismatchError``, ``StallError``, ``PeerLostError``, ..., also as TensorFlow re-raised
+    it from a graph) is printed as one line instead of its traceback, where sdp's frames and
+    TensorFlow's hid the script's: ``rank 1: TensorMismatchError: allreduce of 'grad': shape
+    mismatch, rank 0 has [4], rank 1 has [5] (train.py, line 12; SDP_LOG_LEVEL=debug prints the
+    traceback)``, naming the script's innermost frame.  With ``SDP_LOG_LEVEL=debug``, and for
+    every other exception, Python's traceback as usual.
+
 Stacks on request
     ``STACK_SIGNAL`` (SIGUSR1) makes the rank write every thread's Python stack to standard error
     (:func:`faulthandler.register`).  ``sdprun`` sends it to the ranks its stall check names (see
@@ -112,13 +121,48 @@ def interrupted_line(rank: str, signum: int, step: Optional[int]) -> str:
     return f"rank {rank}: interrupted{where} ({signal.Signals(signum).name})"
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_LIBRARY_DIRS = tuple(os.path.join(_ROOT, d) + os.sep for d in ("sdp", "sdp_kungfu_bridge"))
+
+
+def _script_frame(tb: Optional[types.TracebackType]) -> Optional[str]:
+    """``file, line N`` of the innermost frame of ``tb`` outside sdp and installed packages."""
+    where = None
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not (name.startswith(_LIBRARY_DIRS) or "-packages" + os.sep in name or name.startswith("<frozen")):
+            where = f"{name}, line {tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
+
+
+def error_line(rank: str, exc: BaseException, tb: Optional[types.TracebackType]) -> Optional[str]:
+    """The one line that stands for ``exc`` ending a rank (see the module docstring), or None:
+    not an sdp error, or ``SDP_LOG_LEVEL=debug``."""
+    from sdp.common.errors import sdp_message
+    if os.environ.get("SDP_LOG_LEVEL", "").strip().lower() in ("debug", "10"):
+        return None
+    got = sdp_message(exc)
+    if got is None:
+        return None
+    kind, message = got
+    where = _script_frame(tb)
+    how = f"{where}; " if where else ""
+    return f"rank {rank}: {kind}: {' '.join(message.split())} ({how}SDP_LOG_LEVEL=debug prints the traceback)"
+
+
 def _excepthook(previous):
     def hook(exc_type, exc, tb):
         global _received
         if _received is None and issubclass(exc_type, KeyboardInterrupt):
             _received = signal.SIGINT  # raised by Python's own handler (a handler set before ours)
         if _received is None:
-            return previous(exc_type, exc, tb)
+            line = error_line(os.environ.get("SDP_RANK", "?"), exc, tb)
+            if line is None:
+                return previous(exc_type, exc, tb)
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+            return
         rank = os.environ.get("SDP_RANK", os.environ.get("SDP_HOSTNAME", "?"))
         line = interrupted_line(rank, _received, step_of(tb)) + "\n"
         try:

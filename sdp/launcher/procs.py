@@ -15,6 +15,15 @@ warning, which rank 0 logs after ``SDP_STALL_CHECK_TIME`` seconds), each missing
 ``STACK_SIGNAL`` (SIGUSR1) once; a rank started under ``sdprun`` has Python's ``faulthandler``
 registered on it (:mod:`sdp.common.rank_signals`) and prints every thread's Python stack, which
 appears under the rank's prefix after a line naming the rank and its host.
+
+TensorFlow's ``Local rendezvous is aborting with status: ...`` warning (and its ``[[{{node ...}}]]``
+line), which repeats the error a failed graph collective raises next, is left out unless
+``SDP_LOG_LEVEL=debug``: a rank prints sdp's error once (:mod:`sdp.common.rank_signals`).
+
+A Horovod, SMDDP or KungFu script run without ``--compat``: when a rank's output has
+``ModuleNotFoundError: No module named 'horovod'`` (or ``smdistributed``, ``kungfu``) and the job
+did not name that family in ``--compat``, a failed job ends with one line saying to add
+``--compat horovod`` (the family).
 """
 import itertools
 import logging
@@ -27,6 +36,7 @@ import threading
 import time
 from typing import IO, Callable, List, Mapping, Optional, Sequence
 
+from sdp.common.compat_names import COMPAT_ENV, FAMILIES, parse_families
 from sdp.common.rank_signals import STACK_SIGNAL
 from sdp.launcher.base import Launcher, RankProcess
 from sdp.launcher.local import LocalLauncher
@@ -40,6 +50,8 @@ _MAX_LINE = 1 << 16  # bytes; a longer line without newline is emitted in pieces
 PROGRESS_INTERVAL_S = 10.0
 _EOL = re.compile(rb"\r\n|\n|\r")
 _STALL = re.compile(r"missing ranks \[([0-9, ]*)\]")
+_TF_ABORTING = re.compile(r"local_rendezvous\.cc:\d+\] Local rendezvous is aborting with status")
+_NO_FAMILY = re.compile(r"No module named '(%s)[.']" % "|".join(FAMILIES))
 
 
 def exit_code(returncode: int) -> int:
@@ -72,13 +84,22 @@ class _Sink:
 
 
 def _pump(pipe: IO[bytes], prefix: str, sink: _Sink, on_line: Optional[Callable[[str], None]] = None,
-          clock: Callable[[], float] = time.monotonic) -> None:
+          clock: Callable[[], float] = time.monotonic, quiet_tf: bool = False) -> None:
     """Copy ``pipe`` to ``sink`` line by line, each line starting with ``prefix``; call
     ``on_line(text)`` for each line shown.  Text ended by a lone carriage return (a progress bar
     redrawn in place) is shown at most every ``PROGRESS_INTERVAL_S`` seconds; the rest of such
-    updates are dropped (the next newline-ended line supersedes them)."""
+    updates are dropped (the next newline-ended line supersedes them).  ``quiet_tf``: leave out
+    TensorFlow's aborting-rendezvous warning and its node line (see the module docstring)."""
+    node_line_next = False
+
     def show(raw: bytes) -> None:
+        nonlocal node_line_next
         text = raw.replace(b"\b", b"").decode("utf-8", errors="replace")
+        if quiet_tf:
+            dropped = _TF_ABORTING.search(text) is not None or (node_line_next and text.startswith("\t [[{{node"))
+            node_line_next = _TF_ABORTING.search(text) is not None
+            if dropped:
+                return
         sink.write(prefix + text + "\n")
         if on_line is not None:
             on_line(text)
@@ -111,16 +132,16 @@ def _pump(pipe: IO[bytes], prefix: str, sink: _Sink, on_line: Optional[Callable[
 
 
 def _pump_logged(pipe: IO[bytes], prefix: str, sink: _Sink, on_line: Optional[Callable[[str], None]],
-                 log_path: Optional[str]) -> None:
+                 log_path: Optional[str], quiet_tf: bool = False) -> None:
     """:func:`_pump`, each line shown also written (unprefixed) to the file ``log_path`` if given."""
     if not log_path:
-        return _pump(pipe, prefix, sink, on_line)
+        return _pump(pipe, prefix, sink, on_line, quiet_tf=quiet_tf)
     with open(log_path, "w", encoding="utf-8", buffering=1) as logf:
         def line(text: str) -> None:
             logf.write(text + "\n")
             if on_line is not None:
                 on_line(text)
-        _pump(pipe, prefix, sink, line)
+        _pump(pipe, prefix, sink, line, quiet_tf=quiet_tf)
 
 
 class Worker:
@@ -180,6 +201,7 @@ class WorkerGroup:
         self._stopping = False
         self._add_lock = threading.Lock()
         self._stacks_asked: set = set()  # ranks already sent STACK_SIGNAL
+        self._families_missing: set = set()  # compat families a rank failed to import
 
     def start(self) -> "WorkerGroup":
         """Start all workers.  Raises ``OSError`` (e.g. ``FileNotFoundError`` for an unknown
@@ -202,7 +224,8 @@ class WorkerGroup:
         for pipe, tag, sink in ((proc.stdout, "stdout", self._out), (proc.stderr, "stderr", self._err)):
             prefix = f"[{rank}]<{tag}>:" if self.prefix else ""
             log_path = os.path.join(self.logdir, f"{label}.{tag}.log") if self.logdir else None
-            t = threading.Thread(target=_pump_logged, args=(pipe, prefix, sink, self._watch_line, log_path),
+            quiet_tf = env.get("SDP_LOG_LEVEL", "").strip().lower() not in ("debug", "10")
+            t = threading.Thread(target=_pump_logged, args=(pipe, prefix, sink, self._watch_line, log_path, quiet_tf),
                                  name=f"sdprun-{tag}-{rank}", daemon=True)
             t.start()
             pumps.append(t)
@@ -223,7 +246,10 @@ class WorkerGroup:
 
     def _watch_line(self, text: str) -> None:
         """A worker's output line: on the engine's stall warning, ask each missing rank (once
-        per job) for its Python stacks (see the module docstring)."""
+        per job) for its Python stacks; note a compat family the script failed to import (see
+        the module docstring)."""
+        if "No module named" in text:
+            self._families_missing.update(_NO_FAMILY.findall(text))
         if "stall:" not in text:
             return
         missing = {int(r) for group in _STALL.findall(text) for r in group.split(",") if r.strip()}
@@ -280,12 +306,23 @@ class WorkerGroup:
                     how += " (255: ssh itself failed, see its message above)"
                 log.error("worker %d (%s pid %d) %s; stopping the other workers", failed.rank,
                           failed.launcher, failed.pid, how)
-                self.stop(signal.SIGTERM)
+                self.stop(signal.SIGTERM)  # (its pumps have shown every line then)
+                self._hint_compat()
                 return code
             if running == 0:
                 self.stop(signal.SIGTERM)  # leftovers the workers started, if any; then drain
                 return 0
             self._wakeup.wait(_POLL_S)
+
+    def _hint_compat(self) -> None:
+        """One line for each compat family a rank could not import and ``--compat`` left out."""
+        try:
+            given = set(parse_families(self.envs[0].get(COMPAT_ENV, ""))) if self.envs else set()
+        except ValueError:
+            given = set()
+        for family in sorted(self._families_missing - given):
+            log.error("the script imports %s, which sdp provides under its name only with --compat: "
+                      "add --compat %s (sdprun --compat %s -np N ...)", family, family, family)
 
     def stop(self, sig: int = signal.SIGTERM, grace_s: Optional[float] = None) -> None:
         """Send ``sig`` to every worker and all it started, wait up to ``grace_s`` seconds
