@@ -48,8 +48,10 @@ Mechanism
     ``sdp_kungfu_bridge.mindspore.{ops,optim,callback}`` (``_Family.guarded``: mapped inside the
     real, unmodified MindSpore, each only while MindSpore has no module of that name: a KungFu-built
     MindSpore is used as it is, with a ``CompatShadowWarning``).  The shim ``mindspore/`` package
-    loads the real MindSpore in its place and then adds the fork's ``mindspore._c_expression.
-    kungfu_*`` functions (:func:`sdp_kungfu_bridge.mindspore.add_c_expression_functions`).
+    loads the real MindSpore in its place (:func:`_activate_shim`) and then itself adds the fork's
+    ``mindspore._c_expression.kungfu_*`` functions
+    (:func:`sdp_kungfu_bridge.mindspore.add_c_expression_functions`), so this module never imports
+    the bridge (which imports it).
 
 Never shadowing a real installation silently
     Before mapping a family, the real package is looked up with sdp's finder and ``SHIM_DIR`` left
@@ -64,7 +66,7 @@ Keras 3 optimizers
     Keras 3 ``Optimizer.variables`` is a property returning a list.  ``import sdp.tensorflow``
     (and so every alias of it) patches that property to return a list subclass that is also
     callable (calling it returns the list itself), so both spellings work, with or without
-    ``--compat``.
+    ``--compat`` (:mod:`sdp.tensorflow.keras_variables`).
 """
 import importlib
 import importlib.abc
@@ -358,6 +360,7 @@ class _CompatFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         except AttributeError:  # pragma: no cover
             pass
         if family in ("horovod", "smdistributed") and _under(target, _TF_FACES):
+            from sdp.tensorflow.keras_variables import patch_keras_optimizer_variables
             patch_keras_optimizer_variables()
 
 
@@ -529,69 +532,10 @@ def _activate_shim(name: str) -> None:
     except BaseException:
         sys.modules.pop(name, None)
         raise
-    if name == "mindspore" and family in installed():
-        importlib.import_module("sdp_kungfu_bridge.mindspore").add_c_expression_functions()
 
 
 #: Shim packages of a real framework (loaded in the shim's place) that a family adds names to.
 _SHIM_FAMILY = {"mindspore": "kungfu"}
-
-
-# ---------------------------------------------------------------- Keras 3: opt.variables()
-
-class _CallableVariableList(list):
-    """The variables of a Keras 3 optimizer: a list that can also be called (``opt.variables()``,
-    the Keras 2 / Horovod spelling) and then returns itself."""
-
-    def __call__(self):
-        return self
-
-
-def _patch_variables_property(cls) -> bool:
-    prop = cls.__dict__.get("variables")
-    if not isinstance(prop, property) or prop.fget is None:
-        return False
-    if getattr(prop.fget, "__sdp_compat__", False):
-        return True
-    original = prop.fget
-
-    def variables(self, _original=original):
-        value = _original(self)
-        if isinstance(value, list) and not isinstance(value, _CallableVariableList):
-            value = _CallableVariableList(value)
-        return value
-
-    variables.__sdp_compat__ = True
-    variables.__doc__ = original.__doc__
-    setattr(cls, "variables", property(variables, prop.fset, prop.fdel, prop.__doc__))
-    return True
-
-
-def patch_keras_optimizer_variables() -> bool:
-    """Make ``optimizer.variables()`` work on Keras 3 optimizers (``variables`` stays a list).
-
-    Patches the ``variables`` property of Keras' base optimizer class and of every optimizer
-    class defined so far that overrides it (e.g. ``LossScaleOptimizer``); idempotent.  Does
-    nothing (and returns ``False``) without Keras 3."""
-    try:
-        import keras
-    except Exception:
-        return False
-    base = getattr(getattr(keras, "optimizers", None), "Optimizer", None)
-    if base is None:
-        return False
-    root = next((c for c in base.__mro__ if "variables" in c.__dict__), None)
-    if root is None or not _patch_variables_property(root):
-        return False  # Keras 2 style: variables() is already a method
-    todo, seen = [root], set()
-    while todo:
-        cls = todo.pop()
-        for sub in cls.__subclasses__():
-            if sub not in seen:
-                seen.add(sub)
-                _patch_variables_property(sub)
-                todo.append(sub)
-    return True
 
 
 # ---------------------------------------------------------------- horovod.run

@@ -1,5 +1,10 @@
-"""The import graph of ``sdp`` (grimp, import-linter's graph builder; imports inside functions
-count): no module reaches itself through imports, and the launcher never imports the faces."""
+"""The import graph of ``sdp`` and ``sdp_kungfu_bridge`` (grimp, import-linter's graph builder;
+imports inside functions count, and so do ``importlib.import_module("literal")`` calls): no module
+reaches itself through imports, the launcher never imports the faces, and no arrow points up from a
+framework face to :mod:`sdp.compat` (the layer above the faces)."""
+import ast
+import pathlib
+
 import pytest
 
 grimp = pytest.importorskip("grimp")
@@ -48,14 +53,44 @@ def _circles(graph):
     return out
 
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("sdp", "sdp_kungfu_bridge")
+
+
+def _graph():
+    """grimp's graph of both packages, plus an edge for each ``import_module("<one of them>...")``
+    with a literal name (grimp sees only import statements)."""
+    graph = grimp.build_graph(*PACKAGES)
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            importer = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+                        == "import_module" and node.args and isinstance(node.args[0], ast.Constant)
+                        and isinstance(node.args[0].value, str)
+                        and node.args[0].value.split(".")[0] in PACKAGES
+                        and node.args[0].value in graph.modules and importer in graph.modules):
+                    graph.add_import(importer=importer, imported=node.args[0].value)
+    return graph
+
+
 def test_no_import_circle_in_sdp():
-    graph = grimp.build_graph("sdp")
+    graph = _graph()
     circles = [c for c in _circles(graph) if c not in KNOWN]
     assert not circles, "import circles: " + "; ".join(" <-> ".join(sorted(c)) for c in circles)
 
 
+def test_framework_faces_do_not_import_compat():
+    graph = _graph()
+    for face in ("sdp.tensorflow", "sdp.torch"):
+        for mod in sorted(m for m in graph.modules if m == face or m.startswith(face + ".")):
+            chain = graph.find_shortest_chain(importer=mod, imported="sdp.compat")
+            assert chain is None, f"{mod} imports sdp.compat: {' -> '.join(chain)}"
+
+
 def test_launcher_does_not_import_the_faces():
-    graph = grimp.build_graph("sdp")
+    graph = _graph()
     for face in ("sdp.compat", "sdp.tensorflow", "sdp.torch", "sdp.compat_horovod", "sdp.compat_smddp"):
         for mod in sorted(m for m in graph.modules if m.startswith("sdp.launcher")):
             chain = graph.find_shortest_chain(importer=mod, imported=face)

@@ -151,8 +151,7 @@ __all__ = [
 ]
 
 # Horovod / SMDDP scripts call ``hvd.broadcast_variables(opt.variables(), root_rank=0)``; Keras 3
-# made ``variables`` a list property.  Let both spellings work on every Keras 3 optimizer
-# (tf_keras already accepts both).  See sdp.compat.patch_keras_optimizer_variables.
-from sdp.compat import patch_keras_optimizer_variables as _patch_keras_optimizer_variables  # noqa: E402
+# made ``variables`` a list property: let both spellings work (sdp.tensorflow.keras_variables).
+from sdp.tensorflow.keras_variables import patch_keras_optimizer_variables as _patch_keras_optimizer_variables  # noqa: E402,E501
 
 _patch_keras_optimizer_variables()
