@@ -519,6 +519,12 @@ def test_stalled_rank_prints_its_python_stack(tmp_path):
     assert len(asked) == 1 and "rank 1 (host " in asked[0], text
     assert sum("in stuck_in_data_loading" in ln for ln in lines) == 1, text
     assert [ln for ln in lines if "in stuck_in_data_loading" in ln][0].startswith("[1]<stderr>:"), text
+    # issue 54: the script's thread first (its frames before sdp's and ZeroMQ's threads), and the
+    # warning says how to end a job that would wait for ever
+    dump = [ln[len("[1]<stderr>:"):] for ln in lines if ln.startswith("[1]<stderr>:")]
+    assert dump[0] == "Python stack of the script's main thread (most recent call last):", text
+    assert any("in stuck_in_data_loading" in ln for ln in dump[:8]), text
+    assert all("SDP_STALL_SHUTDOWN_TIME=<seconds>" in ln for ln in lines if "stall:" in ln), text
     # and the quiet stop: one line per rank, no traceback
     assert "[1]<stderr>:rank 1: interrupted (SIGINT)" in lines and "Traceback" not in text, text
     assert proc.returncode == 128 + signal.SIGINT

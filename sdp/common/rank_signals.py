@@ -31,9 +31,13 @@ sdp's errors in one line
     every other exception, Python's traceback as usual.
 
 Stacks on request
-    ``STACK_SIGNAL`` (SIGUSR1) makes the rank write every thread's Python stack to standard error
-    (:func:`faulthandler.register`).  ``sdprun`` sends it to the ranks its stall check names (see
-    :mod:`sdp.launcher.procs`); ``kill -USR1 PID`` works too.
+    ``STACK_SIGNAL`` (SIGUSR1) makes the rank write every thread's Python stack to standard error,
+    the script's (main) thread first, outermost call first, then sdp's and other threads, each
+    under its name: the watcher thread above writes them when it reads the signal, so a main
+    thread waiting inside TensorFlow or sdp is shown too.  (Where another wakeup fd was set
+    already, :func:`faulthandler.register` writes them, in the interpreter's order.)  ``sdprun``
+    sends it to the ranks its stall check names (see :mod:`sdp.launcher.procs`); ``kill -USR1 PID``
+    works too.
 
 Stacks at a crash
     A rank that dies of a fatal signal (SIGSEGV, SIGFPE, SIGABRT -- glibc's ``free(): ...``
@@ -48,6 +52,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 import types
 from typing import Optional
 
@@ -98,11 +103,42 @@ def _watch(read_fd: int) -> None:
             return
         if not data:
             return
+        if STACK_SIGNAL in data:
+            _write_stacks()
         stops = [b for b in data if b in _STOP_SIGNALS]
         if stops:
             if _received is None:
                 _received = stops[0]
             _silence_stderr()
+
+
+def stacks_text() -> str:
+    """Every thread's Python stack but the caller's: the main thread's first (outermost call
+    first, as in a traceback), then the others, each under a line naming it."""
+    frames = sys._current_frames()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    me = threading.get_ident()
+    order = [main] + sorted(i for i in frames if i not in (main, me))
+    parts = []
+    for ident in order:
+        frame = frames.get(ident)
+        if frame is None:
+            continue
+        what = "the script's main thread" if ident == main else f"thread {names.get(ident, hex(ident))!r}"
+        parts.append(f"Python stack of {what} (most recent call last):\n" + "".join(traceback.format_stack(frame)))
+    return "".join(parts)
+
+
+def _write_stacks() -> None:
+    try:
+        os.write(_stderr_fd if _stderr_fd is not None else 2, stacks_text().encode("utf-8", "replace"))
+    except Exception:  # pragma: no cover - stderr closed
+        pass
+
+
+def _no_op(signum, frame):
+    """The Python handler of STACK_SIGNAL: the watcher thread does the work (see _watch)."""
 
 
 def step_of(tb: Optional[types.TracebackType]) -> Optional[int]:
@@ -198,7 +234,6 @@ def install() -> bool:
         return True
     if threading.current_thread() is not threading.main_thread():
         return False
-    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
     _enable_crash_stacks()
     for s in _STOP_SIGNALS:
         if signal.getsignal(s) in (signal.default_int_handler, signal.SIG_DFL):
@@ -210,8 +245,10 @@ def install() -> bool:
         signal.set_wakeup_fd(previous)
         os.close(read_fd)
         os.close(write_fd)
+        faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
     else:
         threading.Thread(target=_watch, args=(read_fd,), name="sdp-stop-watch", daemon=True).start()
+        signal.signal(STACK_SIGNAL, _no_op)  # (a Python handler: the wakeup fd gets the signal)
     sys.excepthook = _excepthook(sys.excepthook)
     _installed = True
     return True

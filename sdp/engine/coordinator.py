@@ -58,6 +58,15 @@ CHECKED = (("k", "op"), ("d", "dtype"), ("o", "reduce op"), ("r", "root rank"),
            ("dev", "memory (host or device)"), ("gs", "shapes of the grouped tensors"))
 
 
+def stop_hint(stall_shutdown_s: float) -> str:
+    """What a stall warning adds about ending the job: how, while ``SDP_STALL_SHUTDOWN_TIME`` is
+    off (the default, as Horovod's: a hung rank holds the job for ever), else when."""
+    if stall_shutdown_s > 0:
+        return f" The job ends with StallError after SDP_STALL_SHUTDOWN_TIME={stall_shutdown_s:g} s."
+    return (" The job waits for ever: set SDP_STALL_SHUTDOWN_TIME=<seconds> (e.g. 600) to end it with "
+            "StallError on every rank instead.")
+
+
 def wire_dtype(code: str) -> np.dtype:
     """The numpy dtype for a meta ``d`` field: a dtype string ('<f4') or a name ('bfloat16')."""
     if code[:1] in "<>|=":
@@ -447,7 +456,7 @@ class Coordinator:
             desc = "; ".join(f"'{n}' (waited {late[n][0]:.0f} s, missing ranks {late[n][1]})" for n in fresh)
             warnings.append("stall: some ranks submitted tensors that other ranks have not: " + desc +
                             ". One or more ranks may have stopped calling collectives or call them "
-                            "in a different set.")
+                            "in a different set." + stop_hint(self.stall_shutdown_s))
             for n in fresh:
                 self._warned[n] = now
         if shutdown < math.inf:

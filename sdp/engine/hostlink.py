@@ -67,6 +67,7 @@ import numpy as np
 from sdp.common import errors
 from sdp.common.reduce_ops import UFUNCS, ReduceOp
 from sdp.engine import collectives, fusion, native
+from sdp.engine.coordinator import stop_hint
 from sdp.engine.lane import _NATIVE_DTYPES, _NATIVE_OPS, signature
 
 log = logging.getLogger("sdp.engine")
@@ -406,4 +407,5 @@ class HostLink:
                                     f"{waited:.0f} s for ranks {missing()}")
         if cfg.stall_check_s > 0 and waited >= cfg.stall_check_s and waited - CHECK_S < cfg.stall_check_s:
             log.warning("rank %d: synchronous allreduce #%d across hosts has waited %.0f s for ranks %s "
-                        "(another collective or order on those ranks?)", self.rank, k, waited, missing())
+                        "(another collective or order on those ranks?).%s", self.rank, k, waited, missing(),
+                        stop_hint(cfg.stall_shutdown_s))

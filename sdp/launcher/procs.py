@@ -12,9 +12,9 @@ every ``PROGRESS_INTERVAL_S`` (10 s) per stream, the first at once; the final li
 
 A hung rank: when a rank's output reports a stall (the engine's ``stall: ... missing ranks [R, ...]``
 warning, which rank 0 logs after ``SDP_STALL_CHECK_TIME`` seconds), each missing rank is sent
-``STACK_SIGNAL`` (SIGUSR1) once; a rank started under ``sdprun`` has Python's ``faulthandler``
-registered on it (:mod:`sdp.common.rank_signals`) and prints every thread's Python stack, which
-appears under the rank's prefix after a line naming the rank and its host.
+``STACK_SIGNAL`` (SIGUSR1) once; a rank started under ``sdprun`` prints every thread's Python stack
+on it, the script's thread first (:mod:`sdp.common.rank_signals`), which appears under the rank's
+prefix after a line naming the rank and its host.
 
 TensorFlow's ``Local rendezvous is aborting with status: ...`` warning (and its ``[[{{node ...}}]]``
 line), which repeats the error a failed graph collective raises next, is left out unless
