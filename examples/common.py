@@ -35,7 +35,7 @@ def add_common_args(parser, *, batch_size=64, lr=0.001, epochs=1, seed=42, per="
     """
     parser.add_argument("--data-dir", default=None,
                         help="directory with the MNIST IDX .gz files; None: $SDP_MNIST_DIR or "
-                             "../shared/data/mnist, else download with Keras")
+                             "../shared/data/mnist, else Keras' mnist.npz (downloaded once)")
     if epochs is not None:
         parser.add_argument("--epochs", type=int, default=epochs, help="passes over the training data")
     parser.add_argument("--batch-size", type=int, default=batch_size, help=f"batch size per {per}")

@@ -38,7 +38,7 @@ def parse_args(argv=None):
     p = common.argument_parser(__doc__)
     p.add_argument("--data-dir", default=None,
                    help="directory with the (Fashion-)MNIST IDX .gz files; None: $SDP_MNIST_DIR or "
-                        "../shared/data/mnist, else download with Keras")
+                        "../shared/data/mnist, else Keras' mnist.npz (downloaded once)")
     p.add_argument("--optimizer", choices=("kfac", "sgd-momentum", "adam"), default="kfac",
                    help="the optimizer to train with")
     p.add_argument("--strategy", choices=STRATEGIES, default="split",

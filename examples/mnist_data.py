@@ -5,8 +5,11 @@ examples run without network access::
 
     (x_train, y_train), (x_test, y_test) = load_mnist("/path/to/mnist")
 
-With ``data_dir=None`` it falls back to ``tf.keras.datasets.mnist.load_data()``,
-which downloads the data on first use.
+With ``data_dir=None`` it looks for them (``find_mnist_dir``), else falls back to Keras' copy,
+``mnist.npz`` in ``$KERAS_HOME/datasets`` (``~/.keras/datasets``), downloaded on first use
+(``download_mnist``: one process per path downloads, the others wait for it; a file there that is
+not Keras' is never replaced or deleted).  Offline, that ends the process with one line saying what
+to pass (``--data-dir`` or ``SDP_MNIST_DIR``).
 
 For training, ``load_sharded(data_dir, rank, size)`` gives one rank its equal share of the
 training set, ready for a convnet (float32 in [0, 1], shape (N, 28, 28, 1)).
@@ -16,15 +19,24 @@ IDX format (big-endian):
   labels: uint32 magic 2049, uint32 count, then one uint8 label per item
 """
 
+import fcntl
 import gzip
+import hashlib
 import os
+import shutil
 import struct
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 IMAGES_MAGIC = 2051
 LABELS_MAGIC = 2049
+
+#: Keras' copy of MNIST (``keras.datasets.mnist.load_data``) and its SHA-256
+MNIST_URL = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/mnist.npz"
+MNIST_SHA256 = "731c5ac602752760c8e48fbffcf8c3b850d9dc2a2aedcf2cc48468fc17b673d1"
+OFFLINE_HINT = "pass --data-dir DIR (a directory with MNIST's four IDX .gz files) or set SDP_MNIST_DIR=DIR"
 
 _FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -107,18 +119,70 @@ def _load_split(data_dir, split):
     return images, labels
 
 
+def keras_cache_path():
+    """Where Keras keeps ``mnist.npz``: ``$KERAS_HOME/datasets``, else ``~/.keras/datasets``."""
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    return Path(home) / "datasets" / "mnist.npz"
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def download_mnist(path=None):
+    """The path of Keras' ``mnist.npz`` at ``path`` (default ``keras_cache_path()``), downloaded
+    from ``MNIST_URL`` if it is not there.
+
+    Under a lock on the directory, so that of the processes sharing it one downloads and the
+    others wait and use its file; into a temporary file, renamed into place once its SHA-256 is
+    ``MNIST_SHA256``.  A file already at ``path`` is used only when it is Keras' file, and never
+    replaced or deleted.  Raises ``SystemExit`` with one line (which names ``--data-dir`` and
+    ``SDP_MNIST_DIR``) when the file there is another one or the download fails."""
+    path = Path(path or keras_cache_path())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = os.open(path.parent, os.O_RDONLY)
+    except OSError as e:
+        raise SystemExit(f"cannot use {path.parent} for MNIST ({e.strerror}): {OFFLINE_HINT}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            if _sha256(path) == MNIST_SHA256:
+                return path
+            raise SystemExit(f"{path} is not Keras' MNIST file (its SHA-256 differs; left as it is): "
+                             f"move it away, or {OFFLINE_HINT}")
+        part = path.with_name(f".{path.name}.{os.getpid()}.part")
+        try:
+            with urllib.request.urlopen(MNIST_URL, timeout=60) as response, open(part, "wb") as f:
+                shutil.copyfileobj(response, f)
+            if _sha256(part) != MNIST_SHA256:
+                raise SystemExit(f"the file downloaded from {MNIST_URL} is not Keras' MNIST file: {OFFLINE_HINT}")
+            os.replace(part, path)
+        except OSError as e:  # (urllib's URLError is one)
+            why = getattr(e, "reason", None) or e.strerror or e
+            raise SystemExit(f"cannot download MNIST from {MNIST_URL} ({why}): {OFFLINE_HINT}") from None
+        finally:
+            part.unlink(missing_ok=True)
+        return path
+    finally:
+        os.close(lock)
+
+
 def load_mnist(data_dir=None):
     """Load MNIST as ``((x_train, y_train), (x_test, y_test))``.
 
     Images are uint8 arrays of shape (N, 28, 28), labels uint8 arrays of shape (N,).
-    If ``data_dir`` is None, use ``tf.keras.datasets.mnist.load_data()`` (may download).
+    If ``data_dir`` is None: ``find_mnist_dir()``, else Keras' ``mnist.npz`` (``download_mnist``).
     """
+    data_dir = data_dir or find_mnist_dir()
     if data_dir is None:
-        import tensorflow as tf  # only needed for the download fallback
-
-        (x_train, y_train), (x_test, y_test) = tf.keras.datasets.mnist.load_data()
-        return ((x_train.astype(np.uint8), y_train.astype(np.uint8)),
-                (x_test.astype(np.uint8), y_test.astype(np.uint8)))
+        with np.load(download_mnist(), allow_pickle=False) as f:
+            return ((f["x_train"].astype(np.uint8), f["y_train"].astype(np.uint8)),
+                    (f["x_test"].astype(np.uint8), f["y_test"].astype(np.uint8)))
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise FileNotFoundError(f"MNIST data directory not found: {data_dir}")
@@ -137,9 +201,9 @@ def load_sharded(data_dir=None, rank=0, size=1):
     labels int64.  The shard is every ``size``-th training example from ``rank`` on, cut to
     ``60000 // size`` so that every rank runs the same number of steps (a rank with an extra step
     would wait forever for the others in allreduce).  The test set is whole.  ``data_dir=None``
-    means ``find_mnist_dir()``, and if that finds nothing, ``load_mnist(None)`` (download).
+    means ``find_mnist_dir()``, and if that finds nothing, Keras' ``mnist.npz`` (download).
     """
-    (x_train, y_train), (x_test, y_test) = load_mnist(data_dir or find_mnist_dir())
+    (x_train, y_train), (x_test, y_test) = load_mnist(data_dir)
     per_rank = len(x_train) // size
     x_shard = preprocess(x_train[rank::size][:per_rank])
     y_shard = y_train[rank::size][:per_rank].astype(np.int64)

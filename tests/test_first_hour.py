@@ -4,6 +4,7 @@ within seconds of training, and a quiet Ctrl-C of a 2-rank MNIST run."""
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -213,3 +214,86 @@ def test_an_error_is_one_line_per_rank(tmp_path):
     p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, str(numpy_script)],
                        cwd=ROOT, env=_env(SDP_LOG_LEVEL="debug"), capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and p.stderr.count("Traceback (most recent call last)") == 2, p.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- issue 54 item 2: MNIST offline
+
+def _mnist_data(monkeypatch, tmp_path):
+    """examples/mnist_data.py with Keras' cache in tmp_path, no IDX directory found, no proxy."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import mnist_data
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras"))
+    monkeypatch.setattr(mnist_data, "find_mnist_dir", lambda: None)
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY", "all_proxy",
+                "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    return mnist_data
+
+
+def test_mnist_offline_says_in_one_line_what_to_pass_and_keeps_a_users_file(monkeypatch, tmp_path):
+    mnist_data = _mnist_data(monkeypatch, tmp_path)
+    # offline: the only way out is a proxy on a loopback port nothing listens on
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{closed_port}")
+    with pytest.raises(SystemExit) as e:
+        mnist_data.load_sharded(None, 0, 2)
+    message = str(e.value.code)
+    assert "\n" not in message and "--data-dir" in message and "SDP_MNIST_DIR" in message, message
+    assert not list((tmp_path / "keras" / "datasets").iterdir())  # no partial file left
+    # a file of the user's at Keras' path that is not Keras' MNIST: named, never replaced or deleted
+    users = mnist_data.keras_cache_path()
+    users.write_bytes(b"my own mnist.npz")
+    with pytest.raises(SystemExit) as e:
+        mnist_data.load_mnist(None)
+    assert str(users) in str(e.value.code) and "--data-dir" in str(e.value.code)
+    assert users.read_bytes() == b"my own mnist.npz"
+
+
+def test_mnist_download_once_for_processes_sharing_the_cache(monkeypatch, tmp_path):
+    import io
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import numpy as np
+    mnist_data = _mnist_data(monkeypatch, tmp_path)
+    buf = io.BytesIO()
+    np.savez(buf, x_train=np.ones((4, 28, 28), np.uint8), y_train=np.arange(4, dtype=np.uint8),
+             x_test=np.zeros((2, 28, 28), np.uint8), y_test=np.arange(2, dtype=np.uint8))
+    body = buf.getvalue()
+    requests = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            requests.append(self.path)
+            time.sleep(0.3)  # a slow download: the other callers arrive meanwhile
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        import hashlib
+        monkeypatch.setattr(mnist_data, "MNIST_URL", f"http://127.0.0.1:{server.server_address[1]}/mnist.npz")
+        monkeypatch.setattr(mnist_data, "MNIST_SHA256", hashlib.sha256(body).hexdigest())
+        results = []
+        callers = [threading.Thread(target=lambda: results.append(mnist_data.load_mnist(None))) for _ in range(3)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(requests) == 1 and len(results) == 3
+    for (x, y), (xt, yt) in results:
+        assert x.shape == (4, 28, 28) and list(yt) == [0, 1]
+    assert [p.name for p in (tmp_path / "keras" / "datasets").iterdir()] == ["mnist.npz"]
