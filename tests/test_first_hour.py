@@ -297,3 +297,17 @@ def test_mnist_download_once_for_processes_sharing_the_cache(monkeypatch, tmp_pa
     for (x, y), (xt, yt) in results:
         assert x.shape == (4, 28, 28) and list(yt) == [0, 1]
     assert [p.name for p in (tmp_path / "keras" / "datasets").iterdir()] == ["mnist.npz"]
+
+
+def test_front_pages_quote_no_figures_that_go_stale():
+    """Issue 54 item 3: no test-suite counts (they change with every test added) and no accuracy
+    for the elastic example (it depends on when a worker is killed) on the pages a newcomer reads."""
+    import re
+    pages = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    for page in pages:
+        text = page.read_text()
+        counts = re.findall(r"\b\d+ (?:passed|skipped|failed|deselected|errors?)\b", text)
+        assert not counts, (page.name, counts)
+        for line in text.splitlines():
+            if "tf2_mnist_elastic" in line or "trained once" in line:
+                assert not re.search(r"accuracy:? 0\.\d", line), (page.name, line)
