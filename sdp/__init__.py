@@ -12,7 +12,7 @@ from sdp.api import (allgather, allgather_async, allgather_object, allreduce, al
 from sdp.common import errors  # noqa: F401
 from sdp.common import rank_signals as _rank_signals
 from sdp.common.errors import TensorMismatchError  # noqa: F401
-from sdp.common.reduce_ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
+from sdp.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -23,6 +23,15 @@ broadcast and alltoall move any dtype without Python objects.  Anything else rai
 ``ValueError`` on the calling rank when submitted, before any other rank is involved; a
 disagreement between ranks raises :class:`~sdp.common.errors.TensorMismatchError` on every rank.
 
+``op=Adasum`` (Horovod's adaptive summation, :mod:`sdp.engine.adasum`; ``ReduceOp.ADASUM``):
+allreduces of float16, float32 and float64 only (else ``ValueError``), of the global process set
+of a power-of-two number of ranks (else ``NotImplementedError`` with Horovod's text, on every
+calling rank at once); no averaging (a postscale still applies).  Always run by the engine
+thread, never by the fast lane, inline or the leaders' link (they combine elementwise); device
+arrays are staged through host memory for it.  With ``SDP_HIERARCHICAL=1`` across hosts, the
+ranks of a host average and the hosts' averages are combined (Horovod's NCCL build), which
+needs a power-of-two number of hosts.
+
 Device arrays: every collective also takes arrays in CUDA memory: PyCUDA ``GPUArray``s, objects
 with ``__cuda_array_interface__`` (CuPy, PyTorch; the engine waits on the stream they name), DLPack
 producers (``__dlpack__``) and raw ``dltensor`` capsules (``tf.experimental.dlpack.to_dlpack``).
@@ -298,14 +307,16 @@ def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor
     rt, ps = _runtime, 0
     if rt is None or name is None or not (process_set is None or type(process_set) is int and not process_set):
         rt, name, ps = _engine_and_name("allreduce", name, process_set)  # (else inline: ~0.1 us less a call)
+    op = op if type(op) is ReduceOp else resolve_op(op)
     burst = rt.burst  # (a burst's next small allreduce: into the fast lane's batch)
-    if burst is not None and not ps and out is None and prescale_factor == 1.0:
-        handle = burst(name, tensor, op if type(op) is ReduceOp else resolve_op(op), postscale_factor)
+    if burst is not None and not ps and out is None and prescale_factor == 1.0 and op is not ReduceOp.ADASUM:
+        handle = burst(name, tensor, op, postscale_factor)
         if handle is not None:
             return handle
-    return rt.submit(Request(name, "allreduce", as_input(tensor),
-                             op if type(op) is ReduceOp else resolve_op(op), None, prescale_factor,
-                             postscale_factor, None, out, ps))
+    if op is ReduceOp.ADASUM:
+        rt.check_adasum(ps)
+    return rt.submit(Request(name, "allreduce", as_input(tensor), op, None, prescale_factor, postscale_factor,
+                             None, out, ps))
 
 
 def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
@@ -317,6 +328,8 @@ def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: floa
     :class:`TensorMismatchError`.  Mirrors ``horovod.tensorflow.allreduce`` on numpy arrays."""
     rt, name, ps = _engine_and_name("allreduce", name, process_set)
     op = op if type(op) is ReduceOp else resolve_op(op)
+    if op is ReduceOp.ADASUM:  # (not elementwise: the engine's, see sdp.engine.adasum)
+        return _adasum_now(rt, name, tensor, prescale_factor, postscale_factor, out, ps)
     if not ps and type(tensor) is np.ndarray and prescale_factor == 1.0:  # (the fast lane, whole, in this thread)
         front = rt.front  # (the compiled step's common case, else the lane's Python)
         if front is not None:
@@ -335,6 +348,26 @@ def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: floa
         if result is not None:
             return result
     return rt.submit(req).wait()
+
+
+def _adasum_now(rt, name, tensor, prescale_factor, postscale_factor, out, ps) -> np.ndarray:
+    """A synchronous Adasum allreduce: always the engine's (no fast path combines per tensor)."""
+    rt.check_adasum(ps)
+    req = Request(name, "allreduce", as_input(tensor), ReduceOp.ADASUM, None, prescale_factor, postscale_factor,
+                  None, out, ps)
+    if not ps and rt.link is not None:  # (across hosts every synchronous global allreduce posts there)
+        rt.link.skip()
+    return rt.submit(req).wait()
+
+
+def check_adasum(process_set=0) -> None:
+    """Raise what an allreduce with ``op=Adasum`` of ``process_set`` raises on this rank before
+    anything is sent: ``NotImplementedError`` with Horovod's text for a process set other than
+    the global one, or a number of ranks that is not a power of two (of hosts, where Adasum runs
+    hierarchically: ``SDP_HIERARCHICAL=1`` across hosts).  For faces that check when a graph is
+    built, as Horovod's ``allreduce`` does."""
+    rt = runtime("check_adasum()")
+    rt.check_adasum(process_set_id(process_set))
 
 
 def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = None, op=None,
@@ -367,8 +400,8 @@ def _front_group(rt, tensors, names, op, prescale_factor, postscale_factor, proc
     front = rt.front_group if rt is not None else None
     if front is None or type(process_set) is not int or process_set or prescale_factor != 1.0:
         return None
-    return front(names, tensors, op if type(op) is ReduceOp else resolve_op(op), postscale_factor,
-                 rt.fusion_threshold, hold)
+    op = op if type(op) is ReduceOp else resolve_op(op)
+    return None if op is ReduceOp.ADASUM else front(names, tensors, op, postscale_factor, rt.fusion_threshold, hold)
 
 
 def _part_handles(names: List[str], got) -> List[PartHandle]:
@@ -394,6 +427,9 @@ def _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, proce
         names = [f"{base}.{i}" for i in range(len(tensors))]
     names = [f"{n}@ps{ps}" for n in names] if ps else list(names)
     op = resolve_op(op)
+    fast = op is not ReduceOp.ADASUM  # (Adasum: the engine's, see sdp.engine.adasum)
+    if not fast:
+        rt.check_adasum(ps)
     kw = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, ps=ps)
     arrays = list(tensors)
     key = (tuple(names), rt.fusion_threshold)
@@ -419,7 +455,7 @@ def _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, proce
                 if len(_group_plans) >= _GROUP_PLANS_MAX:
                     _group_plans.clear()
                 _group_plans[key] = (metas, plan)
-    if (plan is not None and len(plan) == 1 and plan[0][2] is not None and not ps
+    if (fast and plan is not None and len(plan) == 1 and plan[0][2] is not None and not ps
             and prescale_factor == 1.0 and type(arrays[0]) is np.ndarray):  # (one host group of every
         # array: the fast lane may run it whole here; asynchronous, held after its spin)
         result = rt.allreduce_now(plan[0][1], arrays, op, float(postscale_factor), None, plan[0][2], parts)
@@ -433,7 +469,7 @@ def _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, proce
             and prescale_factor == 1.0 and isinstance(arrays[0], DeviceTensor)):  # (one device group of
         # every array, waited at once: the fast lane may run it whole here)
         req = Request.group(plan[0][1], arrays, plan[0][2], **kw)
-        result = rt.device_now(req)
+        result = rt.device_now(req) if fast else None
         if result is not None:
             return DoneHandle(result)
         rt.submit_many([req])

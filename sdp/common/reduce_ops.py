@@ -74,9 +74,14 @@ def check_dtype(kind: str, name: str, dtype, op: ReduceOp = ReduceOp.SUM, presca
     unless collective ``kind`` can carry ``dtype``.  Reductions (allreduce, reducescatter) take
     bool (SUM/MAX: logical or, MIN/PRODUCT: logical and; no AVERAGE, no scale factors), signed
     and unsigned ints, float16, bfloat16, float32, float64; the other collectives any dtype
-    without Python objects."""
+    without Python objects.  Adasum: allreduce of float16, float32 or float64 only (Horovod's)."""
     dtype = np.dtype(dtype)
-    if dtype.kind in "iuf":  # (any collective, any op and scale: the common case)
+    if dtype.kind in "iuf" and op != ReduceOp.ADASUM:  # (any collective, any op and scale: the common case)
+        return
+    if op == ReduceOp.ADASUM and kind in ("allreduce", "reducescatter"):
+        if kind != "allreduce" or dtype.name not in ("float16", "float32", "float64"):
+            raise ValueError(f"{kind} of '{name}': op Adasum takes an allreduce of float16, float32 or float64, "
+                             f"got {kind} of {shown or dtype}")
         return
     if kind not in ("allreduce", "reducescatter"):
         if dtype.hasobject:

@@ -17,7 +17,7 @@ import numpy as np
 from sdp.common import errors
 from sdp.common.config import Config
 from sdp.common.reduce_ops import UFUNCS, ReduceOp, accumulation_dtype, check_dtype, scale_in_place
-from sdp.engine import collectives, fusion, groups, hostlink, inline, lane, process_sets, timeline
+from sdp.engine import adasum, collectives, fusion, groups, hostlink, inline, lane, process_sets, timeline
 from sdp.engine.coordinator import JOIN, KINDS, Coordinator, wire_dtype
 from sdp.engine.device_arrays import DeviceGroup, DeviceTensor
 from sdp.engine.handles import Handle
@@ -732,6 +732,8 @@ class Runtime:
         if tl:
             for name in names:
                 tl.end(name, "QUEUE")
+        if first.op == ReduceOp.ADASUM:
+            return self._adasum_bucket(reqs)
         if isinstance(first.array, DeviceTensor):
             with timeline.span(tl, names, "ALLREDUCE"):
                 results = (self._device.allreduce(reqs, *self._device_args(first))
@@ -793,6 +795,49 @@ class Runtime:
                     np.copyto(r.out, view)
                     view = r.out
                 self._complete(r, view)
+
+    def check_adasum(self, ps: int) -> None:
+        """Raise Horovod's ``NotImplementedError`` where an Adasum allreduce of process set ``ps``
+        cannot run in this job (:func:`sdp.engine.adasum.check`), at once, on the calling rank."""
+        adasum.check(self.size, ps, self._adasum_hosts())
+
+    def _adasum_hosts(self) -> Optional[List[List[int]]]:
+        """The ranks of every host where Adasum runs hierarchically (SDP_HIERARCHICAL=1 and the
+        engine's hierarchy: several hosts, one with several ranks), else None (over all ranks)."""
+        return self.hierarchy.members if self.hierarchy is not None and self.config.hierarchical else None
+
+    def _adasum_bucket(self, reqs: List[Request]) -> None:
+        """One Adasum for the requests of a fusion bucket (:mod:`sdp.engine.adasum`): packed into
+        one new array (device arrays staged through host memory first: Adasum is not elementwise,
+        the device path's kernels are), prescaled, combined per tensor, postscaled; each request
+        gets a view of its part."""
+        tl, names, first = self.timeline, [r.name for r in reqs], reqs[0]
+        if isinstance(first.array, DeviceTensor):
+            for r in reqs:
+                self._device.stage_in(r)
+        arrays = [r.array for r in reqs]
+        offs = fusion.offsets(arrays)
+        result = fusion.aligned_empty(first.array.dtype, offs[-1])
+        fusion.pack(result, arrays, offs)
+        scale_in_place(result, first.prescale)
+        starts = adasum.tensor_starts([r.layout for r in reqs], offs)
+        with timeline.span(tl, names, "ADASUM"):
+            hosts = self._adasum_hosts()
+            if hosts is None:
+                adasum.allreduce(self.mesh, result, starts, self._next_seq(), self.config.segment_bytes)
+            else:
+                leaders = None
+                if self.hierarchy.host.rank == 0:
+                    leaders = groups.Group(self.mesh, [m[0] for m in hosts], self.hierarchy.nparts + 2)
+                adasum.hierarchical(self.hierarchy, leaders, result, starts,
+                                    [self._next_seq() for _ in range(3)], self.config.segment_bytes)
+        scale_in_place(result, first.postscale)
+        for r, off in zip(reqs, offs):
+            view = result[off:off + r.array.size].reshape(r.array.shape)
+            if r.out is not None:
+                np.copyto(r.out, view)
+                view = r.out
+            self._complete(r, view)
 
     def _complete(self, req: Request, result, staged: bool = True) -> None:
         del self._pending[req.name]
