@@ -605,11 +605,9 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None, process_set=0)
     return broadcast_async(tensor, root_rank, name, process_set).wait()
 
 
-def alltoall(tensor, splits=None, name: Optional[str] = None, process_set=0):
-    """Send ``splits[j]`` rows of ``tensor`` (in order) to rank j; return ``(received, received_splits)``.
-
-    ``splits`` defaults to an equal split of the first dimension (which must then divide by
-    size).  Mirrors ``horovod.tensorflow.alltoall``."""
+def alltoall_async(tensor, splits=None, name: Optional[str] = None, process_set=0) -> Handle:
+    """Start an alltoall; the handle's result is ``(received, received_splits)`` (see :func:`alltoall`).
+    Mirrors ``horovod.torch.alltoall_async``."""
     arr = as_input(tensor)
     rt = runtime("alltoall()")
     ps = process_set_id(process_set)
@@ -617,8 +615,22 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, process_set=0):
     if splits is None and n:
         dim0 = arr.shape[0] if arr.ndim else 0
         splits = [dim0 // n] * n if dim0 % n == 0 else None
-    return _submit("alltoall", arr, name, ps, splits=None if splits is None else list(np.asarray(splits).ravel())
-                   ).wait()
+    return _submit("alltoall", arr, name, ps, splits=None if splits is None else list(np.asarray(splits).ravel()))
+
+
+def alltoall(tensor, splits=None, name: Optional[str] = None, process_set=0):
+    """Send ``splits[j]`` rows of ``tensor`` (in order) to rank j; return ``(received, received_splits)``.
+
+    ``splits`` defaults to an equal split of the first dimension (which must then divide by
+    size).  Mirrors ``horovod.tensorflow.alltoall``."""
+    return alltoall_async(tensor, splits, name, process_set).wait()
+
+
+def reducescatter_async(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0, process_set=0) -> Handle:
+    """Start a reducescatter; see :func:`reducescatter`.  Mirrors ``horovod.torch.reducescatter_async``."""
+    return _submit("reducescatter", tensor, name, process_set, op=resolve_op(op), prescale=prescale_factor,
+                   postscale=postscale_factor)
 
 
 def reducescatter(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
@@ -627,9 +639,7 @@ def reducescatter(tensor, name: Optional[str] = None, op=None, prescale_factor: 
     (split as evenly as possible, lower ranks get the extra rows).
     Mirrors ``horovod.tensorflow.reducescatter``.  Raises ``ValueError`` for a scalar or an
     unsupported dtype/op (see the module docstring)."""
-    op = resolve_op(op)
-    return _submit("reducescatter", tensor, name, process_set, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor).wait()
+    return reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set).wait()
 
 
 def _set_ranks(ranks, size: int) -> List[int]:

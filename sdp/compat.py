@@ -5,6 +5,7 @@ After :func:`install` (or in the workers of ``sdprun --compat horovod,smdistribu
     import horovod.tensorflow as hvd                       # sdp.tensorflow, Horovod's init()
     import horovod.tensorflow.keras as hvd                 # sdp.tensorflow.keras, Horovod's init()
     import horovod.keras as hvd                            # the same (legacy name)
+    import horovod.torch as hvd                            # is sdp.torch (Horovod's init())
     import smdistributed.dataparallel.tensorflow as sdp    # sdp.tensorflow, SMDDP's init()
     import kungfu.python                                   # is sdp_kungfu_bridge.python
     from kungfu.tensorflow.optimizers import ...           # from sdp_kungfu_bridge.tensorflow.optimizers
@@ -23,7 +24,9 @@ Horovod's other module paths
     ``horovod.tensorflow.util`` / ``.mpi_ops`` / ``.functions`` / ``.compression`` / ``.elastic``
     and ``horovod.tensorflow.keras.callbacks`` are ``sdp.tensorflow.<same>``; ``horovod.common.util`` is :mod:`sdp.common.util`,
     ``horovod.common.exceptions`` is :mod:`sdp.common.errors`; ``horovod.runner`` (``run``,
-    ``util.threads``) is :mod:`sdp.compat_horovod.runner`.
+    ``util.threads``) is :mod:`sdp.compat_horovod.runner`.  ``horovod.torch`` and its submodules
+    (``mpi_ops``, ``functions``, ``compression``, ``optimizer``, ``sync_batch_norm``, ``elastic``)
+    are ``sdp.torch.<same>`` (a Horovod-only face: its ``init()`` follows Horovod's rule itself).
 
 Mechanism
     A :class:`importlib.abc.MetaPathFinder` at the front of ``sys.meta_path`` maps names to sdp
@@ -105,8 +108,8 @@ _FAMILY_DEFS: Dict[str, _Family] = {
     "horovod": _Family(
         packages=("horovod",),
         aliases=(("horovod.tensorflow", "sdp.tensorflow"), ("horovod.keras", "sdp.tensorflow.keras"),
-                 ("horovod.common", "sdp.common"), ("horovod.runner", "sdp.compat_horovod.runner"),
-                 ("horovod.ray", "sdp.ray")),
+                 ("horovod.torch", "sdp.torch"), ("horovod.common", "sdp.common"),
+                 ("horovod.runner", "sdp.compat_horovod.runner"), ("horovod.ray", "sdp.ray")),
         dists=("horovod",),
         # sdp.tensorflow and sdp.tensorflow.keras plus Horovod's low-level names (process sets,
         # mpi_ops); their submodules still follow the aliases.
@@ -138,7 +141,8 @@ _FAMILY_DEFS: Dict[str, _Family] = {
 _PACKAGE_DOCS = {
     "horovod": "horovod on sdp (sdp.compat): horovod.tensorflow and horovod.tensorflow.keras "
                "are sdp.tensorflow and sdp.tensorflow.keras with Horovod's process sets (see "
-               "sdp.compat_horovod); horovod.run starts the ranks of a function.",
+               "sdp.compat_horovod); horovod.torch is sdp.torch; horovod.run starts the ranks of a "
+               "function.",
     "smdistributed": "smdistributed on sdp (sdp.compat).",
     "smdistributed.dataparallel": "smdistributed.dataparallel on sdp (sdp.compat): "
                                   "smdistributed.dataparallel.tensorflow is sdp.tensorflow with "

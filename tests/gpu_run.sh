@@ -30,7 +30,7 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $py -c "import pycuda.driver as c; c.init(); print('pycuda', c.get_version(), c.get_driver_version(), c.Device(0).name())"
-$py -m pytest -q -rs --tb=short -p no:cacheprovider --timeout 300 tests/test_gpu.py tests/test_device.py 2>&1 | tee "$out/tests.log" | tail -40
+$py -m pytest -q -rs --tb=short -p no:cacheprovider --timeout 300 tests/test_gpu.py tests/test_device.py tests/test_torch_gpu.py 2>&1 | tee "$out/tests.log" | tail -40
 if command -v nvidia-cuda-mps-control >/dev/null; then  # ranks sharing the GPU without time-slicing
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/sdp-mps CUDA_MPS_LOG_DIRECTORY=/tmp/sdp-mps-log
   mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY && nvidia-cuda-mps-control -d && echo "MPS on"

@@ -150,7 +150,7 @@ def test_install_in_process_aliases_the_same_module(installed_compat):
     assert Compression is sdp.tensorflow.compression.Compression
     assert horovod.run is compat.run
     with pytest.raises(ModuleNotFoundError):
-        import horovod.torch  # noqa: F401  (not provided)
+        import horovod.mxnet  # noqa: F401  (not provided)
     keras = pytest.importorskip("keras")
     opt = keras.optimizers.SGD(0.1)
     assert isinstance(opt.variables, list) and opt.variables() == opt.variables
@@ -179,6 +179,9 @@ def test_name_table():
         "horovod.common.exceptions": "sdp.common.errors",
         "horovod.runner": "sdp.compat_horovod.runner",
         "horovod.runner.util.threads": "sdp.compat_horovod.runner.util.threads",
+        "horovod.torch": "sdp.torch",
+        "horovod.torch.mpi_ops": "sdp.torch.mpi_ops",
+        "horovod.torch.elastic.sampler": "sdp.torch.elastic.sampler",
         "smdistributed.dataparallel.tensorflow": "sdp.compat_smddp.tensorflow",
         "smdistributed.dataparallel.tensorflow.keras": "sdp.compat_smddp.keras",
         "smdistributed.dataparallel.tensorflow.elastic": "sdp.tensorflow.elastic",
@@ -189,7 +192,7 @@ def test_name_table():
         "kungfu.tensorflow.initializer": "sdp_kungfu_bridge.tensorflow.initializer",
     }
     assert {name: finder.map(name)[0] for name in expected} == expected
-    assert finder.map("horovod.torch") is None and finder.map("horovod.tensorflowx") is None
+    assert finder.map("horovod.torchx") is None and finder.map("horovod.tensorflowx") is None
 
 
 def test_missing_target_names_what_is_missing():

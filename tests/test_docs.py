@@ -18,6 +18,7 @@ API_PAGES = {
     "sdp.tensorflow": "api/tensorflow",
     "sdp.tensorflow.keras": "api/keras",
     "sdp.tensorflow.keras.callbacks": "api/keras",
+    "sdp.torch": "api/torch",
     "sdp_kungfu_bridge.python": "api/kungfu",
     "sdp_kungfu_bridge.tensorflow.ops": "api/kungfu",
     "sdp_kungfu_bridge.tensorflow.optimizers": "api/kungfu",
@@ -38,6 +39,7 @@ def site(tmp_path_factory):
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings")
     pytest.importorskip("tensorflow")
+    pytest.importorskip("torch", reason="the API reference of sdp.torch needs torch")
     out = tmp_path_factory.mktemp("site")
     p = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -1,6 +1,7 @@
 """Horovod's semantics under Horovod's names (issue 19): init() twice, Horovod's module paths,
 Compression.fp16's contract, and a Horovod user's TensorFlow test file run unmodified under
 ``sdprun --compat horovod -np 2 python -m pytest``.  Real processes, no mocks."""
+import importlib.util
 import json
 import os
 import re
@@ -302,8 +303,10 @@ def test_common_util_helpers(monkeypatch):
                                                                                    True, False, True]
     assert common_util.is_iterable([]) and not common_util.is_iterable(3)
     assert common_util.mpi_built() is False and common_util.nccl_built() == 0
-    with pytest.raises(ImportError, match="horovod.torch"):
-        common_util.check_extension("horovod.torch", "HOROVOD_WITH_PYTORCH", __file__, "mpi_lib")
+    with pytest.raises(ImportError, match="horovod.mxnet"):
+        common_util.check_extension("horovod.mxnet", "HOROVOD_WITH_MXNET", __file__, "mpi_lib")
+    has_torch = importlib.util.find_spec("torch") is not None
+    assert common_util.extension_available("horovod.torch") is has_torch  # (the PyTorch face, sdp.torch)
     fun = common_util.get_average_backwards_compatibility_fun(compat_ops())
     assert fun(None, None) == "avg" and fun("max", None) == "max"
     with pytest.warns(DeprecationWarning):

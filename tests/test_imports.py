@@ -95,3 +95,19 @@ def test_launcher_does_not_import_the_faces():
         for mod in sorted(m for m in graph.modules if m.startswith("sdp.launcher")):
             chain = graph.find_shortest_chain(importer=mod, imported=face)
             assert chain is None, f"{mod} imports {face}: {' -> '.join(chain)}"
+
+
+def test_engine_and_api_import_no_framework():
+    """The engine, transport, common and sdp.api never import TensorFlow or torch (the faces do;
+    ``sdp.common.util``, Horovod's ``horovod.common.util``, asks them about GPUs, lazily)."""
+    graph = grimp.build_graph("sdp", include_external_packages=True)
+    below = sorted(m for m in graph.modules if m == "sdp.api" or m.split(".")[:2] in
+                   (["sdp", "engine"], ["sdp", "transport"], ["sdp", "common"]))
+    for framework in ("tensorflow", "torch"):
+        if framework not in graph.modules:
+            continue
+        for mod in below:
+            if mod == "sdp.common.util":
+                continue
+            chain = graph.find_shortest_chain(importer=mod, imported=framework)
+            assert chain is None, f"{mod} imports {framework}: {' -> '.join(chain)}"

@@ -14,15 +14,16 @@ tests that call Horovod's helpers keep working:
   ``ccl_built()`` return ``False``, ``nccl_built()`` ``0`` (Horovod's value without NCCL),
   ``gpu_available(ext)`` ``False``.  ``extension_available(ext)`` and
   ``check_extension(ext_name, ...)`` answer for sdp's faces: ``tensorflow`` (and Keras on it) is
-  there when TensorFlow is installed; ``torch``/``mxnet`` never are (``check_extension`` raises
-  ``ImportError`` naming the extension).
+  there when TensorFlow is installed, ``torch`` when PyTorch is; ``mxnet`` never is
+  (``check_extension`` raises ``ImportError`` naming the extension).
 - ``check_installed_version(name, version, exception=None)``: nothing to check (sdp has no
   binary built against a framework version); returns ``None``.
 - ``is_version_greater_equal_than(ver, target)``: ``ver >= target`` as versions (PEP 440, with
   ``packaging``); ``ValueError`` unless both are strings and ``target`` is ``major.minor.patch``.
 
-This layer imports no framework: TensorFlow's presence is looked up with
-``importlib.util.find_spec``, without importing it.
+This layer imports no framework: a framework's presence is looked up with
+``importlib.util.find_spec``, without importing it (``gpu_available`` asks the framework itself,
+lazily, as Horovod's does).
 """
 import importlib.util
 import os
@@ -31,7 +32,7 @@ import warnings
 from contextlib import contextmanager
 
 EXTENSIONS = ["tensorflow", "torch", "mxnet"]
-_SDP_FACES = {"tensorflow": "tensorflow", "keras": "tensorflow", "tensorflow.keras": "tensorflow"}
+_SDP_FACES = {"tensorflow": "tensorflow", "keras": "tensorflow", "tensorflow.keras": "tensorflow", "torch": "torch"}
 
 
 def get_ext_suffix() -> str:
@@ -72,8 +73,8 @@ def check_extension(ext_name: str, ext_env_var: str, pkg_path: str, *args: str) 
     ``horovod.common.util.check_extension``."""
     if not extension_available(ext_name):
         face = _face(ext_name)
-        why = ("TensorFlow is not installed" if face in _SDP_FACES
-               else "sdp provides the TensorFlow face only")
+        why = (f"{_SDP_FACES[face]} is not installed" if face in _SDP_FACES
+               else "sdp provides the TensorFlow and PyTorch faces only")
         raise ImportError(f"Extension {ext_name} is not available in sdp: {why}.")
 
 
@@ -84,13 +85,16 @@ def cuda_built() -> bool:
 
 
 def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
-    """True when sdp can reduce ``ext_base_name``'s (``'tensorflow'``) GPU tensors on the device:
-    PyCUDA is installed and the framework sees a GPU.  Mirrors
+    """True when sdp can reduce ``ext_base_name``'s (``'tensorflow'``, ``'torch'``) GPU tensors on
+    the device: PyCUDA is installed and the framework sees a GPU.  Mirrors
     ``horovod.common.util.gpu_available``."""
     available = False
     if cuda_built() and ext_base_name.split(".")[-1] == "tensorflow":
         import tensorflow as tf
         available = bool(tf.config.list_physical_devices("GPU"))
+    elif cuda_built() and ext_base_name.split(".")[-1] == "torch":
+        import torch
+        available = torch.cuda.is_available()
     if verbose:
         print(f"Extension {ext_base_name} {'was' if available else 'was NOT'} built with GPU support.")
     return available

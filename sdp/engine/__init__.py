@@ -1,4 +1,5 @@
 """The collective engine: background runtime, negotiation, fusion and the collective algorithms.
 
-Framework-free: works on numpy arrays and never imports TensorFlow.
+Framework-free: works on numpy arrays (and device arrays through their interfaces) and never
+imports TensorFlow or torch.
 """

@@ -16,7 +16,7 @@ that and the engine's results back into tensors on the input's device:
 
 Dtypes: bool, uint8, int8-64, float16, bfloat16, float32, float64 (as :mod:`sdp.api` carries them;
 reductions do not take bool with Average).  Other dtypes (complex, quantized, float8) raise
-``TypeError`` naming the dtype.  The engine never imports torch; this module is a face's.
+``ValueError`` naming the dtype (Horovod's class for "Tensor type ... is not supported").  The engine never imports torch; this module is a face's.
 """
 from typing import Optional
 
@@ -37,9 +37,9 @@ def _bf16() -> np.dtype:
 
 
 def check_dtype(tensor: torch.Tensor, what: str = "collective") -> None:
-    """``TypeError`` unless sdp carries ``tensor``'s dtype (see the module docstring)."""
+    """``ValueError`` unless sdp carries ``tensor``'s dtype (see the module docstring)."""
     if tensor.dtype not in _CARRIED:
-        raise TypeError(f"{what}: torch dtype {tensor.dtype} is not supported (bool, uint8, int8-int64, "
+        raise ValueError(f"{what}: torch dtype {tensor.dtype} is not supported (bool, uint8, int8-int64, "
                         "float16, bfloat16, float32, float64 are)")
 
 
@@ -74,8 +74,8 @@ class CudaTensor:
 
 def as_input(tensor: torch.Tensor, what: str = "collective"):
     """``tensor`` as :mod:`sdp.api` takes it, without a copy where it is contiguous: a numpy view
-    (CPU) or a :class:`CudaTensor` (CUDA).  ``TypeError`` for a dtype sdp does not carry, a
-    tensor neither on the CPU nor on a CUDA device, or something that is not a tensor."""
+    (CPU) or a :class:`CudaTensor` (CUDA).  ``ValueError`` for a dtype sdp does not carry;
+    ``TypeError`` for a tensor neither on the CPU nor on a CUDA device, or a non-tensor."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
     t = tensor.detach()
