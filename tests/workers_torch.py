@@ -138,6 +138,11 @@ def collectives(dtypes, device="cpu"):
              hvd.synchronize(hvd.grouped_reducescatter_async([big], op=hvd.Sum))[0], want)
         if dt.is_floating_point:
             c.eq(f"{name} reducescatter (Average)", hvd.reducescatter(big), want / n)
+    if n in (1, 2):  # Adasum (the engine's): orthogonal vectors add up, equal ones stay
+        c.eq("Adasum of orthogonal vectors", hvd.allreduce(torch.eye(2, device=device)[r], op=hvd.Adasum),
+             torch.ones(2) if n == 2 else torch.tensor([1.0, 0.0]))
+        c.eq("Adasum of equal vectors", hvd.allreduce(torch.full((3,), 2.0, device=device), op=hvd.Adasum),
+             torch.full((3,), 2.0))
     hvd.barrier()
     c.true("join returns a rank", hvd.join() in range(n))
     return list(c)

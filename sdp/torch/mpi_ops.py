@@ -15,8 +15,9 @@ Functions (Horovod's names, arguments and defaults):
   prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set)`` -> a new tensor
   (default op: Average); ``allreduce_`` (in place: returns the caller's tensor);
   ``allreduce_async`` / ``allreduce_async_`` -> an int handle; ``grouped_allreduce(_)(_async)``
-  of a list (one fused submission).  ``op``: ``Average``, ``Sum``, ``Min``, ``Max``, ``Product``
-  (``Adasum`` raises ``NotImplementedError``); ``average`` is Horovod's deprecated spelling.
+  of a list (one fused submission).  ``op``: ``Average``, ``Sum``, ``Min``, ``Max``, ``Product``,
+  ``Adasum`` (float tensors, a power-of-two number of ranks: see :mod:`sdp.api`); ``average`` is
+  Horovod's deprecated spelling.
 - ``allgather(tensor, name=None, process_set=...)`` (first dimensions may differ), ``_async``,
   ``grouped_allgather(_async)``; ``broadcast(tensor, root_rank, ...)``, ``broadcast_`` (in
   place), ``broadcast_async(_)``; ``alltoall(tensor, splits=None, ...)`` -> the received tensor,

@@ -67,10 +67,7 @@ def synchronize(handle: int):
 
 
 def _op(op) -> ReduceOp:
-    op = resolve_op(op)
-    if op == ReduceOp.ADASUM:
-        raise NotImplementedError("op=Adasum is not supported by sdp; use Average or Sum")
-    return op
+    return op if type(op) is ReduceOp else resolve_op(op)
 
 
 def _device(tensor: torch.Tensor) -> Optional[torch.device]:

@@ -25,8 +25,9 @@ optimizer of the wrapped optimizer's class (a subclass made on the fly, sharing 
 
 ``ValueError`` (Horovod's messages): ``named_parameters`` not ``(name, tensor)`` tuples, duplicate
 names, parameters left unnamed, bad ``groups``, ``backward_passes_per_step <= 0``,
-``gradient_predivide_factor`` with another op than Average.  ``op=Adasum`` raises
-``NotImplementedError`` (sdp has no Adasum) except on one rank, where it is a plain optimizer.
+``gradient_predivide_factor`` with another op than Average.  ``op=Adasum`` (Horovod's separate
+Adasum optimizer, which reduces model deltas) raises ``NotImplementedError`` except on one rank,
+where it is a plain optimizer.
 """
 import os
 import warnings
@@ -277,7 +278,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
     if op == ReduceOp.ADASUM and mpi_ops.size() > 1:
-        raise NotImplementedError("op=Adasum is not supported by sdp; use Average or Sum")
+        raise NotImplementedError("DistributedOptimizer(op=Adasum) is not supported by sdp's PyTorch face; use "
+                                  "Average or Sum (hvd.allreduce(t, op=hvd.Adasum) works)")
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set)
