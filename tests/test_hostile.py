@@ -205,7 +205,8 @@ def test_a_setting_that_is_not_allowed_is_one_line_from_sdprun_and_one_valueerro
 
 def test_trickled_and_reset_requests_take_bounded_threads_and_log_one_line(monkeypatch, capfd):
     """Item 2: 300 requests trickled a few bytes at a time, then 60 that send a whole unsigned
-    request and reset the connection at once: the endpoint holds at most MAX_CONNECTIONS threads,
+    request and reset the connection at once: the endpoint holds at most MAX_CONNECTIONS threads
+    (a newcomer in, the oldest idle one dropped for it),
     drops the trickled ones after the read deadline (2 s here, 5 s by default), logs one line for
     127.0.0.1 (not one per request, and no traceback), and then answers a signed request.
     (Was: one thread per connection without a read timeout, 538 threads for 540 requests, and
@@ -237,8 +238,7 @@ def test_trickled_and_reset_requests_take_bounded_threads_and_log_one_line(monke
                 s = socket.create_connection((host, port))
                 s.sendall(b"POST /config HTTP/1.1\r\nHost: x\r\n")
                 socks.append(s)
-            _wait_for(lambda: any(f"{cap} connections already open" in ln
-                                  for ln in lines) or threading.active_count() > base + cap + 5)
+            _wait_for(lambda: any("already open" in ln for ln in lines) or threading.active_count() > base + cap + 5)
             most = threading.active_count() - base
             for s in socks[:100]:
                 s.sendall(b"X-Slow: 1\r\n")  # trickling on
@@ -258,7 +258,7 @@ def test_trickled_and_reset_requests_take_bounded_threads_and_log_one_line(monke
         for s in socks:
             s.close()
         ctl.stop()
-    assert most <= cap + 2, most
+    assert most <= cap + 8, most  # (+ the oldest idle ones dropped for newcomers, their threads ending)
     refusals = [ln for ln in lines if "refused a connection from 127.0.0.1" in ln]
     assert len(refusals) == 1, lines[:5]
     assert "Traceback" not in capfd.readouterr().err

@@ -88,6 +88,7 @@ NATIVE_DONE, NATIVE_LOCAL, NATIVE_SENT, NATIVE_SKIP = 1, 0, -1, 2  # the compile
 MAGIC = b"SDPL"
 _MSG = struct.Struct("<4sQqQ")
 _INBOX_SLOT = 4 + _MSG.size + MAX_BYTES  # bytes per host of the compiled step's frames (cc/link_now.c LK_SLOT)
+_KEPT = 64 + MAX_BYTES  # bytes per message a leader keeps (cc/link_now.c LK_KEPT): at 32 its frame, at 64 the partial
 _DTYPES = frozenset(("<f4", "<f8", "<i4", "<i8"))
 
 
@@ -112,6 +113,13 @@ class HostLink:
         self._sigs: Dict[tuple, int] = {}
         self._lost_at: Optional[float] = None  # when this position's wait first saw a lost peer
         self.hdr = self.data = self.res = None
+        #: (a leader's) its last two messages, position k's in slot k % 2 (length-prefixed frame
+        #: at 32, its partial at 64: the compiled step reduces into it and sends it from there),
+        #: resent on a repaired link connection (:meth:`_history`)
+        self._kept = fusion.aligned_empty(np.uint8, 2 * _KEPT) if self.rank == self.leader else None
+        if self._kept is not None:
+            self._kept[:] = 0
+            mesh.link.history = self._history
         if len(self.local) > 1:
             seg = mesh.host_shm
             off = seg.lane_offset()
@@ -128,12 +136,10 @@ class HostLink:
         if module is not None:
             me = self.local.index(self.rank) if self.hdr is not None else 0
             leader = self.rank == self.leader
-            #: (a leader's) its host's partial, as the compiled step sent it
-            self._partial = fusion.aligned_empty(np.uint8, MAX_BYTES) if leader else None
             self._native = module.LinkFront(
                 self, rt, mesh.link if leader else None, list(self.leaders),
                 tuple(self.hdr[q] for q in self.local) if self.hdr is not None else (),
-                tuple(self.data[q] for q in self.local) if self.hdr is not None else (), self.res, self._partial,
+                tuple(self.data[q] for q in self.local) if self.hdr is not None else (), self.res, self._kept,
                 fusion.aligned_empty(np.uint8, _INBOX_SLOT * len(self.leaders)) if leader else None,
                 me, self.leaders.index(self.leader), SPIN_S, CHECK_S)
             self.front = self._native.front
@@ -279,13 +285,18 @@ class HostLink:
                 self.off = True
             return decision, None
         if step == NATIVE_SENT:  # (the compiled step sent this host's partial)
-            host_sig, partial = sig, self._partial[:nbytes].view(a.dtype)
+            at = (k & 1) * _KEPT + 64
+            host_sig, partial = sig, self._kept[at:at + nbytes].view(a.dtype)
         else:
             host_sig, partial = self._host_partial(k, sig, a, nbytes, ufunc)
             head = _MSG.pack(MAGIC, k, host_sig, nbytes if host_sig > 0 else 0)
+            body = head + partial.data if host_sig > 0 else head
+            at = (k & 1) * _KEPT + 32
+            self._kept[at:at + 4] = np.frombuffer(struct.pack("<I", len(body)), np.uint8)
+            self._kept[at + 4:at + 4 + len(body)] = np.frombuffer(body, np.uint8)
             for q in self.leaders:
                 if q != self.rank:
-                    self.mesh.link_send(q, head + partial.data if host_sig > 0 else head)
+                    self.mesh.link_send(q, body)
         got = self._gather(k)
         sigs = [host_sig if q == self.rank else got[q][0] for q in self.leaders]
         if host_sig > 0 and sigs.count(host_sig) == len(sigs):
@@ -338,6 +349,20 @@ class HostLink:
             self._take(self.leaders[h], [body], k)
         return code
 
+    def _history(self, dst: int) -> list:
+        """(A leader; holding its link's lock, from its caller's thread.) The messages to resend on
+        a new connection to leader ``dst``: the last two this leader sent, oldest first (a leader
+        sends a position's only once it has every leader's previous one, so a reader can lack no
+        other; the reader's position filter, :meth:`_take`, drops what it had)."""
+        out = []
+        for k in (self.k - 1, self.k):
+            at = (k & 1) * _KEPT + 32
+            n = int(self._kept[at:at + 4].view(np.uint32)[0])
+            if k >= 1 and _MSG.size <= n <= _MSG.size + MAX_BYTES and \
+                    _MSG.unpack_from(self._kept, at + 4)[1] == k:
+                out.append(bytes(self._kept[at + 4:at + 4 + n]))
+        return out
+
     def _publish(self, decision: int) -> None:
         """(Leader.) The decision of this position (and, FAST, the result written before it)
         for the host's other ranks."""
@@ -365,10 +390,12 @@ class HostLink:
         try:
             magic, pos, sig, nbytes = _MSG.unpack_from(frames[0])
             body = memoryview(frames[0])[_MSG.size:]
-            ok = (magic == MAGIC and pos in (k, k + 1) and (src, pos) not in self._early and len(frames) == 1
+            ok = (magic == MAGIC and pos <= k + 1 and len(frames) == 1
                   and nbytes == len(body) and (nbytes > 0) == (sig > 0) and nbytes <= MAX_BYTES)
         except (struct.error, TypeError, IndexError):
             ok = False
+        if ok and (pos < k or (src, pos) in self._early):  # (resent after a repair of the link: had it)
+            return
         if not ok:
             log.warning("rank %d: dropping a malformed message on the leaders' link from rank %d", self.rank, src)
             return
@@ -392,11 +419,11 @@ class HostLink:
         rt = self.rt
         if rt._failed is not None:
             raise rt._failed
-        if self.mesh.lost:  # (the engine thread fails the job with it and tells the peers which rank)
-            if self._lost_at is None:
+        if self.mesh.lost or self.mesh.link_lost:  # (the engine thread fails the job with it and tells the
+            if self._lost_at is None:                # peers which rank; a link past repair is a lost rank there)
                 self._lost_at = now
                 rt._wake()
-            elif now - self._lost_at >= LOST_GRACE_S:
+            elif now - self._lost_at >= LOST_GRACE_S and self.mesh.lost:
                 raise self.mesh.peer_error()
         if rt._stop.is_set():
             raise errors.NotInitializedError("waiting on an allreduce across hosts: sdp was shut down")

@@ -54,11 +54,14 @@ a wrong signature, an old timestamp (more than 120 s off) or a nonce already use
 401 too.  Bodies are at most ``MAX_BODY_BYTES`` (400 above).  The secret never travels; the bodies
 (cluster sizes, rendezvous address, rank environments without the secret) are not encrypted.
 
-Resources: at most ``MAX_CONNECTIONS`` (128) connections are served at once, one thread each (more
-are closed at once); a request must arrive whole, head and body, within ``READ_TIMEOUT_S`` (5 s)
-of its connection, however slowly it trickles; the listen backlog is 64.  Refusals and dropped
+Resources: at most ``MAX_CONNECTIONS`` (128) connections not yet signed are served at once, one
+thread each; a newcomer is always let in, and the oldest connection that has sent nothing is
+dropped for it (the slot policy of :mod:`sdp.transport.guard`: idle strangers displace only each
+other, never a worker's request, which is signed and leaves its slot at once); a request must
+arrive whole, head and body, within ``READ_TIMEOUT_S`` (5 s) of its connection, however slowly it
+trickles; the listen backlog is 128.  Refusals and dropped
 connections (unsigned, over the cap, timed out, reset while answered) are logged with the source
-address, the first at once and the rest as one line per address per 60 s
+address, the first at once and the rest as one line per address per 10 s
 (:class:`sdp.transport.guard.RefusalLog`), never as a traceback.  Measured: 300 connections
 trickling partial requests, then reset, held 128 threads (was one per connection: 294 for 300,
 and a ``BrokenPipeError`` traceback per reset one), and one log line (``tests/test_hostile.py``).
@@ -67,6 +70,7 @@ import http.server
 import io
 import json
 import logging
+import socket
 import sys
 import threading
 import time
@@ -112,36 +116,42 @@ class _DeadlineReader(io.RawIOBase):
 
 
 class _BoundedHTTPServer(http.server.ThreadingHTTPServer):
-    """``ThreadingHTTPServer`` with at most ``MAX_CONNECTIONS`` connections (threads) at once,
-    a read deadline per request (``READ_TIMEOUT_S``), and every refused or failed connection
-    logged with its source address, once per address per interval
-    (:class:`sdp.transport.guard.RefusalLog`), never as a traceback."""
+    """``ThreadingHTTPServer`` under the slot policy of :mod:`sdp.transport.guard`: at most
+    ``MAX_CONNECTIONS`` connections (threads) not yet signed at once, a newcomer always let in
+    and the oldest idle one dropped for it; a connection whose request is signed leaves its slot
+    (the workers never compete with strangers for them); a read deadline per request
+    (``READ_TIMEOUT_S``); every refused or failed connection logged with its source address, once
+    per address per interval (:class:`sdp.transport.guard.RefusalLog`), never as a traceback."""
 
     daemon_threads = True
-    request_queue_size = 64  # listen backlog (socketserver's 5 made connections beyond it wait for SYN retries)
+    request_queue_size = 128  # listen backlog (socketserver's 5 made connections beyond it wait for SYN retries)
 
     def __init__(self, address, handler):
-        from sdp.transport.guard import RefusalLog
+        from sdp.transport.guard import RefusalLog, Slots
         super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.slots = Slots(MAX_CONNECTIONS)
         self.refusals = RefusalLog("elastic endpoint", log)
 
     def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
-            self.refusals.refused(client_address[0], f"{MAX_CONNECTIONS} connections already open")
-            self.shutdown_request(request)
-            return
+        from sdp.transport.guard import received_bytes
+        for victim, src in self.slots.admit(request, client_address[0], lambda s: received_bytes(s) > 0):
+            try:
+                victim.shutdown(socket.SHUT_RDWR)  # (its thread reads the end and finishes)
+            except OSError:
+                pass
+            self.refusals.refused(src, f"dropped for a newer connection: {MAX_CONNECTIONS} unsigned ones were "
+                                       f"already open (the oldest idle one goes)")
         try:
             super().process_request(request, client_address)  # a thread for it
         except BaseException:
-            self._slots.release()
+            self.slots.done(request)
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self.slots.done(request)
 
     def handle_error(self, request, client_address):
         exc = sys.exc_info()[1]
@@ -351,6 +361,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """Whether the request is signed with the job secret and new; answers 401 (and logs) if not."""
         reason = self.ctl.verifier.check(self.headers.get("Authorization"), self.command, self.path, body)
         if reason is None:
+            self.server.slots.done(self.connection)  # (signed: it holds no stranger's slot)
             return True
         self._refuse(reason)
         return False

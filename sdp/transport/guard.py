@@ -1,38 +1,46 @@
 """What a peer without the job secret can take from a listening socket, and the log of refusals.
 
-ZeroMQ accepts every TCP connection to a bound socket and keeps it (one file descriptor) until the
-ZMTP handshake, security included, finishes or fails.  An intruder who opens connections and then
-says nothing held them for libzmq's default handshake interval of 30 s: 2,000 such connections took
-a rank from 51 to 1,051 open files, and under ``ulimit -n 1024`` the training script then failed
-with ``EMFILE``.  So every server socket of a job (mesh ROUTER, rendezvous, model store):
+An unauthenticated connection costs its listener a descriptor, and on a socket that caps them, a
+slot a genuine peer may need.  So every listening socket of a job (mesh ROUTER, rendezvous, model
+store here; the leaders' link, :mod:`sdp.transport.tcp_link`, and ``sdprun``'s elastic endpoint,
+:mod:`sdp.launcher.elastic`, with the same :class:`Slots`) follows one **slot policy** (issue 53):
 
-* has a handshake interval of ``HANDSHAKE_IVL_MS`` (3 s, ``ZMQ_HANDSHAKE_IVL``, set by
-  :func:`sdp.transport.security.secure_server`): a connection that has not authenticated by then
-  is closed by ZeroMQ;
-* holds at most ``expected + PENDING_CAP`` accepted connections (``expected``: the connections
-  the job itself makes to it, e.g. one per peer rank; ``PENDING_CAP`` = 32): a
-  :class:`ConnectionGuard` thread reads ZeroMQ's ``EVENT_ACCEPTED`` (which carries the new
-  descriptor) and shuts one beyond the cap down at once (``shutdown(2)``; ZeroMQ then closes it).
-  So sdp's descriptors stay within a budget: per rank, its own sockets (two per peer: the DEALER
-  and the accepted connection, one mapping per same-host peer's shared memory, ZeroMQ's
-  internal pipes: 34 in all for a rank of a 2-rank job with TensorFlow not imported) plus at most
-  ``PENDING_CAP`` strangers per listening socket once the guard has caught up; the rest of
-  ``ulimit -n`` is the user's.  Measured (``tests/test_hostile.py``: 2,000 connections that
-  never send a byte to each of a 2-rank job's 3 listening sockets, ranks and ``sdprun`` under
-  ``ulimit -n 1024``, each rank holding 200 files at a time while training; 2-core host at load
-  5-15): a rank peaked at 217-692 descriptors for milliseconds while ZeroMQ accepted faster than
-  the guard (a Python thread) shut connections down, then held 34; the job ended with equal
-  checksums.  On the code before, every connection stayed 30 s and the script died of
-  ``EMFILE``.
+* a connection holds a slot only until it authenticates, and for ``HANDSHAKE_IVL_MS`` (3 s) at
+  most: on ZeroMQ sockets ``ZMQ_HANDSHAKE_IVL`` (set by :func:`sdp.transport.security.secure_server`;
+  libzmq's default is 30 s) closes it, elsewhere the listener does;
+* at most ``PENDING_CAP`` (32) connections wait to authenticate at once.  A newcomer is always
+  let in; when that makes one too many, the listener drops the connection that has sent nothing
+  (an idle one before one that speaks), of the source address holding the most, the oldest
+  first (:meth:`Slots.admit`).  A genuine peer speaks at once and authenticates in milliseconds,
+  so strangers holding idle connections, however many and from wherever, displace only each
+  other; a stranger never makes the genuine peer the one refused.  (Before, the newcomer was
+  refused: 32 idle connections made the genuine leader's the one shut out.)
+* on a Unix socket (the mesh's abstract ``ipc://@sdp-...`` sockets, which have no file
+  permissions) a connection from another user is dropped at accept, logged with its pid and
+  uid (``SO_PEERCRED``).
+
+ZeroMQ accepts connections itself and tells nothing of one before its handshake, so on its
+sockets a :class:`ConnectionGuard` thread reads the socket monitor's ``EVENT_ACCEPTED`` (which
+carries the descriptor), asks the kernel whether the connection has sent anything
+(``TCP_INFO``'s byte count; ZeroMQ reads everything at once) and ``shutdown(2)``s the one the
+policy drops (ZeroMQ then closes it).  A connection older than the handshake interval has
+authenticated (ZeroMQ would have closed it) and holds no slot.  So sdp's descriptors stay within
+a budget: per rank, its own sockets plus at most ``PENDING_CAP`` strangers per listening socket
+once the guard has caught up.  Measured (``tests/test_hostile.py``: 2,000 connections that never
+send a byte to each of a 2-rank job's 3 listening sockets, ranks and ``sdprun`` under ``ulimit -n
+1024``, each rank holding 200 files at a time while training; 2-core host at load 5-15): a rank
+peaked at 217-692 descriptors for milliseconds while ZeroMQ accepted faster than the guard (a
+Python thread) shut connections down, then held 34; the job ended with equal checksums.
 
 Each refusal is logged with its source address (:class:`RefusalLog`): the first from an address
-at once, with the reason; the others from it within ``SUMMARY_S`` (60 s) as one line at the end
-of that interval, ``"N refused from ADDR in the last 60 s"``.  Reasons: a foreign CURVE key or a
-wrong/spent PLAIN token (from the ZAP handler, :class:`sdp.transport.security.Gatekeeper`), over
-the cap, or closed before authenticating (no greeting within the handshake interval, another
-mechanism, not ZMTP at all).
+at once, with the reason; the others from it within ``SUMMARY_S`` (10 s) as one line at the end
+of that interval, ``"N refused from ADDR in the last 10 s"``.  Reasons: a foreign CURVE key or a
+wrong/spent PLAIN token (from the ZAP handler, :class:`sdp.transport.security.Gatekeeper`),
+dropped for a newer connection, another user, or closed before authenticating (no greeting
+within the handshake interval, another mechanism, not ZMTP at all).
 """
 import collections
+import os
 import logging
 import re
 import socket
@@ -45,8 +53,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 HANDSHAKE_IVL_MS = 3000  # ms an accepted connection may take to authenticate (libzmq's default: 30000)
-PENDING_CAP = 32  # connections per listening socket beyond the ones the job makes itself
-SUMMARY_S = 60.0  # seconds over which the refusals from one address are summed into one line
+PENDING_CAP = 32  # connections per listening socket waiting to authenticate at once
+SUMMARY_S = 10.0  # seconds over which the refusals from one address are summed into one line
 MAX_SOURCES = 1024  # addresses tracked at once; more are summed as "other addresses"
 _OTHER = "other addresses"
 UNKNOWN = "an unknown address (closed before its address was read)"
@@ -106,57 +114,129 @@ def source_name(zap_address: str) -> str:
     return f"local pid {m.group(3)} (uid {m.group(1)})" if m else zap_address
 
 
-def _peer_address(fd: int) -> str:
-    """The source address of accepted connection ``fd``: its IP address, or for a Unix socket
-    the other process (``"local pid P (uid U)"``, from ``SO_PEERCRED``)."""
-    s = None
+def peer_credentials(sock: socket.socket) -> Optional[tuple]:
+    """``(pid, uid)`` of the process at the other end of Unix socket ``sock`` (``SO_PEERCRED``),
+    or None (not a Unix socket, or gone)."""
     try:
-        s = socket.socket(fileno=fd)
-        if s.family == socket.AF_UNIX:
-            pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            return f"local pid {pid} (uid {uid})"
-        peer = s.getpeername()
-        return peer[0] if isinstance(peer, tuple) else ""
+        if sock.family != socket.AF_UNIX:
+            return None
+        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        return pid, uid
     except (OSError, AttributeError, struct.error):
-        return UNKNOWN  # ZeroMQ closed it before this thread got to it
-    finally:
-        if s is not None:
-            s.detach()  # the descriptor stays ZeroMQ's
+        return None
 
 
-def _shutdown(fd: int) -> None:
-    s = None
+def local_name(pid: int, uid: int) -> str:
+    """The source name of a local process: ``"local pid P (uid U)"``."""
+    return f"local pid {pid} (uid {uid})"
+
+
+def foreign_user(sock: socket.socket) -> Optional[str]:
+    """The source name of the process at the other end of Unix socket ``sock`` when it runs as
+    another user than this process (to be dropped at once), else None."""
+    cred = peer_credentials(sock)
+    return local_name(*cred) if cred is not None and cred[1] != os.geteuid() else None
+
+
+def received_bytes(sock: socket.socket) -> int:
+    """Bytes TCP connection ``sock`` has received so far, read or not (``TCP_INFO``'s
+    ``tcpi_bytes_received``, Linux 4.1+); 1 where unknown (another family or system), so such
+    connections count as speaking."""
     try:
-        s = socket.socket(fileno=fd)
-        s.shutdown(socket.SHUT_RDWR)
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        return struct.unpack_from("<Q", info, 128)[0] if len(info) >= 136 else 1
+    except (OSError, AttributeError, struct.error):
+        return 1
+
+
+class Slots:
+    """The pre-authentication slots of one listening socket (the policy of the module docstring):
+    at most ``cap`` connections wait to authenticate at once; :meth:`admit` always takes the
+    newcomer in and names the ones to drop for it.  Keys are whatever the listener tells its
+    connections apart by (a descriptor, a socket).  Thread-safe."""
+
+    def __init__(self, cap: int = PENDING_CAP):
+        self.cap = cap
+        self._pending: Dict[object, tuple] = {}  # key -> (source, since)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def admit(self, key, source: str, spoke: Callable[[object], bool] = lambda key: True,
+              now: Optional[float] = None) -> list:
+        """Take connection ``key`` from ``source`` into a slot; ``[(key, source), ...]`` of the
+        connections to close for it (removed here): while over ``cap``, of those waiting other
+        than ``key``, one that has sent nothing (``spoke(key)`` false) before one that has, of
+        the source holding the most slots, the oldest first."""
+        now = time.monotonic() if now is None else now
+        out = []
+        with self._lock:
+            self._pending[key] = (source, now)
+            if len(self._pending) <= self.cap:
+                return out
+            count = collections.Counter(src for src, _ in self._pending.values())
+            order = sorted((bool(spoke(k)), -count[src], since, i, k)
+                           for i, (k, (src, since)) in enumerate(self._pending.items()) if k is not key)
+            for *_, k in order[:len(self._pending) - self.cap]:
+                out.append((k, self._pending.pop(k)[0]))
+        return out
+
+    def done(self, key) -> None:
+        """Connection ``key`` authenticated or closed: its slot is free."""
+        with self._lock:
+            self._pending.pop(key, None)
+
+    def expired(self, age_s: float, now: Optional[float] = None) -> list:
+        """``[(key, source), ...]`` of the connections that have waited ``age_s`` or longer
+        (removed here)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            old = [k for k, (_, since) in self._pending.items() if now - since >= age_s]
+            return [(k, self._pending.pop(k)[0]) for k in old]
+
+
+def _peer_address(sock: socket.socket) -> str:
+    """The source address of accepted connection ``sock``: its IP address, or for a Unix socket
+    the other process (``"local pid P (uid U)"``, from ``SO_PEERCRED``)."""
+    try:
+        cred = peer_credentials(sock)
+        if cred is not None:
+            return local_name(*cred)
+        peer = sock.getpeername()
+        return peer[0] if isinstance(peer, tuple) else ""
+    except (OSError, AttributeError):
+        return UNKNOWN  # ZeroMQ closed it before this thread got to it
+
+
+def _borrow(fd: int) -> Optional[socket.socket]:
+    """A socket object over ZeroMQ's descriptor ``fd`` (to be ``detach()``ed, never closed)."""
+    try:
+        return socket.socket(fileno=fd)
     except OSError:
-        pass
-    finally:
-        if s is not None:
-            s.detach()
+        return None
 
 
 class ConnectionGuard:
-    """Caps the accepted connections of server socket ``sock`` at ``expected() + PENDING_CAP`` and
-    logs the ones that never authenticated, in a daemon thread reading a socket monitor (a socket
-    has one monitor: this is it).  ``outcome(addr)`` (the ZAP handler's
+    """Applies the slot policy (:class:`Slots`) to server socket ``sock``'s connections and logs
+    the ones that never authenticated, in a daemon thread reading a socket monitor (a socket has
+    one monitor: this is it).  ``outcome(addr)`` (the ZAP handler's
     :meth:`~sdp.transport.security.Gatekeeper.take_outcome`) says whether a connection from
     ``addr`` was judged, so that it is not logged twice.  Call :meth:`stop` (from the thread that
     owns ``sock``) before closing it."""
 
     EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
 
-    def __init__(self, sock, refusals: RefusalLog, expected: Callable[[], int],
-                 outcome: Optional[Callable[[str], Optional[str]]] = None, cap: int = PENDING_CAP):
+    def __init__(self, sock, refusals: RefusalLog, outcome: Optional[Callable[[str], Optional[str]]] = None,
+                 cap: int = PENDING_CAP):
         self._sock = sock
         self.refusals = refusals
-        self._expected = expected
         self._outcome = outcome or (lambda addr: None)
-        self._cap = cap
+        self._slots = Slots(cap)
         self._open: Dict[int, tuple] = {}  # fd -> (source address, accepted at)
         self._shut = set()  # fds shut down here (logged already)
         self.peak = 0  # most accepted connections open at once
-        self.capped = 0  # connections shut down for the cap
+        self.capped = 0  # connections shut down for the policy (dropped for a newer one, another user)
         self._mon = sock.get_monitor_socket(self.EVENTS)
         self._thread = threading.Thread(target=self._run, name="sdp-guard", daemon=True)
         self._thread.start()
@@ -186,21 +266,50 @@ class ConnectionGuard:
         finally:
             mon.close(linger=0)
 
+    def _spoke(self, fd: int) -> bool:
+        s = _borrow(fd)
+        if s is None:
+            return False
+        try:
+            return s.family != socket.AF_INET and s.family != socket.AF_INET6 or received_bytes(s) > 0
+        finally:
+            s.detach()
+
+    def _shutdown(self, fd: int, addr: str, reason: str) -> None:
+        s = _borrow(fd)
+        if s is not None:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                s.detach()
+        self._shut.add(fd)
+        self.capped += 1
+        self.refusals.refused(addr, reason)
+
     def _accepted(self, fd: int, endpoint: bytes) -> None:
-        addr = _peer_address(fd)
+        s = _borrow(fd)
+        if s is None:
+            return
+        try:
+            addr, stranger = _peer_address(s), foreign_user(s)
+        finally:
+            s.detach()
         self._open[fd] = (addr, time.monotonic())
         self.peak = max(self.peak, len(self._open))
-        cap = self._expected() + self._cap
-        if len(self._open) > cap:
-            _shutdown(fd)
-            self._shut.add(fd)
-            self.capped += 1
-            self.refusals.refused(addr, f"{len(self._open) - 1} connections to {endpoint.decode(errors='replace')} "
-                                        f"already open (at most {cap}: the job's own + {self._cap} "
-                                        f"still authenticating)")
+        where = endpoint.decode(errors="replace")
+        if stranger is not None:
+            self._shutdown(fd, stranger, f"another user connected to {where}: dropped at once")
+            return
+        self._slots.expired(HANDSHAKE_IVL_MS / 1000 + 0.5)  # (authenticated: ZeroMQ closes the rest by then)
+        for victim, src in self._slots.admit(fd, addr, self._spoke):
+            self._shutdown(victim, src, f"dropped for a newer connection to {where}: {self._slots.cap} were "
+                                        f"already waiting to authenticate (the oldest idle one goes)")
 
     def _disconnected(self, fd: int) -> None:
         addr, since = self._open.pop(fd, ("", 0.0))
+        self._slots.done(fd)
         if fd in self._shut:
             self._shut.discard(fd)
             return

@@ -52,8 +52,8 @@ class RendezvousServer:
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         security.secure_server(self._sock, secret)
-        # one REQ per rank and round: at most size + PENDING_CAP connections (sdp.transport.guard)
-        self._guard = self._gate.guard(self._sock, lambda: self.size)
+        # the slot policy (sdp.transport.guard): strangers never displace a rank's connection
+        self._guard = self._gate.guard(self._sock)
         try:
             if port:
                 self._sock.bind(f"tcp://{host}:{port}")

@@ -194,8 +194,8 @@ class HttpVerifier:
 def secure_server(sock, secret: str, encrypt: bool = True) -> None:
     """Make ``sock`` (before ``bind``) a server of the job: CURVE with the job's server key, or
     PLAIN (single-use tokens) when ``encrypt`` is false.  Its context must run a
-    :class:`Gatekeeper`, which decides who gets in; ``Gatekeeper.guard(sock, ...)`` caps its
-    connections (:mod:`sdp.transport.guard`).  Connections that have not authenticated within
+    :class:`Gatekeeper`, which decides who gets in; ``Gatekeeper.guard(sock)`` applies the slot
+    policy to its connections (:mod:`sdp.transport.guard`).  Connections that have not authenticated within
     ``sdp.transport.guard.HANDSHAKE_IVL_MS`` are closed."""
     from sdp.transport.guard import HANDSHAKE_IVL_MS
     sock.zap_domain = ZAP_DOMAIN
@@ -240,10 +240,10 @@ def _gatekeeper_class():
             self.start()
             self.configure_curve_callback(ZAP_DOMAIN.decode(), credentials_provider=self)
 
-        def guard(self, sock, expected):
+        def guard(self, sock):
             """A :class:`~sdp.transport.guard.ConnectionGuard` of server socket ``sock`` of this
-            context (``expected()``: the connections the job makes to it)."""
-            return ConnectionGuard(sock, self.refusals, expected, self.outcomes.take)
+            context (the slot policy of :mod:`sdp.transport.guard`)."""
+            return ConnectionGuard(sock, self.refusals, self.outcomes.take)
 
         async def handle_zap_message(self, msg):
             self._address = source_name(msg[3].decode(errors="replace")) if len(msg) > 3 else ""

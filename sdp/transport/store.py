@@ -70,13 +70,6 @@ def _job_secret(secret: Optional[str]) -> str:
     return secret or security.secret_from_env() or security.new_secret()
 
 
-def _job_size() -> int:
-    try:
-        return max(1, int(os.environ.get("SDP_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
 class Server:
     """This process's store and the thread that serves it, at ``tcp://host:<free port>``
     (``address``).  ``host``: one local address (``*``/``0.0.0.0`` raise ``ValueError``);
@@ -92,8 +85,8 @@ class Server:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         security.secure_server(self._sock, secret)
-        # peers fetch with one DEALER each: at most SDP_SIZE + PENDING_CAP connections
-        self._guard = self._gate.guard(self._sock, lambda: _job_size())
+        # the slot policy (sdp.transport.guard): strangers never displace a peer's connection
+        self._guard = self._gate.guard(self._sock)
         try:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError:

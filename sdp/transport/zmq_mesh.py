@@ -40,6 +40,7 @@ import errno
 import json
 import logging
 import os
+import re
 import socket
 import struct
 import sys
@@ -114,8 +115,8 @@ class Mesh:
         self._guard = None
         if self._gate is not None:
             security.secure_server(self.router, self._secret, self.encrypt)
-            # at most size + PENDING_CAP connections; refusals logged with their source address
-            self._guard = self._gate.guard(self.router, lambda: self.size)
+            # the slot policy (sdp.transport.guard); refusals logged with their source address
+            self._guard = self._gate.guard(self.router)
         job = os.environ.get("SDP_JOB_ID") or os.urandom(6).hex()
         self._ipc_dir = None
         if sys.platform.startswith("linux"):  # abstract socket: no file, gone with the process
@@ -133,13 +134,16 @@ class Mesh:
         self.link: Optional[tcp_link.LeaderLink] = None
         self.link_on = False
         if link and self._gate is not None and not self.encrypt:
-            self.link = tcp_link.LeaderLink(ip, self.rank)
+            self.link = tcp_link.LeaderLink(ip, self.rank, self._link_failed)
         self.peers: List[dict] = []
         self.dealers: Dict[int, zmq.Socket] = {}
         self.monitors: Dict[zmq.Socket, int] = {}
         self._ident_to_rank: Dict[bytes, int] = {}
         self.inbox = collections.defaultdict(collections.deque)  # (src, kind) -> deque of (aux, seq, frames)
         self.lost: Dict[int, str] = {}
+        #: (rank, reason) of leaders' link connections that could not be repaired (from the
+        #: caller's thread), made losses by pump() in the engine's
+        self.link_lost: collections.deque = collections.deque()
         self._suspects: Dict[int, float] = {}  # rank -> when its connection dropped (see _confirm_losses)
         self._pids: Dict[int, int] = {}  # same-host peer rank -> its pid (from rendezvous)
         self._redial: Dict[int, str] = {}  # suspect rank -> how ZeroMQ's reconnection went (_loss_reason)
@@ -450,6 +454,15 @@ class Mesh:
             self._drain_monitors(ready)
         if self._suspects:
             self._confirm_losses()
+        while self.link_lost:
+            r, reason = self.link_lost.popleft()
+            if r not in self.lost:
+                self.lost[r] = reason
+
+    def _link_failed(self, rank: int, reason: str) -> None:
+        """(Any thread.) The leaders' link to ``rank`` failed past repair: it is lost at the
+        engine thread's next :meth:`pump`."""
+        self.link_lost.append((rank, reason))
 
     def recv(self, src: int, kind: int, seq: Optional[int] = None, aux: Optional[int] = None,
              deadline: Optional[float] = None):
@@ -486,8 +499,11 @@ class Mesh:
             return PeerLostError(direct[0], self.lost[direct[0]])
         src = min(self.aborted) if self.aborted else min(self.lost)
         note = self.aborted.get(src, {})
-        if note.get("lost") is not None:
-            return PeerLostError(int(note["lost"]), f"{note.get('err')} (reported by rank {src})")
+        if note.get("lost") is not None:  # (one flat message: the cause, and who saw it)
+            lost, err = int(note["lost"]), str(note.get("err"))
+            err = re.sub(r"^(lost connection to rank \d+: )+", "", err)
+            err = re.sub(r"( \(reported by rank \d+\))+$", "", err)
+            return PeerLostError(lost, f"{err} (reported by rank {src})")
         return PeerLostError(src, note.get("err") or self.lost.get(src, "lost"))
 
     def abort(self, lost: Optional[int], err: str) -> None:

@@ -34,6 +34,8 @@
 #define LK_MAX (64 << 10)        /* hostlink.MAX_BYTES */
 #define LK_SLOT (4 + LK_HDR + LK_MAX) /* bytes of one frame in the inbox (tcp_link's length first) */
 #define LK_HOSTS 64
+#define LK_KEPT (64 + LK_MAX)    /* hostlink._KEPT: a leader keeps position k's frame at slot k % 2 + 32 (resent on a
+                                    repaired link connection), its partial at + 64 */
 
 /* codes (hostlink.py NATIVE_*) */
 #define LK_DONE 1    /* FAST: the result is in out (and published, on a leader) */
@@ -136,18 +138,18 @@ static int lk_lead(LinkFront *f, int64_t k, int64_t sig, const char *a, char *ou
     char *src[MAX_RANKS];
     src[0] = (char *)a;
     for (Py_ssize_t q = 1; q < nlocal; q++) src[q] = f->data[q];
-    reduce(red, src, nlocal ? (int)nlocal : 1, f->partial, count, 1.0);
+    char *head = f->partial + (k & 1) * LK_KEPT + 32, *partial = head + 4 + LK_HDR;
+    reduce(red, src, nlocal ? (int)nlocal : 1, partial, count, 1.0);
     uint32_t len = LK_HDR + (uint32_t)nb;
     uint64_t pos = (uint64_t)k, bytes = (uint64_t)nb;
-    char head[4 + LK_HDR];
     memcpy(head, &len, 4);
     memcpy(head + 4, "SDPL", 4);
     memcpy(head + 8, &pos, 8);
     memcpy(head + 16, &sig, 8);
     memcpy(head + 24, &bytes, 8);
     for (int h = 0; h < nout; h++) {
-        struct iovec iov[2] = {{head, sizeof head}, {f->partial, (size_t)nb}};
-        lk_send_all(ofd[h], iov, 2);
+        struct iovec iov[1] = {{head, 4 + len}};
+        lk_send_all(ofd[h], iov, 1);
     }
     int left = (int)nhosts - 1;
     double limit = now_s() + f->check;
@@ -187,7 +189,7 @@ static int lk_lead(LinkFront *f, int64_t k, int64_t sig, const char *a, char *ou
     }
     if (left || odd) return LK_SENT;
     char *parts[LK_HOSTS];
-    for (Py_ssize_t h = 0; h < nhosts; h++) parts[h] = h == me_host ? f->partial : f->inbox + h * LK_SLOT + 4 + LK_HDR;
+    for (Py_ssize_t h = 0; h < nhosts; h++) parts[h] = h == me_host ? partial : f->inbox + h * LK_SLOT + 4 + LK_HDR;
     reduce(red, parts, (int)nhosts, out, count, scale);
     if (nlocal) {
         memcpy(f->res, out, nb);
@@ -468,7 +470,7 @@ static PyObject *lf_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         if (!f->hdr[q] || !f->data[q]) goto geometry;
     }
     f->res = res == Py_None ? NULL : (char *)lk_slots(res, LK_MAX);
-    f->partial = partial == Py_None ? NULL : (char *)lk_slots(partial, LK_MAX);
+    f->partial = partial == Py_None ? NULL : (char *)lk_slots(partial, 2 * LK_KEPT);
     f->inbox = inbox == Py_None ? NULL : (char *)lk_slots(inbox, LK_SLOT * nhosts);
     if ((nlocal && !f->res) || (me == 0 && (!f->partial || !f->inbox))) goto geometry;
     return (PyObject *)f;
