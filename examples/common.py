@@ -58,36 +58,91 @@ def add_kungfu_optimizer_arg(parser):
 
 
 class Progress:
-    """Rank 0's progress bar for a training loop: a Keras ``Progbar`` of ``target`` steps showing
-    the mean loss so far and images/s (``images_per_step`` over the time since the previous
-    update); does nothing on other ranks.  Call ``update(step, loss)`` after each step, and
-    ``end()`` after a loop that may stop before ``target``.
+    """Rank 0's progress line for a training loop of ``target`` steps: the step, the mean loss so
+    far, images/s and the time left; does nothing on other ranks.  Call ``update(step, loss)``
+    after each step, and ``end()`` after a loop that may stop before ``target``.
 
-    Keras redraws the bar in place (with a carriage return); ``sdprun`` shows such an in-place
-    line at most every 10 s, and the last one."""
+    The first step's time stays out of the rate and the time left: it includes TensorFlow tracing
+    the step (and, on a first run, sdp building its TensorFlow op), which made a first line read
+    ``1/468 ... 1:38:24``.  A line of its own says how long it took; the progress line starts at
+    the next step.  The rate is the images of the steps after the first over their time.
 
-    def __init__(self, target, rank, images_per_step):
-        self.bar = None
-        if rank == 0:
-            import keras
-            self.bar = keras.utils.Progbar(target, stateful_metrics=["loss", "images/s"],
-                                           interval=0.5 if sys.stdout.isatty() else 0.05)
-        self.target, self.images_per_step = target, images_per_step
-        self.step, self.loss_sum, self.count, self.last = 0, 0.0, 0, time.perf_counter()
+    The line is redrawn in place (a carriage return, at most every 0.5 s on a terminal, 0.05 s
+    otherwise); ``sdprun`` shows such an in-place line at most every 10 s, the first at once, and
+    the last.  The last one ends with a newline."""
+
+    WIDTH = 20
+
+    def __init__(self, target, rank, images_per_step, clock=time.perf_counter, out=None):
+        self.active = rank == 0
+        self.target, self.images_per_step, self.clock = target, images_per_step, clock
+        self.out = out if out is not None else sys.stdout
+        self.interval = 0.5 if self.out.isatty() else 0.05
+        self.start = clock()
+        self.first_done = None  # the time step 1 ended
+        self.step, self.loss_sum, self.count, self.shown_at, self.width, self.drawn = 0, 0.0, 0, -1e9, 0, 0
 
     def update(self, step, loss):
-        if self.bar is None:
+        if not self.active:
             return
-        now = time.perf_counter()
-        rate = self.images_per_step / max(now - self.last, 1e-9)
-        self.loss_sum, self.count, self.last = self.loss_sum + float(loss), self.count + 1, now
-        self.step = step
-        self.bar.update(step, [("loss", self.loss_sum / self.count), ("images/s", round(rate))])
+        now = self.clock()
+        self.loss_sum, self.count, self.step = self.loss_sum + float(loss), self.count + 1, step
+        if self.first_done is None:
+            self.first_done, self.first_step = now, step
+            self.out.write(f"first step: {now - self.start:.1f} s (it traces the step function; "
+                           "the times below leave it out)\n")
+            self.out.flush()
+            if step < self.target:
+                return
+        if now - self.shown_at >= self.interval or step >= self.target:
+            self.shown_at = now
+            self._draw(now, final=step >= self.target)
+
+    def line(self, now):
+        """The text of the progress line at time ``now``."""
+        digits = len(str(self.target))
+        done = int(self.WIDTH * min(self.step, self.target) / max(self.target, 1))
+        text = f"{self.step:>{digits}}/{self.target} [{'=' * done}{'.' * (self.WIDTH - done)}]"
+        after = self.step - self.first_step
+        if after > 0:
+            per_step = (now - self.first_done) / after
+            if self.step >= self.target:
+                text += f" - {now - self.start:.0f} s"
+            else:
+                text += f" - {_clock(per_step * (self.target - self.step))} left"
+            text += f" - {per_step * 1000:.0f} ms/step"
+        text += f" - loss: {self.loss_sum / self.count:.4f}"
+        if after > 0:
+            text += f" - {self.images_per_step / max(per_step, 1e-9):.0f} images/s"
+        return text
+
+    def _draw(self, now, final=False):
+        text = self.line(now)
+        if self.out.isatty():
+            text += " " * max(0, self.width - len(text))  # cover a longer previous line
+        self.width, self.drawn = len(text), self.step
+        self.out.write("\r" + text + ("\n" if final else ""))
+        self.out.flush()
 
     def end(self):
-        """End the bar's line if the loop stopped before ``target`` (Keras ends it at ``target``)."""
-        if self.bar is not None and 0 < self.step < self.target:
-            print(flush=True)
+        """End the line if the loop stopped before ``target`` (``update`` ends it at ``target``)."""
+        if not self.active or not self.first_done or self.step >= self.target:
+            return
+        if self.drawn != self.step:
+            self._draw(self.clock(), final=True)
+        else:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def _clock(seconds):
+    """``h:mm:ss``, ``m:ss`` or ``Ns``."""
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+    if seconds >= 60:
+        return f"{seconds // 60}:{seconds % 60:02d}"
+    return f"{seconds}s"
 
 
 def interrupted(rank, step):

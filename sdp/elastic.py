@@ -19,7 +19,9 @@ Horovod Elastic on top (mirrors ``horovod.common.elastic``):
   :class:`~sdp.common.errors.PeerLostError`; not the ``ValueError`` kinds such as
   :class:`~sdp.common.errors.TensorMismatchError`, a bug that would fail again on every try, which
   propagate) ``restore()`` the last commit, re-form, ``sync()`` and call again; on :class:`~sdp.common.errors.HostsUpdatedInterrupt` re-form without rollback
-  (and without sync when hosts were only removed).
+  (and without sync when hosts were only removed).  Each rank reports a recovery in one warning
+  line (``collective failed (lost connection to rank 2: ...): rolling back ...``): inside the loop
+  the transport's own error line about the lost peer is left out.
 * Host changes: ``sdprun`` counts them (``hosts_version`` of ``GET /status``); at each
   ``commit()``/``check_host_updates()`` rank 0 reads the count and broadcasts it, so every rank
   raises ``HostsUpdatedInterrupt`` at the same commit.
@@ -291,6 +293,17 @@ def _reform(reset_fn: Callable) -> None:
             log.warning("re-forming the job failed (%s); trying again", str(e).splitlines()[0][:300])
 
 
+class _RecoveredLoss(logging.Filter):
+    """On ``sdp.transport`` inside :func:`run_fn`: drops its "lost rank" error, which the
+    rollback's warning repeats (one line per rank for a recovery)."""
+
+    def filter(self, record):
+        return not (record.levelno >= logging.ERROR and "lost rank" in record.getMessage())
+
+
+_RECOVERED_LOSS = _RecoveredLoss()
+
+
 def run_fn(func: Callable, reset_fn: Callable = reset, is_internal_error: Callable = None) -> Callable:
     """The loop of Horovod's ``hvd.elastic.run`` (see the module docstring): ``func(state, ...)``
     is called until it returns; ``is_internal_error(exc)`` may classify framework errors (e.g. a
@@ -299,6 +312,7 @@ def run_fn(func: Callable, reset_fn: Callable = reset, is_internal_error: Callab
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         skip_sync = False
+        logging.getLogger("sdp.transport").addFilter(_RECOVERED_LOSS)  # (once: a set of filters)
         while True:
             try:
                 if not skip_sync:

@@ -217,6 +217,16 @@ def test_mnist_elastic_example_survives_kill9(tmp_path):
     assert len(finals) == 2 and len({f[1] for f in finals}) == 1, finals
     acc = float(re.search(r"test accuracy: ([\d.]+)", out).group(1))
     assert acc >= 0.97, out[-3000:]
+    # issue 54 item 5: the recovery is one warning line per surviving rank (no transport error, no
+    # TensorFlow warning or traceback)
+    lines = out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if "worker 2 on localhost exited with -9" in ln)
+    end = next(i for i, ln in enumerate(lines) if "epoch 1 with 2 workers" in ln)
+    # (the kill may show on the ranks before sdprun reports it: from the last progress line on)
+    start = max(i for i, ln in enumerate(lines[:start]) if "step 100/" in ln)
+    for rank in (0, 1):
+        said = [ln for ln in lines[start:end] if ln.startswith(f"[{rank}]<stderr>:")]
+        assert len(said) == 1 and "rolling back to the last commit" in said[0], "\n".join(lines[start:end])
 
 
 STATE_PROBE = r"""

@@ -311,3 +311,79 @@ def test_front_pages_quote_no_figures_that_go_stale():
         for line in text.splitlines():
             if "tf2_mnist_elastic" in line or "trained once" in line:
                 assert not re.search(r"accuracy:? 0\.\d", line), (page.name, line)
+    # item 10: the calling-thread device route has run on GPUs (benchmarks/README.md records it)
+    assert "first run on a\nGPU" in (ROOT / "benchmarks" / "README.md").read_text()
+    assert "not yet run on a GPU" not in " ".join((ROOT / "docs" / "gpu.md").read_text().split())
+
+
+def test_building_the_fast_lane_ahead_prints_only_its_path():
+    """Issue 54 item 10: ``python -m sdp.engine.native`` without runpy's RuntimeWarning."""
+    p = subprocess.run([sys.executable, "-m", "sdp.engine.native", "--print-path"], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert p.stdout.strip().endswith(".so"), p.stdout
+
+
+def _examples_module(name):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_progress_leaves_the_first_step_out_of_eta_and_rate():
+    """Issue 54 items 4 and 10: a 20 s first step (tracing, building sdp's op) is reported on a
+    line of its own and shows in no estimate; images/s is a whole number; the last line's rate
+    agrees with the steps' time."""
+    import io
+    import re
+    common = _examples_module("common")
+    now = [0.0]
+    out = io.StringIO()
+    progress = common.Progress(100, 0, 64, clock=lambda: now[0], out=out)
+    now[0] = 20.0
+    progress.update(1, 2.3)
+    for step in range(2, 101):
+        now[0] += 0.1
+        progress.update(step, 1.0)
+    lines = [ln for ln in out.getvalue().replace("\r", "\n").splitlines() if ln.strip()]
+    assert lines[0].startswith("first step: 20.0 s"), lines[:3]
+    assert lines[1].lstrip().startswith("2/100"), lines[:3]
+    for ln in lines[1:]:
+        left = re.search(r"(\S+) left", ln)
+        assert left is None or left.group(1).endswith("s") and int(left.group(1)[:-1]) <= 10, ln
+        assert re.search(r" - 640 images/s$", ln), ln  # 64 images per 0.1 s, printed as a whole number
+    assert lines[-1].lstrip().startswith("100/100") and out.getvalue().endswith("\n")
+    quiet = io.StringIO()
+    common.Progress(100, 1, 64, out=quiet).update(1, 1.0)  # other ranks print nothing
+    assert quiet.getvalue() == ""
+
+
+def test_building_the_tf_op_is_announced(monkeypatch, tmp_path, caplog):
+    """Issue 54 item 4: the first graph collective's build of sdp's TensorFlow op (10-30 s) says
+    so before it starts; a library already there is used without a word."""
+    pytest.importorskip("tensorflow")
+    import logging
+
+    from sdp.common import native_build
+    from sdp.tensorflow import build_ops
+    target = tmp_path / "tf_ops" / "libsdp_ops.so"
+    monkeypatch.setattr(build_ops, "library_path", lambda: target)
+    monkeypatch.setattr(build_ops, "compiler", lambda: ["c++"])
+    built = []
+
+    def compile_it(out, argv, force=False):  # (the compiler's part; the build's own test is in test_tf_call_op)
+        built.append(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(b"")
+        return out
+
+    monkeypatch.setattr(native_build, "build", compile_it)
+    with caplog.at_level(logging.WARNING, logger="sdp.tensorflow"):
+        assert build_ops.build() == target and built == [target]
+        said = [r.getMessage() for r in caplog.records if "building sdp's TensorFlow op" in r.getMessage()]
+        assert len(said) == 1 and "python -m sdp.tensorflow.build_ops" in said[0], said
+        caplog.clear()
+        assert build_ops.build() == target and built == [target]  # there: no build, no word
+        assert not [r for r in caplog.records if "building" in r.getMessage()]

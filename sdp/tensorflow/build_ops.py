@@ -23,7 +23,8 @@ Building (needs a C++ compiler: ``$CXX``, else ``g++``, ``c++`` or ``clang++``; 
 * ``python -m sdp.tensorflow.build_ops`` compiles it now (``--force`` recompiles) and prints the
   library's path; run it once after installing (``.ci/run`` does).
 * Otherwise the first graph collective of a process builds it (every rank at once: under a file
-  lock, so one process per cache directory compiles and the others wait, then load it).
+  lock, so one process per cache directory compiles and the others wait, then load it), and
+  says so first, in one warning per process: a first step that takes 10-30 s longer is explained.
 * The library lives in ``$SDP_CACHE_DIR/tf_ops/`` (default ``$XDG_CACHE_HOME/sdp`` or
   ``~/.cache/sdp``), named by TensorFlow's version and a hash of the source, TensorFlow's compile
   and link flags and the Python ABI: a new TensorFlow or sdp version builds a new one.
@@ -167,6 +168,8 @@ def build(force: bool = False) -> Path:
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler: set CXX or install g++ (e.g. apt-get install g++)")
+    log.warning("sdp: building sdp's TensorFlow op into %s (once per TensorFlow version, 10-30 s; "
+                "`python -m sdp.tensorflow.build_ops` builds it ahead of a job)", out.parent)
     _, cflags, lflags = _tf_flags()
     return native_build.build(out, lambda tmp: [*cxx, "-shared", "-fPIC", "-O2", "-Wno-deprecated-declarations",
                                                 str(SOURCE), "-o", tmp, *cflags, *_call_flags(), *lflags], force)

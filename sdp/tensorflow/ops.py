@@ -672,12 +672,16 @@ def _call_status(e: BaseException) -> tuple:
     ``FAILED_PRECONDITION``), else the code a ``numpy_function``'s kernel gives the Python class
     (``ValueError``/``TypeError`` INVALID_ARGUMENT, ``StopIteration`` OUT_OF_RANGE,
     ``MemoryError`` RESOURCE_EXHAUSTED, ``NotImplementedError`` UNIMPLEMENTED, else UNKNOWN), with
-    its message and traceback."""
+    its message and traceback; sdp's own errors (a lost peer, a stall) without the traceback, which
+    runs through sdp's internals only (TensorFlow repeats the status in a warning; an elastic job
+    recovers from it)."""
     status = graph_status(e)
     if status is not None:
         return status
     code = next((c for cls, c in _PY_CODES if isinstance(e, cls)), 2)
-    text = f"{type(e).__name__}: {e}\nTraceback (most recent call last):\n\n" + "".join(traceback.format_tb(e.__traceback__))
+    text = f"{type(e).__name__}: {e}"
+    if not isinstance(e, _errors.SdpError):
+        text += "\nTraceback (most recent call last):\n\n" + "".join(traceback.format_tb(e.__traceback__))
     return code, text.encode("utf-8", "replace")
 
 
