@@ -9,7 +9,7 @@ import pytest
 
 from harness import check_ok, run_cases, run_workers
 from test_hierarchical_mp import fake_hosts
-from workers_adasum import DTYPES, inputs
+from workers_adasum import B0, DTYPES, LR, W0, inputs, linear_data
 
 CASES = ["single", "async", "grouped", "large", "zeros", "device"]
 DEVICE = {"SDP_DEVICE_BACKEND": "numpy"}  # device arrays: host memory standing in (tests/test_device.py)
@@ -117,3 +117,69 @@ def test_hierarchical_adasum_refuses_three_hosts():
             "Running Adasum with non-power of 2 nodes is not supported yet") and "3 hosts" in g[1]
             for g in got[:4]), (r, got)
         assert got[4] == 4.0, (r, got)
+
+
+def _linear_grads(X, y, w, b):
+    """The gradient of sum((X w + b - y)^2) at (w, b), float32 inputs, in float64."""
+    res = X.astype(np.float64) @ np.asarray(w, np.float64) + np.float64(b) - y
+    return 2 * X.T.astype(np.float64) @ res, 2 * res.sum()
+
+
+def _sgd(rank, w, b, steps):
+    """``steps`` local steps of gradient descent from (w, b) on rank ``rank``'s batch (float32)."""
+    X, y = linear_data(rank)
+    w, b = np.asarray(w, np.float32), np.float32(b)
+    for _ in range(steps):
+        gw, gb = _linear_grads(X, y, w, b)
+        w, b = (w - np.float32(LR) * gw.astype(np.float32)), np.float32(b - np.float32(LR) * np.float32(gb))
+    return w, b
+
+
+def _delta_step(w, b, steps):
+    """Horovod's delta optimizer on 2 ranks: each rank's change after ``steps`` local steps,
+    combined by Adasum per variable, added to the start."""
+    local = [_sgd(r, w, b, steps) for r in range(2)]
+    dw = adasum_pair(local[0][0] - np.float32(w), local[1][0] - np.float32(w))
+    db = adasum_pair(np.asarray(local[0][1] - np.float32(b)), np.asarray(local[1][1] - np.float32(b)))
+    return np.float32(w) + dw, np.float32(b) + db, local
+
+
+def test_tensorflow_face_with_adasum():
+    """hvd.allreduce / grouped_allreduce (tf.function) / DistributedGradientTape / DistributedOptimizer
+    (a tf.compat.v1 optimizer: Horovod's delta optimizer, eagerly and in a TF1 graph with 2 passes
+    per step) with op=hvd.Adasum on 2 ranks, against the reference; Horovod's errors."""
+    pytest.importorskip("tensorflow")
+    values = check_ok(run_workers(2, "workers_adasum:tf_face", timeout=240))
+    for dtype in DTYPES:
+        xs = [inputs("single", r, dtype) + inputs("grouped", r, dtype)[:3] for r in range(2)]
+        want = tree(xs)
+        for v in values:
+            got = decode(v[f"allreduce.{dtype}"]) + decode(v[f"grouped.{dtype}"])
+            tol = {"float16": 4e-3, "float32": 1e-6, "float64": 1e-12}[dtype]
+            for g, e in zip(got, want):
+                np.testing.assert_allclose(g, e, rtol=tol, atol=tol * float(np.max(np.abs(e))), err_msg=dtype)
+    local = [_linear_grads(*linear_data(r), W0, B0) for r in range(2)]
+    for v in values:
+        gw, gb = decode(v["tape"])
+        np.testing.assert_allclose(gw, adasum_pair(local[0][0].astype(np.float32), local[1][0].astype(np.float32)),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(gb, adasum_pair(np.float32([local[0][1]]), np.float32([local[1][1]]))[0],
+                                   rtol=1e-5)
+    w1, b1, _ = _delta_step(W0, B0, 1)
+    w2, b2, _ = _delta_step(w1, b1, 1)
+    g2w, g2b, _ = _delta_step(W0, B0, 2)
+    for r, v in enumerate(values):
+        ew, eb = decode(v["optimizer.eager"])
+        np.testing.assert_allclose(ew, w2, rtol=1e-5)
+        np.testing.assert_allclose(eb, b2, rtol=1e-5)
+        seen = [decode(s) for s in v["optimizer.graph"]]
+        np.testing.assert_allclose(seen[0][0], _sgd(r, W0, B0, 1)[0], rtol=1e-5)  # (a local pass only)
+        np.testing.assert_allclose(seen[1][0], g2w, rtol=1e-5)
+        np.testing.assert_allclose(seen[1][1], g2b, rtol=1e-5)
+        np.testing.assert_allclose(seen[3][0], _delta_step(g2w, g2b, 2)[0], rtol=1e-5)
+        e = v["errors"]
+        assert e["keras"] == ["ValueError", "op == Adasum is not supported yet with Keras"], e
+        assert e["sparse"][0] == "NotImplementedError" and "sparse_as_dense=True" in e["sparse"][1], e
+        assert e["reducescatter"][0] == "NotImplementedError", e
+        assert e["averaged"] == ["ValueError", "Adasum does not support average_aggregated_gradients == True"], e
+        assert e["int"][0] == "ValueError" and "Adasum" in e["int"][1], e

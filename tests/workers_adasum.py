@@ -103,3 +103,68 @@ def bad_input() -> list:
         except Exception as e:  # noqa: BLE001 - recorded for the test
             got.append([type(e).__name__, str(e)])
     return got
+
+
+def linear_data(rank: int):
+    """Rank ``rank``'s batch for the TensorFlow checks: X (8 x 3), y (8), float32."""
+    rng = np.random.default_rng(100 + rank)
+    return rng.standard_normal((8, 3)).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+
+
+W0, B0, LR = [0.5, -1.0, 2.0], 0.25, 0.1  # the linear model's start and the optimizer's learning rate
+
+
+def tf_face() -> dict:
+    """sdp.tensorflow with op=hvd.Adasum: allreduce eagerly (float16/32/64), grouped_allreduce in a
+    tf.function, DistributedGradientTape, DistributedOptimizer of a tf.compat.v1 optimizer
+    (eagerly, 1 pass per step; in a TF1 graph, 2 passes per step), and the errors Horovod gives."""
+    import tensorflow as tf
+    import sdp.tensorflow as hvd
+    r, out = hvd.rank(), {}
+    for dtype in DTYPES:
+        xs = inputs("single", r, dtype) + inputs("grouped", r, dtype)[:3]
+        out[f"allreduce.{dtype}"] = _encode([hvd.allreduce(tf.constant(x), op=hvd.Adasum).numpy() for x in xs[:1]])
+        grouped = tf.function(lambda *ts: hvd.grouped_allreduce(list(ts), op=hvd.Adasum))
+        out[f"grouped.{dtype}"] = _encode([t.numpy() for t in grouped(*[tf.constant(x) for x in xs[1:]])])
+    X, y = linear_data(r)
+
+    def loss(w, b):
+        return tf.reduce_sum((tf.linalg.matvec(tf.constant(X), w) + b - y) ** 2)
+
+    w, b = tf.Variable(W0), tf.Variable(B0)
+    with tf.GradientTape() as tape:
+        value = loss(w, b)
+    tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum)
+    out["tape"] = _encode([g.numpy() for g in tape.gradient(value, [w, b])])
+    opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(LR), op=hvd.Adasum)
+    for _ in range(2):
+        opt.minimize(lambda: loss(w, b), var_list=[w, b])
+    out["optimizer.eager"] = _encode([w.numpy(), np.asarray(b.numpy())])
+    with tf.Graph().as_default():
+        gw, gb = tf.Variable(W0), tf.Variable(B0)
+        gopt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(LR), op=hvd.Adasum,
+                                        backward_passes_per_step=2)
+        train = gopt.minimize(loss(gw, gb), var_list=[gw, gb])
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            seen = []
+            for _ in range(4):
+                sess.run(train)
+                seen.append(sess.run([gw, gb]))
+    out["optimizer.graph"] = [_encode([sw, np.asarray(sb)]) for sw, sb in seen]
+    errors = {}
+    for case, call in (("keras", lambda: hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), op=hvd.Adasum)),
+                       ("sparse", lambda: hvd.allreduce(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0])),
+                                                        op=hvd.Adasum)),
+                       ("reducescatter", lambda: hvd.reducescatter(tf.ones([4]), op=hvd.Adasum)),
+                       ("averaged", lambda: hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                                                     op=hvd.Adasum, backward_passes_per_step=2,
+                                                                     average_aggregated_gradients=True)),
+                       ("int", lambda: hvd.allreduce(tf.constant([1, 2]), op=hvd.Adasum))):
+        try:
+            call()
+            errors[case] = ["no error", ""]
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            errors[case] = [type(e).__name__, str(e)]
+    out["errors"] = errors
+    return out

@@ -27,7 +27,10 @@ Process sets (``ProcessSet``, ``init(process_sets=[...])``, ``add_process_set``,
 ``remove_process_set``, ``process_set=`` on every collective) are Horovod's; see
 :mod:`sdp.process_sets`.
 
-Not available: Adasum, ``tf.estimator`` (removed from
+``op=Adasum`` is Horovod's (:mod:`sdp.engine.adasum`; ``DistributedOptimizer(op=Adasum)`` of a
+``tf.compat.v1.train.Optimizer`` is Horovod's delta optimizer).
+
+Not available: ``tf.estimator`` (removed from
 TensorFlow 2.16; ``BroadcastGlobalVariablesHook`` works with
 ``tf.compat.v1.train.MonitoredTrainingSession``), XLA (collectives are ``tf.numpy_function`` ops;
 building one under ``jit_compile=True`` raises :class:`XlaNotSupportedError`).

@@ -14,7 +14,7 @@ from sdp.common.reduce_ops import ReduceOp, resolve_op
 from sdp.tensorflow import ops
 from sdp.tensorflow.compression import Compression
 from sdp.process_sets import set_size
-from sdp.tensorflow.gradients import check_devices, check_process_set, global_process_set
+from sdp.tensorflow.gradients import ADASUM_SPARSE, check_devices, check_process_set, global_process_set
 
 
 try:
@@ -23,13 +23,17 @@ except ImportError:  # pragma: no cover - TensorFlow internals moved
     _EagerTensor = None
 
 
-def _check_op(op):
+def _check_op(op, ps):
+    """``op``; for Adasum, Horovod's checks as the op is built (:func:`sdp.api.check_adasum`:
+    ``NotImplementedError`` for a process set, or a number of ranks that is not a power of two)."""
     if op == ReduceOp.ADASUM:
-        raise NotImplementedError("op=Adasum is not supported by sdp; use Average or Sum")
+        api.check_adasum(ps)
     return op
 
 
 def _sparse_allreduce(tensor, op, prescale_factor, postscale_factor, name, process_set=0):
+    if op == ReduceOp.ADASUM:
+        raise NotImplementedError(ADASUM_SPARSE)
     if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
     if prescale_factor != 1.0 or postscale_factor != 1.0:
@@ -153,7 +157,7 @@ def allreduce(tensor, param_index=0, num_params=1, compression=Compression.none,
                          "0 <= param_index < num_params")
     check_devices(device_dense, device_sparse)
     ps = check_process_set(process_set)
-    op = _check_op(resolve_op(op, average))
+    op = _check_op(resolve_op(op, average), ps)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, op, prescale_factor, postscale_factor, name, ps)
     tensor = ops._as_tensor(tensor)
@@ -171,7 +175,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     Mirrors ``horovod.tensorflow.grouped_allreduce``."""
     check_devices(device_dense, device_sparse)
     ps = check_process_set(process_set)
-    op = _check_op(resolve_op(op, average))
+    op = _check_op(resolve_op(op, average), ps)
     tensors = list(tensors)
     if not tensors:
         return tensors
@@ -269,7 +273,9 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Redu
     ``op`` defaults to AVERAGE.  Mirrors ``horovod.tensorflow.reducescatter``."""
     check_devices(device_dense, "")
     ps = check_process_set(process_set)
-    op = _check_op(resolve_op(op))
+    op = resolve_op(op)
+    if op == ReduceOp.ADASUM:
+        raise NotImplementedError("reducescatter does not support op=Adasum (an allreduce's op, as in Horovod)")
     tensor = ops._as_tensor(tensor)
     compressed, ctx = compression.compress(tensor)
     base = ops._base_name("reducescatter", tensor, name)

@@ -26,7 +26,9 @@ class DistributedGradientTape(tf.GradientTape):
         unless ``SDP_FP16_SKIP_LOCAL=0``: see :func:`sdp.tensorflow.compression.gradient_compression`).
       sparse_as_dense: make ``tf.IndexedSlices`` gradients dense before the allreduce; by default
         they are allgathered (values and indices) and stay ``IndexedSlices``.
-      op: ``ReduceOp``/``hvd.Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``.
+      op: ``ReduceOp``/``hvd.Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``, ``Adasum``
+        (Horovod's adaptive summation of the gradients, per variable, no averaging: float
+        gradients, a power-of-two number of ranks, the global process set; see :mod:`sdp.engine.adasum`).
       gradient_predivide_factor: with AVERAGE, scale by ``1/f`` before and ``f/size`` after the sum.
       num_groups, groups: accepted and validated as Horovod does; no effect on the results (the
         engine fuses all gradients of a call by itself).

@@ -18,6 +18,11 @@ from sdp.tensorflow import ops
 from sdp.tensorflow.compression import Compression
 
 
+#: Horovod's error for sparse gradients with Adasum
+ADASUM_SPARSE = ("The Adasum reduction does not currently support sparse tensors. As a workaround please pass "
+                 "sparse_as_dense=True to DistributedOptimizer")
+
+
 def check_process_set(process_set) -> int:
     """The engine id of ``process_set`` (a :class:`sdp.process_sets.ProcessSet`, an id, or None
     for the global set).  Raises ``ValueError`` for a set that is not registered (or was removed);
@@ -69,8 +74,10 @@ class GradientReducer:
 
     ``name``: prefix of the collective names (made unique per graph, see :func:`ops.unique_name`).
     ``compression``: ``Compression.none``/``Compression.fp16``.  ``op``: ``ReduceOp`` (AVERAGE, SUM,
-    MIN, MAX, PRODUCT; Adasum raises ``NotImplementedError``).  ``gradient_predivide_factor``
-    (AVERAGE only, else ``ValueError``) scales by ``1/f`` before the sum and ``f/size`` after.
+    MIN, MAX, PRODUCT, ADASUM: :mod:`sdp.engine.adasum`, float gradients of the global set only;
+    ``IndexedSlices`` raise Horovod's ``NotImplementedError`` unless ``sparse_as_dense``).
+    ``gradient_predivide_factor`` (AVERAGE only, else ``ValueError``) scales by ``1/f`` before the
+    sum and ``f/size`` after.
     ``scale_local_gradients``: divide gradients of local variables by ``size()``, as Horovod does.
     ``process_set``: the set whose ranks reduce together (an id or a ``ProcessSet``; checked on
     every call, see :func:`check_process_set`); AVERAGE divides by its size.  On a rank outside the
@@ -84,8 +91,6 @@ class GradientReducer:
         self.compression = compression if compression is not None else Compression.none
         self.sparse_as_dense = bool(sparse_as_dense)
         self.op = resolve_op(op)
-        if self.op == ReduceOp.ADASUM:
-            raise NotImplementedError("op=Adasum is not supported by sdp; use Average or Sum")
         self.prescale, self.postscale = 1.0, 1.0
         if gradient_predivide_factor != 1.0:
             if self.op != ReduceOp.AVERAGE:
@@ -119,6 +124,8 @@ class GradientReducer:
         if ps_id and api.rank() not in (api.process_set_ranks(ps_id) or [api.rank()]):
             return grads  # a rank outside the set keeps its own gradients, as with Horovod
         ps = check_process_set(self.process_set)
+        if self.op == ReduceOp.ADASUM:
+            api.check_adasum(ps)
         prefix = ops.unique_name(self.name)
         batch = ops.Batch("gradient allreduce", ps)
         plan = []
@@ -129,6 +136,8 @@ class GradientReducer:
             if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
                 g = tf.convert_to_tensor(g)
             if isinstance(g, tf.IndexedSlices):
+                if self.op == ReduceOp.ADASUM:
+                    raise NotImplementedError(ADASUM_SPARSE)
                 if self.op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
                     raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
                 if self.prescale != 1.0 or self.postscale != 1.0:

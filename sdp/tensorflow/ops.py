@@ -266,6 +266,8 @@ def _check_dtype(t, kind: str, name: str, *reduction) -> None:
     """``check_dtype`` for a tensor, showing TensorFlow's dtype name (``tf.string`` holds Python
     objects: no collective carries it, as with Horovod's ops)."""
     dtype = t.dtype
+    if reduction and reduction[0] == ReduceOp.ADASUM:  # (float16/32/64 only: check_dtype's own rule)
+        return check_dtype(kind, name, _numpy_dtype(dtype), *reduction, shown=dtype.name)
     if dtype in _PLAIN_DTYPES:  # (any collective, op and scale: check_dtype's common case)
         return
     if np.dtype(_numpy_dtype(dtype)).kind in "iuf":
@@ -773,13 +775,13 @@ _could_record = _record_check() or _always
 def grouped_allreduce_tensors(tensors, names, op, prescale_factor=1.0, postscale_factor=1.0, process_set=0):
     """Allreduce a list of tensors in one op (fused by the engine); same shapes/dtypes out.
 
-    Differentiable for SUM and AVERAGE: the gradient is the same allreduce of the incoming
-    gradients (named ``<name>.grad``); other ops have no gradient."""
+    Differentiable for SUM, AVERAGE and ADASUM: the gradient is the same allreduce of the incoming
+    gradients (named ``<name>.grad``; Horovod's allreduce gradient); other ops have no gradient."""
     tensors = [_as_tensor(t) for t in tensors]
     if not tensors:
         return []
     op = op if type(op) is ReduceOp else ReduceOp(int(op))
-    if ((tf.executing_eagerly() and not _could_record()) or op not in (ReduceOp.SUM, ReduceOp.AVERAGE)
+    if ((tf.executing_eagerly() and not _could_record()) or op not in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.ADASUM)
             or not all(t.dtype.is_floating for t in tensors)):
         return _grouped_allreduce_raw(tensors, names, op, prescale_factor, postscale_factor, process_set)
 

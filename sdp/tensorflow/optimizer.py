@@ -10,7 +10,7 @@ from sdp import api
 from sdp.common.config import bucket_cap_mb_to_bytes
 from sdp.common.reduce_ops import ReduceOp, resolve_op
 from sdp.tensorflow import keras_optimizer
-from sdp.tensorflow.aggregation import LocalAggregator
+from sdp.tensorflow.aggregation import LocalAggregator, _graph_branch
 from sdp.tensorflow.compression import Compression, gradient_compression
 from sdp.tensorflow.gradients import (GradientReducer, check_devices, check_process_set, global_process_set,
                                       resolve_groups)
@@ -81,6 +81,66 @@ class _DistributedLegacyOptimizer(WrappedLegacyOptimizer):
             deps=[g for g, _ in pairs])
 
 
+class _DistributedAdasumOptimizer(WrappedLegacyOptimizer):
+    """Horovod's ``DistributedOptimizer(op=Adasum)`` of a ``tf.compat.v1.train.Optimizer`` (its
+    ``_DistributedAdasumOptimizer``, the delta optimizer of Horovod's Adasum guide): the wrapped
+    optimizer applies this rank's own gradients (``compute_gradients`` is not reduced); on every
+    ``backward_passes_per_step``-th ``apply_gradients`` each variable's change since the last
+    communication (its delta; the first call takes the variables' values then as the start) is
+    combined over all ranks with Adasum (``reducer``: a :class:`GradientReducer` of ``op=Adasum``,
+    compression included), the start moves by the combined delta and every variable becomes the
+    start.  No averaging: Horovod's guide sets the learning rate at 2-2.5x a single worker's, or,
+    hierarchical (``SDP_HIERARCHICAL=1`` across hosts), a single worker's times the ranks per host.
+    Eagerly, in ``tf.function`` and in ``tf.compat.v1`` graphs."""
+
+    def __init__(self, optimizer, name, use_locking, reducer, steps: int):
+        super().__init__(optimizer, name, use_locking)
+        self._sdp_reducer = reducer
+        self._sdp_steps = int(steps)
+        self._sdp_starts = {}  # variable ref -> its start (non-trainable, made at the first call)
+        self._sdp_count = None  # apply_gradients calls so far
+
+    def _variable(self, like, name):
+        with tf.init_scope():
+            return tf.Variable(tf.zeros(like.shape, like.dtype), trainable=False, name=name)
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        """The wrapped optimizer's ``apply_gradients`` with this rank's gradients, then, on a
+        communication step, the variables set to start + Adasum of the ranks' deltas.  Returns
+        an op (graphs) that runs all of it."""
+        pairs = list(grads_and_vars)
+        variables = [v for g, v in pairs if g is not None]
+        if self._sdp_count is None:
+            self._sdp_count = self._variable(tf.constant(0, tf.int64), "sdp_adasum_step")
+        for v in variables:
+            if v.ref() not in self._sdp_starts:
+                self._sdp_starts[v.ref()] = self._variable(v, "sdp_adasum_start")
+        starts = [self._sdp_starts[v.ref()] for v in variables]
+        count = self._sdp_count.read_value()
+
+        def begin():  # (the variables as every rank holds them before the first step)
+            return tf.group([s.assign(v) for s, v in zip(starts, variables)])
+
+        def communicate():
+            deltas = [v - s for v, s in zip(variables, starts)]
+            combined = self._sdp_reducer.reduce(deltas)
+            news = [s.assign_add(d) for s, d in zip(starts, combined)]
+            return tf.group([v.assign(n) for v, n in zip(variables, news)])
+
+        eager = tf.executing_eagerly()
+        first = tf.equal(count, 0)
+        init = (begin() if bool(first) else None) if eager else tf.cond(first, _graph_branch(begin),
+                                                                           _graph_branch(tf.no_op))
+        with tf.control_dependencies([] if init is None else [init]):
+            applied = self._optimizer.apply_gradients(pairs, global_step=global_step, name=name)
+        comm = tf.equal(count % self._sdp_steps, self._sdp_steps - 1)
+        with tf.control_dependencies([applied] if not eager else []):
+            done = ((communicate() if bool(comm) else None) if eager
+                    else tf.cond(comm, _graph_branch(communicate), _graph_branch(tf.no_op)))
+        with tf.control_dependencies([] if done is None else [done]):
+            return self._sdp_count.assign_add(1, read_value=False)  # (eagerly None; in a graph the op)
+
+
 def apply_bucket_cap(bucket_cap_mb) -> None:
     """Set the engine's fusion buffer to ``bucket_cap_mb`` MiB (SMDDP's argument; rank 0's value
     decides the buckets of every rank).  ``None`` leaves it alone.  Raises ``ValueError`` unless
@@ -109,7 +169,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     skipped while no rank is across a network unless ``SDP_FP16_SKIP_LOCAL=0``, see
     :func:`sdp.tensorflow.compression.gradient_compression`),
     ``sparse_as_dense`` (densify ``IndexedSlices`` instead of allgathering them), ``op``
-    (``ReduceOp``; default AVERAGE; Adasum raises ``NotImplementedError``), ``bucket_cap_mb``
+    (``ReduceOp``; default AVERAGE; ``Adasum``: Horovod's delta optimizer for a
+    ``tf.compat.v1.train.Optimizer``, see :class:`_DistributedAdasumOptimizer`; for a Keras
+    optimizer, ``ValueError`` as in Horovod), ``bucket_cap_mb``
     (fusion buffer size in MiB for the whole job; ``ValueError`` unless ``bucket_cap_mb * 2**20``
     is a multiple of 128; every rank must pass the same value).
 
@@ -126,13 +188,20 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     api.process_set_id(process_set)  # a registered set (membership is checked when reducing)
     resolve_groups(num_groups, groups)
     op = resolve_op(op)
-    if op == ReduceOp.ADASUM:
-        raise NotImplementedError("op=Adasum is not supported by sdp; use Average or Sum")
+    if op == ReduceOp.ADASUM and average_aggregated_gradients:
+        raise ValueError("Adasum does not support average_aggregated_gradients == True")
     if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if int(backward_passes_per_step) < 1:
         raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step}")
     compression = gradient_compression(compression)
+    if isinstance(optimizer, _LegacyOptimizer) and op == ReduceOp.ADASUM:
+        if api.process_set_id(process_set):
+            raise NotImplementedError("Adasum does not support process sets yet")
+        apply_bucket_cap(bucket_cap_mb)
+        name = name or f"DistributedDelta{type(optimizer).__name__}"
+        return _DistributedAdasumOptimizer(optimizer, name, use_locking, GradientReducer(
+            name, compression, sparse_as_dense, op), backward_passes_per_step)
     if isinstance(optimizer, _LegacyOptimizer):
         apply_bucket_cap(bucket_cap_mb)
         name = name or f"Distributed{type(optimizer).__name__}"
@@ -147,6 +216,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                                          sparse_as_dense)
         return _DistributedLegacyOptimizer(optimizer, name, use_locking, reducer, aggregator)
     if keras_optimizer.flavor(optimizer) is not None:
+        if op == ReduceOp.ADASUM:
+            raise ValueError("op == Adasum is not supported yet with Keras")
         if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError("op currently only supports Average and Sum")
         apply_bucket_cap(bucket_cap_mb)
