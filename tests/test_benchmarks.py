@@ -10,11 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_benchmark(*args) -> str:
-    """stdout of ``sdprun -np 2 python benchmarks/allreduce.py *args`` (which must succeed)."""
+def run_benchmark(*args, script="benchmarks/allreduce.py") -> str:
+    """stdout of ``sdprun -np 2 python <script> *args`` (which must succeed)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable,
-                        "benchmarks/allreduce.py", *args],
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable, script, *args],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout
@@ -103,3 +102,11 @@ def test_blas_threads_benchmark_prints_both_modes():
     assert f"BLAS after init: [('openblas', {max(1, cores // 2)})]" in p.stdout, p.stdout[-2000:]
     rows = re.findall(r"<stdout>:(share|all cores)\s+([0-9.]+)\s+([0-9.]+)", p.stdout)
     assert [r[0] for r in rows] == ["share", "all cores"] and all(float(v) > 0 for r in rows for v in r[1:]), rows
+
+
+def test_adasum_benchmark_prints_both_ops_and_their_ratio():
+    out = run_benchmark("--sizes", "64K,1M", "--rounds", "1", "--target-s", "0.02", script="benchmarks/adasum.py")
+    rows = re.findall(r"<stdout>:\s+(64K|1M)\s+(Average|Adasum)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s*([0-9.]+x)?", out)
+    assert [r[:2] for r in rows] == [("64K", "Average"), ("64K", "Adasum"), ("1M", "Average"), ("1M", "Adasum")], rows
+    for _, op, t, alg, bus, ratio in rows:  # (2 ranks: busbw = algbw)
+        assert float(t) > 0 and alg == bus and bool(ratio) == (op == "Adasum"), rows

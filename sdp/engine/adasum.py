@@ -144,24 +144,27 @@ def _combine(mesh, buf, theirs, lo, starts, left: bool, level: int, seq: int) ->
 
 
 def _dot3(a: np.ndarray, b: np.ndarray) -> tuple:
-    """``(a.b, a.a, b.b)`` in float64."""
-    if a.dtype == np.float64:
-        return float(np.dot(a, b)), float(np.dot(a, a)), float(np.dot(b, b))
-    x, y = np.empty(min(a.size, _BLOCK)), np.empty(min(a.size, _BLOCK))
+    """``(a.b, a.a, b.b)`` in float64, block by block (``np.einsum``'s own loop: ``np.dot`` and
+    ``np.vdot`` of 1-D arrays may wake OpenBLAS's threads, 7 us or 1-16 ms for 64 K doubles on
+    this loaded 2-core machine)."""
+    x = a if a.dtype == np.float64 else np.empty(min(a.size, _BLOCK))
+    y = b if b.dtype == np.float64 else np.empty(min(a.size, _BLOCK))
     ab = aa = bb = 0.0
     for s in range(0, a.size, _BLOCK):
         m = min(_BLOCK, a.size - s)
-        np.copyto(x[:m], a[s:s + m])
-        np.copyto(y[:m], b[s:s + m])
-        ab += float(np.dot(x[:m], y[:m]))
-        aa += float(np.dot(x[:m], x[:m]))
-        bb += float(np.dot(y[:m], y[:m]))
+        xs, ys = (x[s:s + m], y[s:s + m]) if x is a else (x[:m], y[:m])
+        if x is not a:
+            np.copyto(xs, a[s:s + m])
+            np.copyto(ys, b[s:s + m])
+        ab += float(np.einsum("i,i->", xs, ys))
+        aa += float(np.einsum("i,i->", xs, xs))
+        bb += float(np.einsum("i,i->", ys, ys))
     return ab, aa, bb
 
 
 def _scaled_add(a: np.ndarray, ca: float, b: np.ndarray, cb: float) -> None:
     """``a = ca * a + cb * b`` (``b`` is scratch): in float64 for float32/float64, in float32 for
-    float16, rounded once."""
+    float16 (the coefficients rounded to float32 too), rounded to ``a``'s dtype once."""
     if a.dtype == np.float64:
         np.multiply(a, ca, out=a)
         np.multiply(b, cb, out=b)
@@ -170,12 +173,14 @@ def _scaled_add(a: np.ndarray, ca: float, b: np.ndarray, cb: float) -> None:
     acc = np.float32 if a.dtype == np.float16 else np.float64
     t, u = np.empty(min(a.size, _BLOCK), acc), np.empty(min(a.size, _BLOCK), acc)
     ca, cb = acc(ca), acc(cb)
-    for s in range(0, a.size, _BLOCK):
+    for s in range(0, a.size, _BLOCK):  # (one conversion each way: a ufunc casting as it goes is ~5x slower)
         m = min(_BLOCK, a.size - s)
-        np.multiply(a[s:s + m], ca, out=t[:m], dtype=acc)
-        np.multiply(b[s:s + m], cb, out=u[:m], dtype=acc)
+        np.copyto(t[:m], a[s:s + m])
+        np.copyto(u[:m], b[s:s + m])
+        np.multiply(t[:m], ca, out=t[:m])
+        np.multiply(u[:m], cb, out=u[:m])
         np.add(t[:m], u[:m], out=t[:m])
-        a[s:s + m] = t[:m]
+        np.copyto(a[s:s + m], t[:m], casting="same_kind")
 
 
 def hierarchical(hier, leaders, buf: np.ndarray, starts: Sequence[int], seqs: Sequence[int],
