@@ -36,17 +36,38 @@ def _no_problems(runs, key):
         assert not problems, f"{key}, rank {rank}: {problems}"
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_every_collective_and_its_gradient(n):
-    """Every collective on float16/bfloat16/float32/float64/int32/int64, out of place, in place,
-    async with poll + synchronize, grouped; Horovod's gradients through each (float32/float64);
-    at 3 ranks also a process set, and mismatches raised on every rank as HorovodInternalError."""
+OPTIMIZER_CASES = [("passes", "workers_torch:optimizer_passes", [2, 3]),
+                   ("groups", "workers_torch:optimizer_passes", [2, 2, 2]),
+                   ("checks", "workers_torch:optimizer_checks", []),
+                   ("state", "workers_torch:optimizer_state", []),
+                   ("sync batch norm", "workers_torch:sync_batch_norm", [])]
+_two = {}
+
+
+def _two_ranks():
+    """One launch of 2 ranks for the collectives' and the optimizer's cases (torch's import and
+    the job's start paid once)."""
+    if not _two:
+        _two.update(run_cases(2, _collective_cases(2) + OPTIMIZER_CASES, env=DYNAMIC))
+    return _two
+
+
+def _collective_cases(n):
     cases = [("adapter", "workers_torch:adapter_allreduce", [DTYPES]),
              ("collectives", "workers_torch:collectives", [DTYPES]),
              ("gradients", "workers_torch:gradients", [["float32", "float64"]])]
     if n == 3:
         cases.append(("sets and errors", "workers_torch:process_set_and_errors", []))
-    runs = run_cases(n, cases, env=DYNAMIC)
+    return cases
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_every_collective_and_its_gradient(n):
+    """Every collective on float16/bfloat16/float32/float64/int32/int64, out of place, in place,
+    async with poll + synchronize, grouped; Horovod's gradients through each (float32/float64);
+    Adasum at 1 and 2 ranks; at 3 ranks also a process set, and mismatches raised on every rank
+    as HorovodInternalError."""
+    runs = _two_ranks() if n == 2 else run_cases(n, _collective_cases(n), env=DYNAMIC)
     for rank, cases_ in enumerate(check_ok(runs["adapter"])):
         for name, equal, in_place, same in cases_:
             assert equal and in_place and same, (rank, name, equal, in_place, same)
@@ -65,11 +86,7 @@ def test_distributed_optimizer_and_optimizer_state():
     training on the concatenated batches; Horovod's argument checks; broadcast_optimizer_state
     of SGD with momentum and of Adam (tensor step, learning rates) gives every rank rank 0's;
     SyncBatchNorm over batches of different sizes equals BatchNorm over their concatenation."""
-    runs = run_cases(2, [("passes", "workers_torch:optimizer_passes", [2, 3]),
-                         ("groups", "workers_torch:optimizer_passes", [2, 2, 2]),
-                         ("checks", "workers_torch:optimizer_checks", []),
-                         ("state", "workers_torch:optimizer_state", []),
-                         ("sync batch norm", "workers_torch:sync_batch_norm", [])])
+    runs = _two_ranks()
     for key in ("passes", "groups"):
         for rank, (problems, diff) in enumerate(check_ok(runs[key])):
             assert not problems and diff < 1e-12, (key, rank, problems, diff)
