@@ -23,6 +23,7 @@
 | SDP_HIERARCHICAL          | auto         | 1: hierarchical allreduce/allgather across hosts (shared   |
 |                           |              | memory per host, ZeroMQ between hosts); 0: flat; auto: on  |
 |                           |              | when ranks span several hosts and a host has several ranks |
+|                           |              | (op=Adasum: hierarchical with 1 only, sdp.engine.adasum)   |
 | SDP_TIMELINE              | unset        | path of a Chrome-trace JSON timeline                       |
 | SDP_LOG_LEVEL             | WARNING      | level of the ``sdp`` logger                                |
 | SDP_ENCRYPT               | 0            | 1: encrypt rank-to-rank data (CURVE); 0: authenticate each |
