@@ -13,7 +13,7 @@ from workers_adasum import B0, DTYPES, LR, W0, inputs, linear_data
 
 CASES = ["single", "async", "grouped", "large", "zeros", "device"]
 DEVICE = {"SDP_DEVICE_BACKEND": "numpy"}  # device arrays: host memory standing in (tests/test_device.py)
-HOROVOD_RANKS = "Running Adasum with non-power of 2 ranks is not supported yet"
+HOROVOD_RANKS = "Running Adasum with non-power of 2 ranks is not supported yet."  # (Horovod's text, then sdp's)
 
 
 def adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -79,7 +79,7 @@ def test_adasum_equals_the_tree_reduction(n):
         bad = check_ok(runs["bad"])[0]
         assert bad[0][0] == "ValueError" and "Adasum" in bad[0][1] and "int32" in bad[0][1], bad
         assert bad[1][0] == "ValueError" and "reducescatter" in bad[1][1], bad
-        assert bad[2] == ["NotImplementedError", "Adasum does not support non-global process sets yet (process set 1)."]
+        assert bad[2] == ["NotImplementedError", "Adasum does not support non-global process sets yet. (process set 1)"]
 
 
 @pytest.mark.parametrize("hierarchical", [False, True])
@@ -114,7 +114,7 @@ def test_hierarchical_adasum_refuses_three_hosts():
     for r, got in enumerate(check_ok(run_workers(n, "workers_adasum:refused", timeout=90,
                                                  env={"SDP_HIERARCHICAL": "1"}, per_rank_env=per_rank))):
         assert all(g[0] == "NotImplementedError" and g[1].startswith(
-            "Running Adasum with non-power of 2 nodes is not supported yet") and "3 hosts" in g[1]
+            "Running Adasum with non-power of 2 nodes is not supported yet.") and "3 hosts" in g[1]
             for g in got[:4]), (r, got)
         assert got[4] == 4.0, (r, got)
 

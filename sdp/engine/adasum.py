@@ -39,7 +39,6 @@ from sdp.transport.zmq_mesh import DATA
 
 #: Horovod's threshold (``sqrt(DBL_MIN)``): a tensor whose squared norm is below it counts as zero
 ZERO_NORM_SQ = math.sqrt(sys.float_info.min)
-DTYPES = ("float16", "float32", "float64")  # what Horovod's Adasum reduces
 _AUX_DOTS = 1  # the aux field of the dot-product messages (data segments travel with aux 0)
 _BLOCK = 64 << 10  # elements converted to float64 at a time (stays in L2)
 
@@ -50,15 +49,15 @@ def check(size: int, ps: int, hosts: Optional[List[List[int]]] = None) -> None:
     :func:`hierarchical` (``hosts``: the ranks of every host), a number of hosts that is not.
     Every rank raises alike: it depends only on what every rank knows."""
     if ps:
-        raise NotImplementedError(f"Adasum does not support non-global process sets yet (process set {ps}).")
+        raise NotImplementedError(f"Adasum does not support non-global process sets yet. (process set {ps})")
     if hosts is not None:
         if len(hosts) & (len(hosts) - 1):
-            raise NotImplementedError(f"Running Adasum with non-power of 2 nodes is not supported yet: hierarchical "
-                                      f"Adasum (SDP_HIERARCHICAL=1) across {len(hosts)} hosts "
-                                      f"(ranks per host {[len(h) for h in hosts]}).")
+            raise NotImplementedError(f"Running Adasum with non-power of 2 nodes is not supported yet. (hierarchical "
+                                      f"Adasum, SDP_HIERARCHICAL=1, across {len(hosts)} hosts; ranks per host "
+                                      f"{[len(h) for h in hosts]})")
     elif size & (size - 1):
-        raise NotImplementedError(f"Running Adasum with non-power of 2 ranks is not supported yet: size() is {size} "
-                                  "(Adasum combines ranks in pairs: 1, 2, 4, 8, ... ranks).")
+        raise NotImplementedError(f"Running Adasum with non-power of 2 ranks is not supported yet. (size() is {size}; "
+                                  "Adasum combines ranks in pairs: 1, 2, 4, 8, ... ranks)")
 
 
 def tensor_starts(layouts: Sequence, offs: Sequence[int]) -> List[int]:
