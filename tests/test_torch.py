@@ -40,7 +40,9 @@ OPTIMIZER_CASES = [("passes", "workers_torch:optimizer_passes", [2, 3]),
                    ("groups", "workers_torch:optimizer_passes", [2, 2, 2]),
                    ("checks", "workers_torch:optimizer_checks", []),
                    ("state", "workers_torch:optimizer_state", []),
-                   ("sync batch norm", "workers_torch:sync_batch_norm", [])]
+                   ("sync batch norm", "workers_torch:sync_batch_norm", []),
+                   ("sparse", "workers_torch:optimizer_sparse", []),
+                   ("adasum", "workers_torch:optimizer_adasum", [])]
 _two = {}
 
 
@@ -83,7 +85,9 @@ def test_every_collective_and_its_gradient(n):
 def test_distributed_optimizer_and_optimizer_state():
     """DistributedOptimizer with backward_passes_per_step=2 (allreduces started by the gradient
     hooks during the last backward pass; per parameter and in 2 groups) equals one process
-    training on the concatenated batches; Horovod's argument checks; broadcast_optimizer_state
+    training on the concatenated batches, and so do sparse gradients (as allgathers, and with
+    sparse_as_dense); with op=Adasum each parameter moves by the Adasum of the ranks' local
+    steps (Horovod's Adasum optimizer); Horovod's argument checks; broadcast_optimizer_state
     of SGD with momentum and of Adam (tensor step, learning rates) gives every rank rank 0's;
     SyncBatchNorm over batches of different sizes equals BatchNorm over their concatenation."""
     runs = _two_ranks()
@@ -92,5 +96,9 @@ def test_distributed_optimizer_and_optimizer_state():
             assert not problems and diff < 1e-12, (key, rank, problems, diff)
     _no_problems(runs, "checks")
     _no_problems(runs, "sync batch norm")
+    for rank, (problems, diff) in enumerate(check_ok(runs["adasum"])):
+        assert not problems and diff < 1e-12, (rank, problems, diff)
+    for rank, (problems, diffs) in enumerate(check_ok(runs["sparse"])):
+        assert not problems and max(diffs) < 1e-12, (rank, problems, diffs)
     (p0, sums0), (p1, sums1) = check_ok(runs["state"])
     assert not p0 and not p1 and sums0 == sums1, (p0, p1, sums0, sums1)

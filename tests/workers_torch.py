@@ -373,3 +373,74 @@ def sync_batch_norm():
     sbn.eval()
     c.eq("eval mode: running statistics", sbn(mine.detach()), ref.eval()(x)[lo:lo + sizes[r]])
     return list(c)
+
+
+def optimizer_sparse():
+    """Sparse gradients (nn.Embedding(sparse=True)) through DistributedOptimizer, as allgathers of
+    indices and values and with sparse_as_dense=True, against one process on both ranks' data
+    with dense gradients; returns [problems, max abs differences]."""
+    c, r, n = _Checks(), hvd.rank(), hvd.size()
+    ids = torch.tensor([[q % 7, (3 * q + 1) % 7, 5] for q in range(n)])
+    diffs = []
+    for dense in (False, True):
+        def net(sparse):
+            torch.manual_seed(3)
+            return torch.nn.Sequential(torch.nn.Embedding(7, 4, sparse=sparse), torch.nn.Flatten(),
+                                       torch.nn.Linear(12, 1)).double()
+        model, ref = net(True), net(False)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                       named_parameters=model.named_parameters(), sparse_as_dense=dense)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        for _ in range(2):
+            opt.zero_grad()
+            model(ids[r:r + 1]).pow(2).mean().backward()
+            c.true(f"sparse gradient (sparse_as_dense={dense})", model[0].weight.grad.is_sparse)
+            opt.step()
+            ref_opt.zero_grad()
+            ref(ids).pow(2).mean().backward()
+            ref_opt.step()
+        diffs.append(max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters())))
+    return [list(c), diffs]
+
+
+def _adasum(vectors):
+    """Horovod's Adasum of a list of 1-D float64 arrays (a power of two of them), pairwise in
+    rank order as the recursive halving combines them."""
+    while len(vectors) > 1:
+        nxt = []
+        for a, b in zip(vectors[::2], vectors[1::2]):
+            dot, na, nb = float(a @ b), float(a @ a), float(b @ b)
+            nxt.append((1 - dot / (2 * na) if na else 1.0) * a + (1 - dot / (2 * nb) if nb else 1.0) * b)
+        vectors = nxt
+    return vectors[0]
+
+
+def optimizer_adasum():
+    """DistributedOptimizer(op=Adasum): each parameter moves by the Adasum of the ranks' local
+    SGD steps (computed here from the allgathered deltas); returns [problems, max abs difference]."""
+    c, r = _Checks(), hvd.rank()
+    model, local = _model(seed=0), _model(seed=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   op=hvd.Adasum)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    x, y = _batches(50 + r, 1, 1)
+    start = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    c.true("every Adasum allreduce started during backward()", len(opt._handles) == 4)
+    opt.step()
+    local_opt.zero_grad()
+    torch.nn.functional.mse_loss(local(x), y).backward()
+    local_opt.step()
+    diff = 0.0
+    for p, s, q in zip(model.parameters(), start, local.parameters()):
+        deltas = hvd.allgather((q.detach() - s).reshape(1, -1))
+        want = s + torch.from_numpy(_adasum([d.numpy() for d in deltas])).reshape(s.shape)
+        diff = max(diff, float((p.detach() - want).abs().max()))
+    try:
+        with opt.skip_synchronize():
+            pass
+        c.append("skip_synchronize: no AssertionError")
+    except AssertionError:
+        pass
+    return [list(c), diff]

@@ -20,8 +20,8 @@ Tensors reach the engine through :mod:`sdp.torch.tensors` (CPU tensors as numpy 
 tensors through the device path, no copies).  Errors: collectives whose ranks disagree raise
 :class:`TensorMismatchError` on every rank, a lost peer :class:`PeerLostError`; both are
 ``HorovodInternalError`` (a ``RuntimeError``), as Horovod's ``synchronize`` raises.  ``op=Adasum``
-is sdp's engine's (:mod:`sdp.engine.adasum`); ``DistributedOptimizer(op=Adasum)`` over several
-ranks raises ``NotImplementedError``.
+is sdp's engine's (:mod:`sdp.engine.adasum`); ``DistributedOptimizer(op=Adasum)`` is Horovod's
+Adasum optimizer.
 """
 from sdp.common.errors import PeerLostError, SdpError, TensorMismatchError  # noqa: F401
 from sdp.torch.compression import Compression  # noqa: F401

@@ -25,9 +25,13 @@ optimizer of the wrapped optimizer's class (a subclass made on the fly, sharing 
 
 ``ValueError`` (Horovod's messages): ``named_parameters`` not ``(name, tensor)`` tuples, duplicate
 names, parameters left unnamed, bad ``groups``, ``backward_passes_per_step <= 0``,
-``gradient_predivide_factor`` with another op than Average.  ``op=Adasum`` (Horovod's separate
-Adasum optimizer, which reduces model deltas) raises ``NotImplementedError`` except on one rank,
-where it is a plain optimizer.
+``gradient_predivide_factor`` with another op than Average.
+
+``op=Adasum`` on more than one rank is Horovod's Adasum optimizer: each parameter's hook runs the
+wrapped optimizer's step for that parameter and starts an Adasum allreduce (sdp's engine,
+:mod:`sdp.engine.adasum`: a power-of-two number of ranks, float tensors) of the change it made;
+``step()`` applies the combined changes.  ``synchronize()`` does nothing there and
+``skip_synchronize()`` raises ``AssertionError``, as in Horovod.
 """
 import os
 import warnings
@@ -52,23 +56,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  process_set=global_process_set):
         super().__init__(params)
         self._compression = gradient_compression(compression)
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-        else:
-            named_parameters = [(f"allreduce.noname.{i}.{j}", v) for i, group in enumerate(self.param_groups)
-                                for j, v in enumerate(group["params"])]
-        if any(not isinstance(p, tuple) for p in named_parameters):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
-                             "by model.named_parameters().")
-        dups = _find_duplicates([k for k, _ in named_parameters])
-        if dups:
-            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
-                             + ", ".join(sorted(dups)))
-        all_ids = {id(v) for group in self.param_groups for v in group["params"]}
-        unnamed = all_ids - {id(v) for _, v in named_parameters}
-        if unnamed:
-            raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
-                             "Python object ids: " + ", ".join(str(i) for i in sorted(unnamed)))
+        named_parameters = _named(self.param_groups, named_parameters)
         self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {v: backward_passes_per_step for _, v in named_parameters}
@@ -249,6 +237,112 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super().zero_grad(*args, **kwargs)
 
 
+class _DistributedAdasumOptimizer(torch.optim.Optimizer):
+    """Horovod's Adasum optimizer: each parameter's gradient hook runs the wrapped optimizer's
+    step for that parameter alone and starts an Adasum allreduce of the change it made (the
+    model delta); ``step()`` waits for them and applies the combined deltas to the parameters as
+    they were before (Horovod's ``_DistributedAdasumOptimizer``)."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1):
+        super().__init__(params)
+        self._compression = compression
+        named_parameters = _named(self.param_groups, named_parameters)
+        self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {v: backward_passes_per_step for _, v in named_parameters}
+        self._handles = {}
+        self._hook_handles = []
+        self._requires_update = set()
+        self._starting_models = {p: torch.zeros_like(p, requires_grad=False) for _, p in named_parameters}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = p.data.new(p.size()).zero_()
+                    self._requires_update.add(p)
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    set_backward_passes_per_step = _DistributedOptimizer.set_backward_passes_per_step
+
+    def _allreduce_grad_async(self, p):
+        start = self._starting_models[p]
+        stashed = [group["params"] for group in self.param_groups]
+        for group in self.param_groups:  # (the wrapped optimizer steps this parameter alone)
+            group["params"] = [p] if any(p is v for v in group["params"]) else []
+        try:
+            start.data.copy_(p)
+            super().step()
+            p.data.sub_(start)
+        finally:
+            for group, params in zip(self.param_groups, stashed):
+                group["params"] = params
+        compressed, ctx = self._compression.compress(p.data)
+        return mpi_ops.allreduce_async_(compressed, name=self._parameter_names.get(p), op=ReduceOp.ADASUM), ctx
+
+    def _make_hook(self, p):
+        def hook(*_):
+            if p in self._handles and self._handles[p][0] is not None and self._allreduce_delay[p] <= 0:
+                raise AssertionError("Gradients were computed more than backward_passes_per_step times before call "
+                                     "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+            handle, ctx = None, None
+            self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] == 0:
+                handle, ctx = self._allreduce_grad_async(p)
+            self._handles[p] = (handle, ctx)
+        return hook
+
+    def synchronize(self):
+        """Nothing: ``step()`` applies the deltas (Horovod's)."""
+
+    @contextmanager
+    def skip_synchronize(self):
+        raise AssertionError("Skipping synchronization is not supported when using Adasum optimizer.")
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for p in self._requires_update - set(self._handles):
+            self._handles[p] = self._allreduce_grad_async(p)
+        for p, (handle, ctx) in list(self._handles.items()):
+            if handle is None:
+                handle, ctx = self._allreduce_grad_async(p)
+            delta = self._compression.decompress(mpi_ops.synchronize(handle), ctx)
+            start = self._starting_models[p]
+            start.data.add_(delta.data)
+            p.data.copy_(start)
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._handles.clear()
+        return loss
+
+    def zero_grad(self, *args, **kwargs):
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                                 "or optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+        return super().zero_grad(*args, **kwargs)
+
+
+def _named(param_groups, named_parameters) -> list:
+    """``named_parameters`` as a list, checked as Horovod checks it (``ValueError``: not
+    ``(name, tensor)`` tuples, duplicate names, parameters left unnamed); default names
+    ``allreduce.noname.<group>.<index>``."""
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+    else:
+        named_parameters = [(f"allreduce.noname.{i}.{j}", v) for i, group in enumerate(param_groups)
+                            for j, v in enumerate(group["params"])]
+    if any(not isinstance(p, tuple) for p in named_parameters):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
+                         "by model.named_parameters().")
+    dups = _find_duplicates([k for k, _ in named_parameters])
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                         + ", ".join(sorted(dups)))
+    all_ids = {id(v) for group in param_groups for v in group["params"]}
+    unnamed = all_ids - {id(v) for _, v in named_parameters}
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
+                         "Python object ids: " + ", ".join(str(i) for i in sorted(unnamed)))
+    return named_parameters
+
+
 def _find_duplicates(names) -> set:
     seen, dups = set(), set()
     for n in names:
@@ -278,8 +372,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
     if op == ReduceOp.ADASUM and mpi_ops.size() > 1:
-        raise NotImplementedError("DistributedOptimizer(op=Adasum) is not supported by sdp's PyTorch face; use "
-                                  "Average or Sum (hvd.allreduce(t, op=hvd.Adasum) works)")
+        if api.process_set_id(process_set) != 0:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        cls = type(optimizer.__class__.__name__, (_DistributedAdasumOptimizer, optimizer.__class__), {})
+        return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set)

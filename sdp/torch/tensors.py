@@ -81,17 +81,16 @@ def as_input(tensor: torch.Tensor, what: str = "collective"):
     t = tensor.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    if t.is_cuda:
+    if t.dtype not in _CARRIED:
         check_dtype(t, what)
+    if t.is_cuda:
         return CudaTensor(t)
-    if t.device.type != "cpu":
-        raise TypeError(f"{what}: tensors on {t.device} are not supported (CPU and CUDA are)")
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
     if t.dtype is torch.bfloat16:
         return t.view(torch.int16).numpy().view(_bf16())
-    check_dtype(t, what)
-    return t.numpy()
+    try:
+        return t.numpy()
+    except TypeError:  # (a tensor on another device: meta, mps, ...)
+        raise TypeError(f"{what}: tensors on {t.device} are not supported (CPU and CUDA are)") from None
 
 
 def out_array(tensor: torch.Tensor) -> Optional[np.ndarray]:
@@ -109,14 +108,14 @@ def as_tensor(result, device: Optional[torch.device] = None) -> torch.Tensor:
     cannot mark a tensor read-only), a tensor as it is, any other DLPack object through
     ``torch.from_dlpack``.  ``device``: where a host result must go (a CUDA tensor's
     collective that came back in host memory), None to leave it on the CPU."""
-    if isinstance(result, torch.Tensor):
-        out = result
-    elif isinstance(result, np.ndarray):
+    if type(result) is np.ndarray:
         arr = result if result.flags.writeable else result.copy()
-        if arr.dtype.name == "bfloat16":
+        if arr.dtype.kind == "V":  # (bfloat16, ml_dtypes': torch.from_numpy does not know it)
             out = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
         else:
             out = torch.from_numpy(arr)
+    elif isinstance(result, torch.Tensor):
+        out = result
     else:
         out = torch.from_dlpack(result)
     if device is not None and out.device != device:
