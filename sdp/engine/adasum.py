@@ -40,7 +40,7 @@ from sdp.transport.zmq_mesh import DATA
 #: Horovod's threshold (``sqrt(DBL_MIN)``): a tensor whose squared norm is below it counts as zero
 ZERO_NORM_SQ = math.sqrt(sys.float_info.min)
 _AUX_DOTS = 1  # the aux field of the dot-product messages (data segments travel with aux 0)
-_BLOCK = 64 << 10  # elements converted to float64 at a time (stays in L2)
+_BLOCK = 64 << 10  # elements combined at a time in the wider dtype (stays in L2)
 
 
 def check(size: int, ps: int, hosts: Optional[List[List[int]]] = None) -> None:
@@ -143,22 +143,12 @@ def _combine(mesh, buf, theirs, lo, starts, left: bool, level: int, seq: int) ->
 
 
 def _dot3(a: np.ndarray, b: np.ndarray) -> tuple:
-    """``(a.b, a.a, b.b)`` in float64, block by block (``np.einsum``'s own loop: ``np.dot`` and
-    ``np.vdot`` of 1-D arrays may wake OpenBLAS's threads, 7 us or 1-16 ms for 64 K doubles on
-    this loaded 2-core machine)."""
-    x = a if a.dtype == np.float64 else np.empty(min(a.size, _BLOCK))
-    y = b if b.dtype == np.float64 else np.empty(min(a.size, _BLOCK))
-    ab = aa = bb = 0.0
-    for s in range(0, a.size, _BLOCK):
-        m = min(_BLOCK, a.size - s)
-        xs, ys = (x[s:s + m], y[s:s + m]) if x is a else (x[:m], y[:m])
-        if x is not a:
-            np.copyto(xs, a[s:s + m])
-            np.copyto(ys, b[s:s + m])
-        ab += float(np.einsum("i,i->", xs, ys))
-        aa += float(np.einsum("i,i->", xs, xs))
-        bb += float(np.einsum("i,i->", ys, ys))
-    return ab, aa, bb
+    """``(a.b, a.a, b.b)`` in float64 (``np.einsum``'s own loop, casting as it goes: ``np.dot``
+    and ``np.vdot`` of 1-D arrays may wake OpenBLAS's threads, 7 us or 1-16 ms for 64 K doubles
+    on this loaded 2-core machine; a float64 copy first took ~1.4x as long)."""
+    f = np.float64
+    return (float(np.einsum("i,i->", a, b, dtype=f)), float(np.einsum("i,i->", a, a, dtype=f)),
+            float(np.einsum("i,i->", b, b, dtype=f)))
 
 
 def _scaled_add(a: np.ndarray, ca: float, b: np.ndarray, cb: float) -> None:
