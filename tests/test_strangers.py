@@ -16,8 +16,8 @@ from workers_strangers import JOB, TCP_STRANGER, UNIX_STRANGER, expected_checksu
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 200
 
-pytestmark = pytest.mark.skipif(emulated_hosts.unavailable_reason() is not None,
-                                reason=str(emulated_hosts.unavailable_reason()))
+needs_hosts = pytest.mark.skipif(emulated_hosts.unavailable_reason() is not None,
+                                 reason=str(emulated_hosts.unavailable_reason()))
 
 
 def _env():
@@ -76,6 +76,7 @@ def _stats(text):
     return {k: int(v) for k, v in re.findall(r"(ports|opened|dropped) (\d+)", text)}
 
 
+@needs_hosts
 @pytest.mark.slow
 def test_64_idle_strangers_on_every_port_and_socket_do_not_stop_or_slow_a_job(hosts, tmp_path):
     """64 idle connections held (reopened when dropped) to every TCP port the job listens on
@@ -104,6 +105,7 @@ def test_64_idle_strangers_on_every_port_and_socket_do_not_stop_or_slow_a_job(ho
     print(f"unattacked {alone:.1f} s, attacked {attacked:.1f} s; {outs}")
 
 
+@needs_hosts
 @pytest.mark.slow
 def test_a_port_sweep_every_2_s_holding_40_on_each_new_port_stops_no_job(hosts, tmp_path):
     """A scanner on h3 that looks for new listening ports every 2 s and holds 40 idle connections
@@ -121,6 +123,7 @@ def test_a_port_sweep_every_2_s_holding_40_on_each_new_port_stops_no_job(hosts, 
     assert _stats(outs[0])["ports"] >= 5, outs
 
 
+@needs_hosts
 def test_the_leaders_link_reset_three_times_is_repaired_and_exact(hosts, tmp_path):
     """The host leaders' link sockets shut down under the job three times (a test hook in the
     script, as a reset, ``ss -K`` or a middlebox's RST would): each is repaired, every rank's
@@ -135,6 +138,7 @@ def test_the_leaders_link_reset_three_times_is_repaired_and_exact(hosts, tmp_pat
     print(f"job {took:.1f} s; repairs {repairs}; reconnected in {sorted(times)} ms")
 
 
+@needs_hosts
 def test_with_repair_off_a_reset_link_is_peer_lost_on_every_rank_within_10_s(hosts, tmp_path):
     """The same reset with repair turned off by the script: a PeerLostError on every rank, naming
     the leaders' link and the host, within 10 s of the reset, in one flat message."""
@@ -146,3 +150,36 @@ def test_with_repair_off_a_reset_link_is_peer_lost_on_every_rank_within_10_s(hos
         assert "leaders' link" in line and "on host h" in line, line
         assert line.count("lost connection to rank") == 1, line
     print(f"job {took:.1f} s; {[next(ln for ln in rows[r] if ln.startswith('ERROR')) for r in range(4)]}")
+
+
+def test_300_idle_strangers_on_an_elastic_jobs_endpoint_do_not_stop_it(tmp_path):
+    """300 idle loopback connections held (reopened when dropped) to every port ``sdprun`` of an
+    elastic job listens on (its signed HTTP endpoint, its rendezvous) from before the job starts:
+    a worker killed at step 12 is replaced by a re-formed job whose survivors' signed /join
+    requests get through, and the job ends with every step counted once (on main: the workers'
+    requests were refused, "Remote end closed connection without response", 3 of 3 runs died)."""
+    import stat
+    hosts_file, script = tmp_path / "hosts", tmp_path / "discover.sh"
+    hosts_file.write_text("localhost:3\n")
+    script.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    env = _env()
+    env.update(DIE_WORKER="2", DIE_STEP="12", STEPS="30")
+    job = subprocess.Popen([sys.executable, "-m", "sdp.launcher.cli", "-np", "3", "--min-np", "2",
+                            "--host-discovery-script", str(script), sys.executable,
+                            os.path.join(REPO, "tests", "workers_elastic.py")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    attacker = subprocess.Popen([sys.executable, "-c", TCP_STRANGER, f"own:{job.pid}", "300", "0.02", "1"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+        stats = _stats(attacker.communicate(input="", timeout=30)[0])
+    assert job.returncode == 0, err[-4000:]
+    rows = [ln for ln in out.splitlines() if "RESULT " in ln]
+    assert len(rows) == 2 and all("size=2 epoch=1" in r and "value=70.0" in r and "done_ok=True" in r
+                                  for r in rows), out[-3000:]
+    assert stats["ports"] >= 2 and stats["opened"] >= 300 * 2, stats  # (the endpoint and the rendezvous)

@@ -47,19 +47,28 @@ def expected_checksum(steps: int, n: int = 4) -> float:
 
 
 # Holds idle TCP connections to every port on which a process of the given network namespaces
-# (read from /proc/<pid>/net/tcp) listens, sshd's 22 and loopback excepted: ``per_port`` each,
-# reopened when dropped (``refill`` 1) or not (0); new ports are looked for every ``period`` s.
-# argv: pids, per_port, period, refill.  Ends at EOF on stdin, printing what it did.
+# (read from /proc/<pid>/net/tcp) listens, sshd's 22 and loopback excepted (or, for ``own:PID``,
+# on which process PID listens): ``per_port`` each, reopened when dropped (``refill`` 1) or not (0);
+# new ports are looked for every ``period`` s.  argv: pids or own:PID, per_port, period, refill.  Ends at EOF on stdin, printing what it did.
 TCP_STRANGER = r"""
 import os, selectors, socket, sys, threading, time, resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (16384, 16384))
-pids = [int(p) for p in sys.argv[1].split(",")]
+own = int(sys.argv[1][4:]) if sys.argv[1].startswith("own:") else None
+if own is not None:
+    import psutil
+pids = [] if own is not None else [int(p) for p in sys.argv[1].split(",")]
 per_port, period, refill = int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1"
 done = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
 
 def listening():
     out = set()
+    if own is not None:  # (one process's own listening sockets, loopback included)
+        try:
+            conns = psutil.Process(own).net_connections(kind="tcp")
+        except psutil.Error:
+            return out
+        return {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
     for pid in pids:
         try:
             lines = open(f"/proc/{pid}/net/tcp").read().splitlines()[1:]
