@@ -309,3 +309,41 @@ def test_a_discovery_script_that_fails_later_keeps_the_hosts_and_warns_once(tmp_
     warned = [ln for ln in p.stderr.splitlines() if "failed 3 times in a row" in ln]
     assert len(warned) == 1 and "exited with status 3" in warned[0] and "keeping the current hosts (localhost:2)" in warned[0], p.stderr
     assert p.stderr.count("host discovery script") == 1, p.stderr
+
+
+def test_a_discovery_script_whose_output_never_parses_stops_sdprun_at_once_with_one_line(tmp_path):
+    """Issue 53: a script that prints something other than host:slots lines stops sdprun within
+    seconds with one line naming the script and the first line (was: one warning a second for
+    the whole --elastic-timeout, 600 s)."""
+    import stat
+    script = tmp_path / "discover"
+    script.write_text("#!/bin/sh\necho '{\"hosts\": [\"h1\", \"h2\"]}'\necho 'h3 slots=2'\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", "--host-discovery-script", str(script),
+                        sys.executable, WORKER], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and time.monotonic() - t0 < 30, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if f"host discovery script {script} cannot be used: " in ln]
+    assert len(lines) == 1 and "no line of its output is host[:slots]" in lines[0], p.stderr
+    assert p.stderr.count("cannot parse") <= 2, p.stderr  # (each line once, not once a second)
+
+
+def test_a_hanging_discovery_script_stops_sdprun_after_its_timeout_once(monkeypatch, tmp_path):
+    """Issue 53: a script that never ends is run once (not again by the driver) and the message
+    says the time it was given (was: 60.7 s for a message saying 30 s).  The timeout is made 1 s."""
+    import argparse
+    import stat
+    from sdp.launcher import discovery, horovod_elastic
+    monkeypatch.setattr(discovery, "SCRIPT_TIMEOUT_S", 1.0)
+    script = tmp_path / "discover"
+    script.write_text("#!/bin/sh\nsleep 30\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    args = argparse.Namespace(host_discovery_script=str(script), slots_per_host=None, max_np=None)
+    t0 = time.monotonic()
+    remote, first = horovod_elastic.listen_hosts(args, allow_fake=False)
+    driver = horovod_elastic.HorovodElasticDriver(str(script), 2, 2, 2, None, lambda *a: [], 5.0, secret="s" * 64)
+    driver.first_output = first
+    assert driver.discover() == {}
+    took = time.monotonic() - t0
+    assert remote == [] and 1.0 <= took < 2.5, took
+    assert driver.stop_reason == f"host discovery script {script} cannot run: did not finish within 1 s"

@@ -91,6 +91,7 @@ class HorovodElasticDriver(ElasticController):
         self.discovery_script = discovery_script
         self._discovery_ok = False  # the script has succeeded once
         self._discovery_failures = 0  # consecutive failures since
+        self._warned: set = set()  # output lines logged as unparsable
         self.first_output: Optional[str] = None  # the script's output sdprun read before starting
         self.launchers = launchers or Launchers(allow_fake=True)
         self.np, self.min_np, self.max_np = np, min_np, max_np
@@ -126,14 +127,17 @@ class HorovodElasticDriver(ElasticController):
         listens on a loopback address."""
         try:
             out, self.first_output = self.first_output, None
+            if isinstance(out, Exception):  # (sdprun's first run, before the driver: not run twice)
+                raise out
             if out is None:
                 out = discovery.run_script(self.discovery_script)
-        except (OSError, subprocess.SubprocessError) as e:
+            found = discovery.parse(out, self.slots_per_host, self.max_np, allow_fake=self.launchers.allow_fake,
+                                    warned=self._warned)
+        except (OSError, subprocess.SubprocessError, ValueError) as e:
             return self._discovery_failed(e)
         if self._discovery_failures >= DISCOVERY_FAILURES_WARN:
             log.info("host discovery script %s works again", self.discovery_script)
         self._discovery_ok, self._discovery_failures = True, 0
-        found = discovery.parse(out, self.slots_per_host, self.max_np, allow_fake=self.launchers.allow_fake)
         if self.host.startswith("127."):
             for h in [h for h in found if self.launchers.is_remote(h)]:
                 del found[h]
@@ -156,7 +160,9 @@ class HorovodElasticDriver(ElasticController):
             why = str(e)
         if not self._discovery_ok:
             with self._lock:
-                self.stop_reason = self.stop_reason or f"host discovery script {self.discovery_script} cannot run: {why}"
+                self.stop_reason = self.stop_reason or (
+                    f"host discovery script {self.discovery_script} "
+                    f"{'cannot be used' if isinstance(e, ValueError) else 'cannot run'}: {why}")
             return self.discovered
         self._discovery_failures += 1
         if self._discovery_failures == DISCOVERY_FAILURES_WARN:
@@ -422,15 +428,16 @@ def listen_hosts(args, allow_fake: bool):
     """``(remote hosts, output)``: the hosts other than this machine the discovery script lists
     now (``sdprun`` listens on the address that routes to the first) and the script's output,
     which the driver takes as its first answer (the script runs once per interval, however it
-    counts its runs); ``([], None)`` when the script fails (the driver reports it) or in fake-hosts
-    mode."""
+    counts its runs); ``([], the error)`` when the script fails (the driver reports it, without
+    running the script again: a script that hangs stops sdprun after its timeout, not twice that);
+    ``([], None)`` in fake-hosts mode."""
     if allow_fake:
         return [], None
     try:
         out = discovery.run_script(args.host_discovery_script)
-    except (OSError, subprocess.SubprocessError):
-        return [], None
-    found = discovery.parse(out, args.slots_per_host, args.max_np or (1 << 16))
+        found = discovery.parse(out, args.slots_per_host, args.max_np or (1 << 16), warned=set())
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        return [], e
     names = hostlib.local_names()
     return [h for h in found if not hostlib.is_local(h, names)], out
 
