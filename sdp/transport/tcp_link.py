@@ -30,9 +30,11 @@ they opened to it, so a hop is one ``sendmsg`` and one ``recv_into``.
   proof and first resends the frames its caller may not have seen read (``history(dst)``: a
   leader's last two messages, which the reader's position filter dedups); its reader adopts the
   new connection when it arrives.  Repair needs nothing but the listener, the tokens from the
-  rendezvous and the peer's process, so when it fails within :data:`REPAIR_S` (the peer's host or
-  process is gone) or :data:`REPAIR` is off, ``on_failure(rank, reason)`` (the mesh: the rank is
-  lost, every rank raises :class:`~sdp.common.errors.PeerLostError` naming the link and the host).
+  rendezvous and the peer's process, so when the writer cannot reconnect within :data:`REPAIR_S`
+  (the peer's host or process is gone, or a firewall now refuses) or :data:`REPAIR` is off,
+  ``on_failure(rank, reason)`` (the mesh: the rank is lost, every rank raises
+  :class:`~sdp.common.errors.PeerLostError` naming the link and the host).  A reader waits for its
+  writer (which may just be late); a writer that died is the mesh's to report.
   Payloads travel in the clear, as on the mesh by default; with ``SDP_ENCRYPT=1`` there is no link
   (those allreduces go through the engine, encrypted).
 """
@@ -61,6 +63,7 @@ USER_TIMEOUT_MS = 5000  # TCP_USER_TIMEOUT (ms): unacknowledged bytes this long 
 REPAIR_S = 5.0  # seconds a failed connection may take to be replaced before its peer counts as lost
 REPAIR = True  # False: a failed connection is not replaced (tests of the failure path)
 CONNECT_S = 1.0  # seconds one connection attempt may take
+RETRY_S = 0.05  # seconds between attempts
 _HELLO = struct.Struct("<4sIQ16s")
 _LEN = struct.Struct("<I")
 
@@ -109,7 +112,8 @@ class LeaderLink:
         self._in: Dict[int, _Incoming] = {}  # by descriptor
         self._poll = select.poll()
         self._out_fds: Dict[int, int] = {}  # descriptor of a connection this rank writes -> its leader
-        self._broken: Dict[int, tuple] = {}  # (("out"|"in"), leader) -> (since, cause): being repaired
+        self._broken: Dict[tuple, tuple] = {}  # (("out"|"in"), leader) -> (since, cause): being repaired
+        self._next_try: Dict[int, float] = {}  # leader -> when its connection may be tried again
         self._refusals = RefusalLog(f"rank {rank} (leaders' link)")
         self._leaders: List[int] = []
         self.on_failure = on_failure
@@ -379,11 +383,13 @@ class LeaderLink:
         """Connect to leader ``q`` again and resend what it may have lost, or fail past
         :data:`REPAIR_S`."""
         since, cause = self._broken.get(("out", q), (time.monotonic(), "no connection"))
-        if self.failed is not None or self._stop.is_set() or q in self._out:
+        if self.failed is not None or self._stop.is_set() or q in self._out or \
+                time.monotonic() < self._next_try.get(q, 0.0):
             return
         if not REPAIR:
             self._fail(q, cause)
             return
+        self._next_try[q] = time.monotonic() + RETRY_S
         try:
             s = self._connect(q, min(CONNECT_S, max(0.05, since + REPAIR_S - time.monotonic())))
             for body in self.history(q):
@@ -396,12 +402,12 @@ class LeaderLink:
         self._repaired(q, "to", self._broken.pop(("out", q), (since, cause)))
 
     def _repair_all(self) -> None:
-        now = time.monotonic()
-        for (way, q), (since, cause) in list(self._broken.items()):
+        """Reconnect what this leader writes.  (What it reads its writer reconnects; a writer that
+        cannot, or whose process or host is gone, fails the job itself or through the mesh: a
+        reader cannot tell a lost connection from a peer that is just late.)"""
+        for way, q in list(self._broken):
             if way == "out":
                 self._repair_out(q)
-            elif now - since >= REPAIR_S:
-                self._fail(q, f"{cause}; no new connection within {REPAIR_S:g} s")
 
     def _repaired(self, q: int, way: str, broken: tuple) -> None:
         took = time.monotonic() - broken[0]
