@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import emulated_hosts  # noqa: E402
-from workers_strangers import JOB, TCP_STRANGER, UNIX_STRANGER, expected_checksum  # noqa: E402
+from workers_strangers import JOB, STRANGER, expected_checksum  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 200
@@ -52,11 +52,11 @@ class _Strangers:
 
     def __init__(self, hosts, per_port, period, refill=True, unix=True):
         pids = ",".join(str(hosts.sshd[h].pid) for h in ("h1", "h2"))
-        self.procs = [hosts.popen("h3", [sys.executable, "-c", TCP_STRANGER, pids, str(per_port), str(period),
+        self.procs = [hosts.popen("h3", [sys.executable, "-c", STRANGER, f"pids:{pids}", str(per_port), str(period),
                                          "1" if refill else "0"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
         if unix:
-            self.procs += [hosts.popen(h, [sys.executable, "-c", UNIX_STRANGER, "65534", str(per_port)],
+            self.procs += [hosts.popen(h, [sys.executable, "-c", STRANGER, "unix:65534", str(per_port), "0.02", "1"],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True) for h in ("h1", "h2")]
 
@@ -149,6 +149,7 @@ def test_with_repair_off_a_reset_link_is_peer_lost_on_every_rank_within_10_s(hos
         assert line is not None and "PeerLostError" in line, (r, rows, err[-2000:])
         assert "leaders' link" in line and "on host h" in line, line
         assert line.count("lost connection to rank") == 1, line
+        assert float(re.search(r"after (\d+\.\d) s$", line).group(1)) < 10, line  # (the reset: a step 50)
     print(f"job {took:.1f} s; {[next(ln for ln in rows[r] if ln.startswith('ERROR')) for r in range(4)]}")
 
 
@@ -169,7 +170,7 @@ def test_300_idle_strangers_on_an_elastic_jobs_endpoint_do_not_stop_it(tmp_path)
                             "--host-discovery-script", str(script), sys.executable,
                             os.path.join(REPO, "tests", "workers_elastic.py")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-    attacker = subprocess.Popen([sys.executable, "-c", TCP_STRANGER, f"own:{job.pid}", "300", "0.02", "1"],
+    attacker = subprocess.Popen([sys.executable, "-c", STRANGER, f"own:{job.pid}", "300", "0.02", "1"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = job.communicate(timeout=120)

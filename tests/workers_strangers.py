@@ -46,56 +46,70 @@ def expected_checksum(steps: int, n: int = 4) -> float:
     return small + big
 
 
-# Holds idle TCP connections to every port on which a process of the given network namespaces
-# (read from /proc/<pid>/net/tcp) listens, sshd's 22 and loopback excepted (or, for ``own:PID``,
-# on which process PID listens): ``per_port`` each, reopened when dropped (``refill`` 1) or not (0);
-# new ports are looked for every ``period`` s.  argv: pids or own:PID, per_port, period, refill.  Ends at EOF on stdin, printing what it did.
-TCP_STRANGER = r"""
-import os, selectors, socket, sys, threading, time, resource
+# Holds idle connections to every listening socket it finds, ``per`` each, reopened when dropped
+# (``refill`` 1) or not (0), looking for new ones every ``period`` s.  ``where``: ``pids:P1,P2``
+# (TCP ports on which a process of those processes' network namespaces listens, read from
+# /proc/P/net/tcp; sshd's 22 and loopback excepted), ``own:PID`` (TCP ports process PID listens
+# on, loopback included) or ``unix:UID`` (as user UID: the abstract ``@sdp-`` sockets of this
+# network namespace, from /proc/net/unix).  argv: where, per, period, refill.  Ends at EOF on
+# stdin, printing what it did.
+STRANGER = r"""
+import os, socket, sys, threading, time, resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (16384, 16384))
-own = int(sys.argv[1][4:]) if sys.argv[1].startswith("own:") else None
-if own is not None:
+kind, _, arg = sys.argv[1].partition(":")
+per, period, refill = int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1"
+if kind == "unix":
+    os.setgroups([])
+    os.setgid(int(arg))
+    os.setuid(int(arg))
+if kind == "own":
     import psutil
-pids = [] if own is not None else [int(p) for p in sys.argv[1].split(",")]
-per_port, period, refill = int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1"
 done = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
 
 def listening():
-    out = set()
-    if own is not None:  # (one process's own listening sockets, loopback included)
+    if kind == "unix":
+        rows = [ln.split() for ln in open("/proc/net/unix").read().splitlines()[1:]]
+        return {f[7] for f in rows if len(f) >= 8 and f[3] == "00010000" and f[7].startswith("@sdp-")}
+    if kind == "own":
         try:
-            conns = psutil.Process(own).net_connections(kind="tcp")
+            conns = psutil.Process(int(arg)).net_connections(kind="tcp")
         except psutil.Error:
-            return out
+            return set()
         return {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
-    for pid in pids:
+    out = set()
+    for pid in arg.split(","):
         try:
             lines = open(f"/proc/{pid}/net/tcp").read().splitlines()[1:]
         except OSError:
             continue
-        for ln in lines:
-            f = ln.split()
-            if f[3] != "0A":
-                continue
+        for f in (ln.split() for ln in lines):
             ip_hex, port_hex = f[1].split(":")
             ip, port = socket.inet_ntoa(bytes.fromhex(ip_hex)[::-1]), int(port_hex, 16)
-            if port != 22 and not ip.startswith("127."):
+            if f[3] == "0A" and port != 22 and not ip.startswith("127."):
                 out.add((ip, port))
     return out
 
-held, seen, opened, dropped = {}, set(), 0, 0
-next_scan = 0.0
+def connect(t):
+    s = socket.socket(socket.AF_UNIX if kind == "unix" else socket.AF_INET)
+    s.setblocking(False)
+    try:
+        s.connect("\0" + t[1:]) if kind == "unix" else s.connect_ex(t)
+    except OSError:
+        s.close()
+        return None
+    return s
+
+held, opened, dropped, next_scan = {}, 0, 0, 0.0
 while not done.is_set():
     now = time.monotonic()
     if now >= next_scan:
         next_scan = now + period
-        for t in listening() - seen:
-            seen.add(t)
-            held[t] = []
+        for t in listening() - held.keys():
+            held[t] = None
     for t, socks in held.items():
         keep = []
-        for s in socks:
+        for s in socks or []:
             try:
                 if s.recv(1) == b"":
                     raise OSError
@@ -105,60 +119,13 @@ while not done.is_set():
             except OSError:
                 s.close()
                 dropped += 1
-        held[t] = keep
-        want = per_port - len(keep) if refill or not opened_on.get(t) else 0
-        for _ in range(max(0, want)):
-            s = socket.socket()
-            s.setblocking(False)
-            s.connect_ex(t)
-            keep.append(s)
-            opened += 1
-        opened_on[t] = True
-    time.sleep(0.01)
-print("ports", len(seen), "opened", opened, "dropped", dropped, flush=True)
-""".replace("held, seen,", "opened_on = {}\nheld, seen,")
-
-# The same against the job's abstract Unix sockets (``@sdp-...`` in /proc/net/unix of its
-# network namespace), as user ``uid``; argv: uid, per_socket.
-UNIX_STRANGER = r"""
-import os, socket, sys, threading, time
-os.setgroups([])
-os.setgid(int(sys.argv[1]))
-os.setuid(int(sys.argv[1]))
-per = int(sys.argv[2])
-done = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
-held, opened, dropped = {}, 0, 0
-while not done.is_set():
-    names = set()
-    for ln in open("/proc/net/unix").read().splitlines()[1:]:
-        f = ln.split()
-        if len(f) >= 8 and f[3] == "00010000" and f[7].startswith("@sdp-"):
-            names.add(f[7])
-    for name in names:
-        socks = [s for s in held.get(name, []) if s.fileno() >= 0]
-        keep = []
-        for s in socks:
-            try:
-                if s.recv(1) == b"":
-                    raise OSError
-                keep.append(s)
-            except BlockingIOError:
-                keep.append(s)
-            except OSError:
-                s.close()
-                dropped += 1
-        while len(keep) < per:
-            s = socket.socket(socket.AF_UNIX)
-            s.setblocking(False)
-            try:
-                s.connect("\0" + name[1:])
-            except OSError:
-                s.close()
+        while (socks is None or refill) and len(keep) < per:
+            s = connect(t)
+            if s is None:
                 break
             keep.append(s)
             opened += 1
-        held[name] = keep
-    time.sleep(0.02)
-print("uid", os.getuid(), "opened", opened, "dropped", dropped, flush=True)
+        held[t] = keep
+    time.sleep(0.01 if kind != "unix" else 0.02)
+print("ports", len(held), "opened", opened, "dropped", dropped, flush=True)
 """
