@@ -15,37 +15,10 @@ turns the skip off (gradients are always cast when ``Compression.fp16`` is asked
 collectives (``hvd.allreduce(t, compression=Compression.fp16)``) always cast, as in Horovod.  The
 engine accumulates float16 payloads in float32, so sums do not overflow or lose small terms.
 """
-import os
-
 import tensorflow as tf
 
 from sdp import api
-
-SKIP_LOCAL_ENV = "SDP_FP16_SKIP_LOCAL"
-
-
-class Compressor:
-    """Interface: ``compress(tensor) -> (tensor, ctx)``, ``decompress(tensor, ctx) -> tensor``."""
-
-    @staticmethod
-    def compress(tensor):
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """Sends tensors unchanged: ``compress(t) -> (t, None)``, ``decompress(t, ctx) -> t``."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+from sdp.common.compression import SKIP_LOCAL_ENV, Compressor, NoneCompressor, skip_local  # noqa: F401
 
 
 class FP16Compressor(Compressor):
@@ -77,12 +50,6 @@ class WireFP16Compressor(Compressor):
     @staticmethod
     def decompress(tensor, ctx):
         return FP16Compressor.decompress(tensor, ctx)
-
-
-def skip_local() -> bool:
-    """Whether gradient reducers skip the float16 cast without a network (``SDP_FP16_SKIP_LOCAL``,
-    default on; ``0``/``false``/``no``/``off`` turns it off)."""
-    return os.environ.get(SKIP_LOCAL_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def gradient_compression(compression):

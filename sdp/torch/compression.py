@@ -8,35 +8,10 @@ always cast; :class:`~sdp.torch.optimizer.DistributedOptimizer` skips the cast w
 cross a network (as the TensorFlow face does, ``SDP_FP16_SKIP_LOCAL``, see
 :mod:`sdp.tensorflow.compression`): :func:`gradient_compression`.
 """
-import os
-
 import torch
 
 from sdp import api
-
-
-class Compressor:
-    """Interface: ``compress(tensor) -> (tensor, ctx)``, ``decompress(tensor, ctx) -> tensor``."""
-
-    @staticmethod
-    def compress(tensor):
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """Sends tensors unchanged.  Mirrors ``horovod.torch.compression.NoneCompressor``."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+from sdp.common.compression import Compressor, NoneCompressor, skip_local
 
 
 class FP16Compressor(Compressor):
@@ -70,8 +45,7 @@ def gradient_compression(compression):
     across a network unless ``SDP_FP16_SKIP_LOCAL`` is ``0``/``false``/``no``/``off``."""
     if compression is None:
         return NoneCompressor
-    skip = os.environ.get("SDP_FP16_SKIP_LOCAL", "1").strip().lower() not in ("0", "false", "no", "off")
-    return _WireFP16Compressor if compression is FP16Compressor and skip else compression
+    return _WireFP16Compressor if compression is FP16Compressor and skip_local() else compression
 
 
 class Compression:

@@ -72,40 +72,34 @@ class StateHandler:
         self.save()
 
 
-class ModelStateHandler(StateHandler):
-    """A ``torch.nn.Module``: its ``state_dict`` (parameters and buffers)."""
+class _StateDictHandler(StateHandler):
+    """A value with ``state_dict()`` / ``load_state_dict()``: ``save`` keeps a deep copy of its
+    state dict, ``restore`` loads it back."""
 
     def save(self):
         self._saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self):
         self.value.load_state_dict(self._saved)
+
+
+class ModelStateHandler(_StateDictHandler):
+    """A ``torch.nn.Module``: its ``state_dict`` (parameters and buffers); ``sync`` broadcasts
+    rank 0's in place."""
 
     def sync(self):
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class OptimizerStateHandler(StateHandler):
-    """A ``torch.optim.Optimizer``: its ``state_dict``."""
-
-    def save(self):
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self):
-        self.value.load_state_dict(self._saved)
+class OptimizerStateHandler(_StateDictHandler):
+    """A ``torch.optim.Optimizer``: its ``state_dict``; ``sync`` is ``broadcast_optimizer_state``."""
 
     def sync(self):
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
-class SamplerStateHandler(StateHandler):
-    """An :class:`ElasticSampler`: its epoch and processed count."""
-
-    def save(self):
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self):
-        self.value.load_state_dict(self._saved)
+class SamplerStateHandler(_StateDictHandler):
+    """An :class:`ElasticSampler`: its epoch and processed count; ``sync`` takes rank 0's."""
 
     def sync(self):
         self.value.load_state_dict(broadcast_object(self.value.state_dict()))
