@@ -102,3 +102,32 @@ def test_distributed_optimizer_and_optimizer_state():
         assert not problems and max(diffs) < 1e-12, (rank, problems, diffs)
     (p0, sums0), (p1, sums1) = check_ok(runs["state"])
     assert not p0 and not p1 and sums0 == sums1, (p0, p1, sums0, sums1)
+
+
+# the names horovod/torch/__init__.py (Horovod 0.28) exports, and its submodules' that scripts import
+HOROVOD_TORCH_NAMES = """elastic Compression allgather_object broadcast_object broadcast_optimizer_state broadcast_parameters
+allreduce allreduce_async allreduce_ allreduce_async_ grouped_allreduce grouped_allreduce_async grouped_allreduce_
+grouped_allreduce_async_ sparse_allreduce_async allgather allgather_async grouped_allgather grouped_allgather_async
+broadcast broadcast_async broadcast_ broadcast_async_ alltoall alltoall_async reducescatter reducescatter_async
+grouped_reducescatter grouped_reducescatter_async join barrier poll synchronize init shutdown is_initialized
+start_timeline stop_timeline size local_size cross_size rank local_rank cross_rank mpi_threads_supported mpi_enabled
+mpi_built gloo_enabled gloo_built nccl_built ddl_built ccl_built cuda_built rocm_built ProcessSet global_process_set
+add_process_set remove_process_set Average Sum Adasum Min Max Product HorovodInternalError DistributedOptimizer
+SyncBatchNorm""".split()
+
+
+def test_horovod_torch_names_and_modules():
+    """Every name of ``horovod.torch`` is in sdp.torch; ``horovod.torch`` and its submodules are
+    sdp.torch's under the horovod compatibility names (tests/test_compat.py checks the mechanism)."""
+    import sdp.torch as hvd
+    from sdp.compat import _CompatFinder, _FAMILY_DEFS
+    assert [n for n in HOROVOD_TORCH_NAMES if not hasattr(hvd, n)] == []
+    assert {"TorchState", "ElasticSampler", "run"} <= set(dir(hvd.elastic))
+    finder = _CompatFinder()
+    for alias, target in _FAMILY_DEFS["horovod"].aliases:
+        finder.aliases[alias] = (target, "horovod")
+    for sub in ("", ".mpi_ops", ".functions", ".compression", ".optimizer", ".sync_batch_norm", ".elastic",
+                ".elastic.state", ".elastic.sampler"):
+        target = finder.map("horovod.torch" + sub)[0]
+        assert target == "sdp.torch" + sub
+        __import__(target)
