@@ -60,6 +60,7 @@ from sdp.process_sets import init_process_sets as _init_process_sets
 from sdp.process_sets import set_size as _set_size
 from sdp.torch import ops as _ops
 from sdp.torch.compression import Compression
+from sdp.torch.compression import NoneCompressor as _NoneCompressor
 from sdp.torch.ops import (allgather_async, alltoall_async, barrier, join, poll, synchronize)  # noqa: F401
 from sdp.api import (cross_rank, cross_size, is_initialized, local_rank, local_size, rank, size,  # noqa: F401
                      start_timeline, stop_timeline)
@@ -140,7 +141,12 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
               postscale_factor=1.0, process_set=global_process_set):
     """Reduce ``tensor`` over the ranks of ``process_set`` (default: Average) and return a new
     tensor of its shape, dtype and device; differentiable.  Mirrors ``horovod.torch.allreduce``."""
-    op = handle_average_backwards_compatibility(op, average)
+    if average is not None or op is None:
+        op = handle_average_backwards_compatibility(op, average)
+    if compression is _NoneCompressor:  # (the default: no calls)
+        if tensor.requires_grad and torch.is_grad_enabled():
+            return HorovodAllreduce.apply(tensor, name, op, prescale_factor, postscale_factor, process_set)
+        return _ops.allreduce_now(tensor, name, op, prescale_factor, postscale_factor, process_set)
     compressed, ctx = compression.compress(tensor)
     if _needs_grad(compressed):
         out = HorovodAllreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
@@ -153,7 +159,8 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
                process_set=global_process_set):
     """Reduce ``tensor`` in place and return it (the caller's own tensor).  Mirrors
     ``horovod.torch.allreduce_``."""
-    op = handle_average_backwards_compatibility(op, average)
+    if average is not None or op is None:
+        op = handle_average_backwards_compatibility(op, average)
     return _ops.allreduce_now(tensor, name, op, prescale_factor, postscale_factor, process_set, inplace=True)
 
 

@@ -91,7 +91,7 @@ def allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=None, p
     """Submit an allreduce of ``tensor`` (``inplace``: into ``tensor`` itself); an int handle."""
     op = _op(op)
     arr = _t.as_input(tensor, "allreduce")
-    out = _t.out_array(tensor) if inplace else None
+    out = _t.in_place(tensor, arr) if inplace else None
     h = api.allreduce_async(arr, name, op, prescale_factor, postscale_factor, out, process_set)
     return _register([h], _into(tensor) if inplace else _new(tensor), (tensor, arr))
 
@@ -100,10 +100,12 @@ def allreduce_now(tensor: torch.Tensor, name: Optional[str] = None, op=None, pre
                   postscale_factor: float = 1.0, process_set=global_process_set,
                   inplace: bool = False) -> torch.Tensor:
     """:func:`allreduce_async` waited at once (small host tensors may take the fast lane whole)."""
-    op = _op(op)
     arr = _t.as_input(tensor, "allreduce")
-    out = _t.out_array(tensor) if inplace else None
-    result = api.allreduce(arr, name, op, prescale_factor, postscale_factor, out, process_set)
+    out = _t.in_place(tensor, arr) if inplace else None
+    result = api.allreduce(arr, name, op if type(op) is ReduceOp else resolve_op(op), prescale_factor,
+                           postscale_factor, out, process_set)
+    if result is out is not None:  # (reduced into the tensor's own memory)
+        return tensor
     return _t.copy_into(tensor, result) if inplace else _t.as_tensor(result, _device(tensor))
 
 

@@ -93,6 +93,12 @@ def as_input(tensor: torch.Tensor, what: str = "collective"):
         raise TypeError(f"{what}: tensors on {t.device} are not supported (CPU and CUDA are)") from None
 
 
+def in_place(tensor: torch.Tensor, arr) -> Optional[np.ndarray]:
+    """:func:`out_array` of ``tensor`` given ``arr = as_input(tensor)``, without making it again:
+    ``arr`` where it is ``tensor``'s own memory (a contiguous CPU tensor), else None."""
+    return arr if type(arr) is np.ndarray and tensor.is_contiguous() and arr.flags.writeable else None
+
+
 def out_array(tensor: torch.Tensor) -> Optional[np.ndarray]:
     """The numpy view an in-place host collective may write its result into: ``tensor``'s own
     memory (CPU, contiguous), else None (the result is copied in with :func:`copy_into`)."""
