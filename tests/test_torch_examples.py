@@ -14,7 +14,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 from mnist_data import find_mnist_dir  # noqa: E402
 
 MNIST = find_mnist_dir()
-mnist_only = pytest.mark.skipif(MNIST is None, reason="MNIST not found: set SDP_MNIST_DIR or provide ../shared/data/mnist")
+mnist_only = pytest.mark.skipif(MNIST is None,
+                                reason="MNIST not found: set SDP_MNIST_DIR or provide ../shared/data/mnist")
 
 
 @mnist_only

@@ -420,8 +420,8 @@ def optimizer_adasum():
     SGD steps (computed here from the allgathered deltas); returns [problems, max abs difference]."""
     c, r = _Checks(), hvd.rank()
     model, local = _model(seed=0), _model(seed=0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                                   op=hvd.Adasum)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
     local_opt = torch.optim.SGD(local.parameters(), lr=0.1)
     x, y = _batches(50 + r, 1, 1)
     start = [p.detach().clone() for p in model.parameters()]

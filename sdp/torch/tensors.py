@@ -16,7 +16,8 @@ that and the engine's results back into tensors on the input's device:
 
 Dtypes: bool, uint8, int8-64, float16, bfloat16, float32, float64 (as :mod:`sdp.api` carries them;
 reductions do not take bool with Average).  Other dtypes (complex, quantized, float8) raise
-``ValueError`` naming the dtype (Horovod's class for "Tensor type ... is not supported").  The engine never imports torch; this module is a face's.
+``ValueError`` naming the dtype (Horovod's class for "Tensor type ... is not supported").  The
+engine never imports torch; this module is a face's.
 """
 from typing import Optional
 
