@@ -107,7 +107,8 @@ def test_distributed_optimizer_and_optimizer_state():
 # the names horovod/torch/__init__.py (Horovod 0.28) exports
 HOROVOD_TORCH_NAMES = """elastic Compression allgather_object broadcast_object broadcast_optimizer_state
 broadcast_parameters allreduce allreduce_async allreduce_ allreduce_async_ grouped_allreduce
-grouped_allreduce_async grouped_allreduce_ grouped_allreduce_async_ sparse_allreduce_async allgather allgather_async grouped_allgather grouped_allgather_async
+grouped_allreduce_async grouped_allreduce_ grouped_allreduce_async_ sparse_allreduce_async allgather allgather_async
+grouped_allgather grouped_allgather_async
 broadcast broadcast_async broadcast_ broadcast_async_ alltoall alltoall_async reducescatter reducescatter_async
 grouped_reducescatter grouped_reducescatter_async join barrier poll synchronize init shutdown is_initialized
 start_timeline stop_timeline size local_size cross_size rank local_rank cross_rank mpi_threads_supported mpi_enabled
