@@ -43,9 +43,9 @@ def test_torch_mnist_elastic_survives_kill9_then_grows(tmp_path):
     """3 ranks, kill -9 of worker 2 at step 20 (commits every 10): the two others roll back to the
     last commit and re-form as 2 ranks (the sampler splits what is left over them, the learning
     rate is rescaled); then the discovery script shows a fourth slot and at the next commit the job
-    grows to 3 (4 slots, one failed), the newcomer taking rank 0's model, optimizer and sampler state.  Every sample the
-    sampler counts as trained was trained exactly once; all end with the same weights; sdprun
-    exits 0."""
+    grows to 3 (4 slots, one failed), the newcomer taking rank 0's model, optimizer and sampler
+    state.  Every sample the sampler counts as trained was trained exactly once; all end with the
+    same weights; sdprun exits 0."""
     if not os.path.isdir(MNIST_DIR):
         pytest.skip(f"no MNIST data at {MNIST_DIR}")
     script, hosts = _discovery(tmp_path, 3)
