@@ -7,6 +7,7 @@ After :func:`install` (or in the workers of ``sdprun --compat horovod,smdistribu
     import horovod.keras as hvd                            # the same (legacy name)
     import horovod.torch as hvd                            # is sdp.torch (Horovod's init())
     import smdistributed.dataparallel.tensorflow as sdp    # sdp.tensorflow, SMDDP's init()
+    import smdistributed.dataparallel.torch.distributed    # is sdp.compat_smddp.torch.distributed
     import kungfu.python                                   # is sdp_kungfu_bridge.python
     from kungfu.tensorflow.optimizers import ...           # from sdp_kungfu_bridge.tensorflow.optimizers
 
@@ -120,7 +121,8 @@ _FAMILY_DEFS: Dict[str, _Family] = {
                ("horovod.common.process_sets", "sdp.process_sets"))),
     "smdistributed": _Family(
         packages=("smdistributed", "smdistributed.dataparallel"),
-        aliases=(("smdistributed.dataparallel.tensorflow", "sdp.tensorflow"),),
+        aliases=(("smdistributed.dataparallel.tensorflow", "sdp.tensorflow"),
+                 ("smdistributed.dataparallel.torch", "sdp.compat_smddp.torch")),
         dists=("smdistributed-dataparallel", "smdistributed_dataparallel"),
         # SMDDP's init() raises when called again (sdp's and Horovod's return): these two modules
         # are sdp.tensorflow and sdp.tensorflow.keras with that init
@@ -146,7 +148,8 @@ _PACKAGE_DOCS = {
     "smdistributed": "smdistributed on sdp (sdp.compat).",
     "smdistributed.dataparallel": "smdistributed.dataparallel on sdp (sdp.compat): "
                                   "smdistributed.dataparallel.tensorflow is sdp.tensorflow with "
-                                  "SMDDP's init() (see sdp.compat_smddp).",
+                                  "SMDDP's init() (see sdp.compat_smddp); "
+                                  "smdistributed.dataparallel.torch is sdp.compat_smddp.torch.",
     "kungfu": "kungfu on sdp (sdp.compat): kungfu.python and kungfu.tensorflow are "
               "sdp_kungfu_bridge.python and sdp_kungfu_bridge.tensorflow; the KungFu fork's "
               "MindSpore modules are sdp_kungfu_bridge.mindspore.",

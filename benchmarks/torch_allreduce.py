@@ -1,0 +1,214 @@
+"""PyTorch on sdp against PyTorch's Gloo, in one run: allreduce of CPU tensors and a DDP step.
+
+Run under the launcher (2 ranks, one host)::
+
+    sdprun -np 2 python benchmarks/torch_allreduce.py
+    sdprun -np 2 python benchmarks/torch_allreduce.py --sizes 1K,1M --rounds 3
+
+Rank 0 prints an environment line, then one table:
+
+- per size (default 1K, 1M, 64M; float32, SUM): the median time of one allreduce and its busbw
+  (algbw * 2(n-1)/n, GB/s = 1e9 B/s) through ``sdp.torch.allreduce`` (Horovod's PyTorch API, a
+  new tensor; "n/a" where ``sdp.torch`` has no ``allreduce``), ``sdp.allreduce`` (the numpy API,
+  into a preallocated array), ``torch.distributed.all_reduce`` on the ``sdp`` backend
+  (:mod:`sdp.torch.distributed`, in place) and on Gloo (in place, on loopback);
+- the step time of DDP training a small CNN (batch 64 of 28x28 images) over the ``sdp``
+  backend and over Gloo;
+- PASS/FAIL against the targets below (a miss does not change the exit status).
+
+The modes alternate: ``--rounds`` rounds, each running every mode in turn (rotated per round), so
+a slow stretch of this shared machine hits each alike.  A time is the median over a round's
+iterations, then the median over rounds, then the maximum over ranks.  The default group is the
+``sdp`` backend on a file store in a temporary directory (``init_method="file://..."``), so that
+a Gloo group (``dist.new_group(backend="gloo")``, ``GLOO_SOCKET_IFNAME=lo``) joins the same job.
+"""
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import sdp
+import sdp.torch
+import sdp.torch.distributed  # noqa: F401  (registers "sdp")
+
+# ---- targets (issue 52; 2 ranks, one host, float32) ------------------------------------------------
+TARGET_TORCH_1K_VS_NUMPY = 1.5      # sdp.torch 1 KB time <= 1.5 x the numpy API's
+TARGET_TORCH_64M_BUSBW = 0.9        # sdp.torch 64 MB busbw >= 0.9 x the numpy API's
+TARGET_VS_GLOO = 2.0                # sdp.torch and the numpy API >= 2 x faster than Gloo (1K, 1M, 64M)
+TARGET_DDP_VS_GLOO = 1.0            # DDP step over sdp <= 1.0 x over Gloo
+
+MODES = ("sdp.torch", "numpy API", "dist sdp", "dist gloo")
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper().rstrip("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
+def fmt_size(n: int) -> str:
+    for unit, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m}{unit}"
+    return str(n)
+
+
+def log0(*args) -> None:
+    if sdp.rank() == 0:
+        print(*args, flush=True)
+
+
+def max_over_ranks(x: float) -> float:
+    return float(sdp.allreduce(np.array([x], np.float64), name="bench.max", op=sdp.Max)[0])
+
+
+def iterations(nbytes: int) -> int:
+    return 200 if nbytes <= 64 << 10 else 40 if nbytes <= 4 << 20 else 6
+
+
+def callers(nbytes: int, gloo):
+    """{mode: a function that runs one allreduce of ``nbytes`` float32}, or None where absent."""
+    n = nbytes // 4
+    t_in, t_sdp, t_gloo = torch.ones(n), torch.zeros(n), torch.zeros(n)  # (in place: zeros stay finite)
+    a_in, a_out = np.ones(n, np.float32), np.empty(n, np.float32)
+    name = f"bench.{fmt_size(nbytes)}"
+    has_face = hasattr(sdp.torch, "allreduce")
+    return {
+        "sdp.torch": (lambda: sdp.torch.allreduce(t_in, name=name + ".torch", op=sdp.torch.Sum)) if has_face else None,
+        "numpy API": lambda: sdp.allreduce(a_in, name=name + ".np", op=sdp.Sum, out=a_out),
+        "dist sdp": lambda: dist.all_reduce(t_sdp),
+        "dist gloo": lambda: dist.all_reduce(t_gloo, group=gloo),
+    }
+
+
+def time_mode(call, iters: int) -> float:
+    """Median seconds of ``iters`` calls after 2 untimed ones (every rank runs as many)."""
+    for _ in range(2):
+        call()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def build_cnn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3), torch.nn.ReLU(),
+                               torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(16 * 12 * 12, 64),
+                               torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def ddp_steps(group):
+    """A function running one DDP training step of the small CNN over ``group`` (None: the default
+    group, the sdp backend)."""
+    model = torch.nn.parallel.DistributedDataParallel(build_cnn(), process_group=group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(sdp.rank())
+    x, y = torch.randn(64, 1, 28, 28, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def env_line(n: int) -> str:
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"env: host={platform.node()} cores={os.cpu_count()} load=[{load}] python={platform.python_version()} "
+            f"torch={torch.__version__} numpy={np.__version__} sdp={sdp.__version__} world_size={n} "
+            f"torch threads={torch.get_num_threads()} sdp.torch.allreduce="
+            f"{'yes' if hasattr(sdp.torch, 'allreduce') else 'absent (not on this checkout)'}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="1K,1M,64M", help="message sizes (binary units), float32")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of alternating modes")
+    p.add_argument("--ddp-steps", type=int, default=10, help="timed DDP steps per mode per round")
+    args = p.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+
+    sdp.init()
+    rank, n = sdp.rank(), sdp.size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // sdp.local_size()))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the baseline on loopback only
+    tmp = sdp.broadcast_object(tempfile.mkdtemp(prefix="sdp_torch_bench_") if rank == 0 else None, 0)
+    dist.init_process_group(backend="sdp", init_method=f"file://{tmp}/store", rank=rank, world_size=n)
+    gloo = dist.new_group(backend="gloo")
+    factor = 2.0 * (n - 1) / n
+
+    log0(env_line(n))
+    log0("The machine is shared: other processes skew every figure; compare columns of one run.")
+    results = {}  # (size, mode) -> [seconds per round]
+    for size in sizes:
+        calls = callers(size, gloo)
+        modes = [m for m in MODES if calls[m] is not None]
+        for r in range(args.rounds):
+            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+                results.setdefault((size, mode), []).append(time_mode(calls[mode], iterations(size)))
+    ddp = {"DDP sdp": ddp_steps(None), "DDP gloo": ddp_steps(gloo)}
+    for r in range(args.rounds):
+        for mode in (list(ddp) if r % 2 == 0 else list(ddp)[::-1]):
+            results.setdefault(("ddp", mode), []).append(time_mode(ddp[mode], args.ddp_steps))
+    t = {k: max_over_ranks(statistics.median(v)) for k, v in sorted(results.items(), key=lambda kv: str(kv[0]))}
+
+    head = f"{'size':>6}" + "".join(f" {m + ' us':>14} {'busbw':>7}" for m in MODES)
+    log0(f"\nallreduce, float32 SUM, {n} ranks, median of {args.rounds} alternating rounds (GB/s = 1e9 B/s)")
+    log0(head)
+    for size in sizes:
+        cells = []
+        for m in MODES:
+            s = t.get((size, m))
+            cells.append(f" {'n/a':>14} {'':>7}" if s is None else f" {s * 1e6:>14.1f} {size / s * factor / 1e9:>7.3f}")
+        log0(f"{fmt_size(size):>6}" + "".join(cells))
+    ddp_sdp, ddp_gloo = t[("ddp", "DDP sdp")], t[("ddp", "DDP gloo")]
+    log0(f"\nDDP step (small CNN, batch 64 per rank): sdp backend {ddp_sdp * 1e3:.2f} ms, Gloo {ddp_gloo * 1e3:.2f} ms, "
+         f"ratio {ddp_sdp / ddp_gloo:.2f}")
+
+    log0("\ntargets (2 ranks, one host):")
+
+    def check(label, ok, detail):
+        log0(f"  {'PASS' if ok else 'FAIL'}  {label}: {detail}")
+
+    def ratio(a, b):
+        return None if a is None or b is None else a / b
+    one_k, one_m, big = 1 << 10, 1 << 20, 64 << 20
+    if one_k in sizes and t.get((one_k, "sdp.torch")) is not None:
+        q = ratio(t[(one_k, "sdp.torch")], t[(one_k, "numpy API")])
+        check(f"sdp.torch 1 KB <= {TARGET_TORCH_1K_VS_NUMPY}x numpy API", q <= TARGET_TORCH_1K_VS_NUMPY, f"{q:.2f}x")
+    if big in sizes and t.get((big, "sdp.torch")) is not None:
+        q = ratio(t[(big, "numpy API")], t[(big, "sdp.torch")])
+        check(f"sdp.torch 64 MB busbw >= {TARGET_TORCH_64M_BUSBW}x numpy API", q >= TARGET_TORCH_64M_BUSBW, f"{q:.2f}x")
+    for size in (one_k, one_m, big):
+        if size not in sizes:
+            continue
+        for m in ("sdp.torch", "numpy API", "dist sdp"):
+            if t.get((size, m)) is not None:
+                q = ratio(t[(size, "dist gloo")], t[(size, m)])
+                check(f"{m} {fmt_size(size)} >= {TARGET_VS_GLOO}x faster than Gloo", q >= TARGET_VS_GLOO, f"{q:.2f}x")
+    q = ddp_sdp / ddp_gloo
+    check(f"DDP step over sdp <= {TARGET_DDP_VS_GLOO}x over Gloo", q <= TARGET_DDP_VS_GLOO, f"{q:.2f}x")
+    if not hasattr(sdp.torch, "allreduce"):
+        log0("  n/a   sdp.torch.allreduce targets: sdp.torch has no allreduce on this checkout")
+
+    dist.destroy_process_group()
+    sdp.barrier()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,586 @@
+"""A ``torch.distributed`` backend named ``"sdp"``: PyTorch's process-group collectives on sdp's engine.
+
+Importing this module (``import sdp.torch.distributed``) registers the backend with
+``torch.distributed.Backend.register_backend("sdp", ..., devices=["cpu", "cuda"])``; then, in the
+ranks ``sdprun`` starts::
+
+    import torch.distributed as dist
+    import sdp.torch.distributed  # noqa: F401  (registers "sdp")
+    dist.init_process_group(backend="sdp")
+    dist.all_reduce(t)                                   # on sdp's engine, no Gloo or NCCL
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+**Rendezvous.**  sdp's ranks find each other through ``sdprun``'s own rendezvous (``sdp.init()``,
+which the backend calls if nothing did yet), so the backend needs no torch store.  When
+``MASTER_ADDR`` is not set, ``init_method="env://"`` (the default) is answered from sdp's
+environment (:mod:`sdp.common.topology`: ``sdprun``, ``mpirun``, Slurm, ..., or one process
+without a launcher) instead of failing: rank and world size are sdp's and the store is a
+:class:`LocalStore` (nothing listens on a port); ``init_method="sdp://"`` asks for that
+explicitly.  A Gloo or NCCL group beside the sdp one (``dist.new_group(backend="gloo")``) needs a
+store shared between the ranks: set ``MASTER_ADDR``/``MASTER_PORT`` (``sdprun -x``; ``env://``
+then builds PyTorch's ``TCPStore`` as usual) or give ``init_method="file://..."``; without one
+it raises ``RuntimeError`` saying so.  ``rank``/``world_size`` given to ``init_process_group`` must
+be sdp's, else ``ValueError``.
+
+**Collectives.**  :class:`ProcessGroupSDP` is a Python ``torch.distributed.ProcessGroup`` (the
+kind PyTorch's own tests subclass).  Each collective is submitted to :mod:`sdp.api`
+asynchronously under the name ``torch.<group>.<n>``, ``n`` counting the group's collectives
+modulo :data:`sdp.api.AUTO_NAMES`: ranks issue a group's collectives in the same order (PyTorch's
+rule), so the n-th collective of every rank pairs up, and a rank whose n-th collective differs
+(another kind, shape, dtype, op or root) gets :class:`~sdp.common.errors.TensorMismatchError`, as
+does every other rank, raised from ``Work.wait()`` (and set on its future).  CPU tensors are
+reduced in place through views of their memory (the in-place result is the caller's tensor);
+CUDA tensors through sdp's device path.  Supported: ``allreduce`` (``ReduceOp`` SUM, AVG, MIN,
+MAX, PRODUCT; BAND/BOR/BXOR/PREMUL_SUM raise ``ValueError``), ``allreduce_coalesced``,
+``broadcast``, ``allgather``, ``all_gather_single`` (``all_gather_into_tensor``) and its coalesced
+form, ``reduce_scatter``, ``reduce_scatter_single`` (``reduce_scatter_tensor``) and its
+coalesced form, ``reduce``, ``gather``, ``scatter``, ``alltoall``, ``all_to_all_single``,
+``barrier``.  Point-to-point ``send``/``recv`` raise ``NotImplementedError`` (sdp's engine has
+collectives only).
+
+**Work and futures.**  Every collective returns a :class:`Work` at once.  ``Work.wait()`` waits
+(at most the group's ``timeout``, then :class:`~sdp.common.errors.CollectiveTimeoutError`);
+``Work.get_future()`` (what DDP's reducer and comm hooks use) returns a ``torch.futures.Future``
+that one background thread per process completes, in submission order, with the output tensors
+(or the error).  A ``then()`` callback runs on that thread: a collective it starts is completed
+there when the callback asks for its future (PowerSGD's hook waits on it at once); it must not
+block on the future of a collective started outside the callback.
+
+**Subgroups.**  ``dist.new_group(ranks)`` over every rank is a group of its own (its own names)
+on the whole job.  A strict subset raises ``NotImplementedError`` on its members: PyTorch calls a
+backend only on a new group's members, and sdp's process sets are registered on every rank
+(use ``sdp.torch``'s process sets instead).
+
+Mirrors ``torch.distributed``'s ``ProcessGroup``/``Work`` contract (c10d) as PyTorch 2.x's
+``ProcessGroupGloo`` fulfils it for CPU tensors.
+"""
+import datetime
+import itertools
+import os
+import queue
+import threading
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+import sdp.api as api
+from sdp.torch import tensors as _tensors
+from sdp.common.errors import CollectiveTimeoutError
+from sdp.common.reduce_ops import ReduceOp
+
+BACKEND = "sdp"
+#: the schemes of init_method answered from sdp's environment (see the module docstring)
+SCHEME = "sdp"
+
+_OPS = {
+    dist.ReduceOp.SUM: ReduceOp.SUM,
+    dist.ReduceOp.AVG: ReduceOp.AVERAGE,
+    dist.ReduceOp.MIN: ReduceOp.MIN,
+    dist.ReduceOp.MAX: ReduceOp.MAX,
+    dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
+}
+
+
+def _reduce_op(op) -> ReduceOp:
+    kind = getattr(op, "op", op)
+    for theirs, ours in _OPS.items():
+        if kind == theirs:
+            return ours
+    raise ValueError(f"torch.distributed backend 'sdp': ReduceOp {kind} is not supported "
+                     "(SUM, AVG, MIN, MAX and PRODUCT are)")
+
+
+# ---------------------------------------------------------------- Work
+
+class _Completer:
+    """One daemon thread per process that completes the futures of :class:`Work` objects whose
+    future was asked for, in submission order."""
+
+    def __init__(self):
+        self._queue: "queue.SimpleQueue[Work]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def put(self, work: "Work") -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="sdp-torch-futures", daemon=True)
+                self._thread.start()
+        self._queue.put(work)
+
+    def in_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _run(self) -> None:
+        while True:
+            work = self._queue.get()
+            work._settle()
+
+
+_completer = _Completer()
+
+
+class Work(dist._Work):
+    """The pending result of one collective of :class:`ProcessGroupSDP` (``torch.distributed``'s
+    ``Work``): ``wait()``, ``get_future()``, ``is_completed()``, ``is_success()``,
+    ``exception()``, ``result()``."""
+
+    def __init__(self, handles: Sequence, finish: Callable[[list], list], outputs: list,
+                 timeout: Optional[float], devices: Optional[list] = None):
+        super().__init__()
+        self._handles = list(handles)
+        self._finish = finish
+        self._outputs = outputs
+        self._timeout = timeout
+        self._devices = devices
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: Optional[BaseException] = None
+        self._future: Optional[Future] = None
+
+    def _complete(self) -> None:
+        """Wait for the engine's results and write them into the output tensors, once."""
+        with self._lock:
+            if self._done:
+                return
+            try:
+                results = [h.wait(self._timeout) for h in self._handles]
+                self._finish(results)
+            except BaseException as e:  # (every rank's error: mismatch, peer lost, timeout)
+                self._error = e
+            self._done = True
+            self._handles = []
+
+    def _settle(self) -> None:
+        """Complete and set the future (the completer thread, or a wait on that thread)."""
+        self._complete()
+        fut = self._future
+        if fut is not None and not fut.done():
+            if self._error is not None:
+                fut.set_exception(self._error)
+            else:
+                fut.set_result(self._outputs)
+
+    def wait(self, timeout=None) -> bool:
+        """Block until the collective is done; raise its error (e.g. ``TensorMismatchError``).
+        ``timeout`` (a ``timedelta`` or seconds; 0 or None: the group's) bounds the wait: then
+        :class:`~sdp.common.errors.CollectiveTimeoutError`."""
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if seconds:
+            self._timeout = float(seconds)
+        fut = self._future
+        if fut is not None and not _completer.in_thread():
+            fut.wait()  # (the completer thread drives it: one thread polls the engine's handle)
+            return True
+        self._settle()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> Future:
+        """A ``torch.futures.Future`` holding the list of output tensors once the collective is
+        done (or its error)."""
+        with self._lock:
+            if self._future is None:
+                self._future = Future(devices=self._devices) if self._devices else Future()
+                fresh = True
+            else:
+                fresh = False
+        if fresh:
+            if self._done or _completer.in_thread():  # (asked in a then() callback, which may wait on it
+                self._settle()                        # at once: PowerSGD's hook does)
+            else:
+                _completer.put(self)
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done or all(h.done() for h in list(self._handles))
+
+    def is_success(self) -> bool:
+        if not self._done:
+            raise RuntimeError("Work.is_success() before the collective completed")
+        return self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self) -> list:
+        self.wait()
+        return self._outputs
+
+    def source_rank(self) -> int:
+        raise RuntimeError("source_rank() is for recv from any source, which sdp's backend does not have")
+
+
+# ---------------------------------------------------------------- the process group
+
+class ProcessGroupSDP(dist.ProcessGroup):
+    """``torch.distributed.ProcessGroup`` on sdp's engine (see the module docstring).
+
+    ``global_ranks``: the job ranks of this group in group-rank order (the whole job for the
+    default group).  ``timeout``: seconds a ``Work.wait()`` may take (PyTorch's ``timeout=``)."""
+
+    def __init__(self, store, rank: int, size: int, global_ranks: List[int], group_name: str,
+                 timeout: Optional[float]):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._global = list(global_ranks)
+        self._process_set = 0
+        self._timeout = timeout
+        self._prefix = f"torch.{group_name or 'default'}."
+        self._seq = itertools.count()
+        self._seq_lock = threading.Lock()
+
+    # -- identity
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def getRank(self) -> int:
+        return self._rank
+
+    def getSize(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupSDP(rank={self._rank}, size={self._size})"
+
+    # -- helpers
+    def _name(self) -> str:
+        with self._seq_lock:
+            n = next(self._seq)
+        return f"{self._prefix}{n % api.AUTO_NAMES}"
+
+    def _work(self, handles, finish, outputs, tensors) -> Work:
+        devices = sorted({t.device for t in tensors if t.device.type != "cpu"}, key=str) or None
+        return Work(handles, finish, outputs, self._timeout, devices)
+
+    # -- collectives
+    def _op(self, opts) -> ReduceOp:
+        return _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+
+    def _root(self, opts) -> int:
+        """The job rank of ``opts.rootRank`` (a group rank)."""
+        root = opts.rootRank if opts is not None else 0
+        if not 0 <= root < self._size:
+            raise ValueError(f"root rank {root} is outside the group's ranks [0, {self._size})")
+        return self._global[root]
+
+    def _flat(self, t: torch.Tensor, what: str):
+        return _tensors.as_input(t.reshape(-1), what)
+
+    def allreduce(self, tensors, opts=None):
+        op = self._op(opts)
+        if opts is not None and not opts.asyncOp and len(tensors) == 1:  # (waited at once: the engine's
+            t = tensors[0]                                                # synchronous path, the fast lane whole)
+            out = _tensors.out_array(t)
+            result = api.allreduce(_tensors.as_input(t, "all_reduce") if out is None else out, self._name(), op,
+                                   out=out, process_set=self._process_set)
+            if out is None:
+                _tensors.copy_into(t, result)
+            return self._work([], lambda results: None, list(tensors), tensors)
+        handles, outs = [], []
+        for t in tensors:
+            out = _tensors.out_array(t)  # (a CPU tensor is reduced in its own memory)
+            outs.append(out)
+            handles.append(api.allreduce_async(_tensors.as_input(t, "all_reduce") if out is None else out,
+                                               self._name(), op, out=out, process_set=self._process_set))
+
+        def finish(results):
+            for t, out, r in zip(tensors, outs, results):
+                if out is None:
+                    _tensors.copy_into(t, r)
+        return self._work(handles, finish, list(tensors), tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors, opts=None):
+        root = self._root(opts)
+        handles = [api.broadcast_async(_tensors.as_input(t, "broadcast"), root, self._name(), self._process_set)
+                   for t in tensors]
+
+        def finish(results):
+            if root != api.rank():
+                for t, r in zip(tensors, results):
+                    _tensors.copy_into(t, r)
+        return self._work(handles, finish, list(tensors), tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        handles = [api.allgather_async(self._flat(t, "all_gather"), self._name(), self._process_set)
+                   for t in input_tensors]
+        return self._work(handles, lambda results: _split_into(output_tensors, results), list(output_tensors),
+                          list(input_tensors))
+
+    def all_gather_single(self, output, input, opts=None):
+        return self.all_gather_single_coalesced([output], [input], opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            if o.numel() != i.numel() * self._size:
+                raise ValueError(f"all_gather_into_tensor: an output of {o.numel()} elements for {self._size} "
+                                 f"inputs of {i.numel()}; expected {i.numel() * self._size}")
+        handles = [api.allgather_async(self._flat(t, "all_gather"), self._name(), self._process_set) for t in inputs]
+
+        def finish(results):
+            for o, r in zip(outputs, results):
+                _tensors.copy_into(o, r)
+        return self._work(handles, finish, list(outputs), list(inputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def _reducescatter_rows(self, flat: torch.Tensor, op: ReduceOp):
+        """Reduce-scatter ``flat`` seen as ``size`` equal rows: this rank gets its row."""
+        return api.reducescatter_async(_tensors.as_input(flat.reshape(self._size, -1), "reduce_scatter"),
+                                       self._name(), op, process_set=self._process_set)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op = self._op(opts)
+        for o, ins in zip(output_tensors, input_tensors):
+            if len(ins) != self._size or any(i.numel() != o.numel() for i in ins):
+                raise ValueError(f"reduce_scatter: inputs of {[i.numel() for i in ins]} elements for {self._size} "
+                                 f"ranks and an output of {o.numel()}; expected one input of {o.numel()} per rank")
+        handles = [self._reducescatter_rows(torch.cat([i.reshape(-1) for i in ins]), op)
+                   for ins in input_tensors]
+
+        def finish(results):
+            for o, r in zip(output_tensors, results):
+                _tensors.copy_into(o, r)
+        return self._work(handles, finish, list(output_tensors), list(output_tensors))
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self.reduce_scatter_single_coalesced([output], [input], opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        op = self._op(opts)
+        for o, i in zip(outputs, inputs):
+            if i.numel() != o.numel() * self._size:
+                raise ValueError(f"reduce_scatter_tensor: an input of {i.numel()} elements for {self._size} ranks "
+                                 f"and an output of {o.numel()}; expected {o.numel() * self._size}")
+        handles = [self._reducescatter_rows(i, op) for i in inputs]
+
+        def finish(results):
+            for o, r in zip(outputs, results):
+                _tensors.copy_into(o, r)
+        return self._work(handles, finish, list(outputs), list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def reduce(self, tensors, opts=None):
+        root, op = self._root(opts), self._op(opts)
+        handles = [api.allreduce_async(_tensors.as_input(t, "reduce"), self._name(), op,
+                                       process_set=self._process_set) for t in tensors]
+
+        def finish(results):
+            if root == api.rank():
+                for t, r in zip(tensors, results):
+                    _tensors.copy_into(t, r)
+        return self._work(handles, finish, list(tensors), tensors)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        root = self._root(opts)
+        handles = [api.allgather_async(self._flat(t, "gather"), self._name(), self._process_set)
+                   for t in input_tensors]
+
+        def finish(results):
+            if root == api.rank():
+                _split_into(output_tensors, results)
+        return self._work(handles, finish, list(output_tensors), list(input_tensors))
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        root = self._root(opts)
+        handles = []
+        for i, o in enumerate(output_tensors):
+            if root == api.rank():
+                flat, splits = torch.cat([x.reshape(-1) for x in input_tensors[i]]), [x.numel() for x in input_tensors[i]]
+            else:  # (an alltoall in which only the root sends)
+                flat, splits = torch.empty(0, dtype=o.dtype, device=o.device), [0] * self._size
+            handles.append(api.alltoall_async(_tensors.as_input(flat, "scatter"), splits, self._name(),
+                                              self._process_set))
+
+        def finish(results):
+            for o, (received, _splits) in zip(output_tensors, results):
+                _tensors.copy_into(o, received)
+        return self._work(handles, finish, list(output_tensors), list(output_tensors))
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        flat = torch.cat([x.reshape(-1) for x in input_tensors])
+        handle = api.alltoall_async(_tensors.as_input(flat, "all_to_all"), [x.numel() for x in input_tensors],
+                                    self._name(), self._process_set)
+        return self._work([handle], lambda results: _split_into([output_tensors], [results[0][0]]),
+                          list(output_tensors), list(input_tensors))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        splits = list(input_split_sizes) or None  # (None: equal parts of the first dimension)
+        handle = api.alltoall_async(_tensors.as_input(input, "all_to_all_single"), splits, self._name(),
+                                    self._process_set)
+        return self._work([handle], lambda results: _tensors.copy_into(output, results[0][0]), [output], [input])
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts=None):
+        handle = api.allreduce_async(np.zeros(1, np.int32), self._name(), ReduceOp.SUM,
+                                     process_set=self._process_set)
+        return self._work([handle], lambda results: None, [], [])
+
+    def send(self, tensors, dst, tag=0):
+        raise NotImplementedError(_NO_P2P)
+
+    def recv(self, tensors, src, tag=0):
+        raise NotImplementedError(_NO_P2P)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise NotImplementedError(_NO_P2P)
+
+
+_NO_P2P = "torch.distributed backend 'sdp' has collectives only: send/recv are not supported"
+
+
+def _split_into(output_lists, results) -> None:
+    """Copy each flat result into its list of output tensors, in order."""
+    for outs, r in zip(output_lists, results):
+        off = 0
+        for o in outs:
+            _tensors.copy_into(o, r[off:off + o.numel()])
+            off += o.numel()
+
+
+# ---------------------------------------------------------------- creation and registration
+
+def _seconds(timeout) -> Optional[float]:
+    if isinstance(timeout, datetime.timedelta):
+        s = timeout.total_seconds()
+        return s if s > 0 else None
+    return float(timeout) if timeout else None
+
+
+def create_process_group(options, backend_options=None) -> ProcessGroupSDP:
+    """The backend's creator (``register_backend``'s extended form): ``options`` is PyTorch's
+    ``_DistributedBackendOptions`` (``store``, ``group_rank``, ``group_size``, ``timeout``,
+    ``group_id``, ``global_ranks_in_group``).  Starts sdp (``sdp.init()``) if it is not running.
+    Raises ``ValueError`` when PyTorch's rank or world size is not sdp's, ``NotImplementedError``
+    for a group over a strict subset of the ranks."""
+    if not api.is_initialized():
+        api.init()
+    rank, size = options.group_rank, options.group_size
+    ranks = list(options.global_ranks_in_group) or list(range(api.size()))
+    if not options.global_ranks_in_group and (rank, size) != (api.rank(), api.size()):
+        raise ValueError(f"init_process_group(backend='sdp'): rank {rank} of world size {size} given, but sdp "
+                         f"runs this process as rank {api.rank()} of {api.size()} (leave rank and world_size "
+                         "out, or give sdp's)")
+    if sorted(ranks) != list(range(api.size())):
+        raise NotImplementedError(
+            f"torch.distributed backend 'sdp': a group of ranks {ranks} (a strict subset of the job's "
+            f"{api.size()}) is not supported: PyTorch calls a backend on a new group's members only, and sdp "
+            "registers its process sets on every rank; use sdp.torch's process sets")
+    return ProcessGroupSDP(options.store, rank, size, ranks, str(options.group_id), _seconds(options.timeout))
+
+
+class LocalStore(dist.Store):
+    """The store of a default group made without ``MASTER_ADDR`` (see the module docstring):
+    this process's keys only, nothing listening.  sdp's backend needs no store; a backend that
+    does (a Gloo group beside it across processes) gets ``RuntimeError`` at once when it reads a
+    key another process would have set, instead of waiting for it until its timeout."""
+
+    def __init__(self):
+        super().__init__()
+        self._data = {}
+        self._lock = threading.Lock()
+
+    def _missing(self, key) -> RuntimeError:
+        return RuntimeError(f"key {key!r} is not in this process's store: torch.distributed was initialized from "
+                            "sdp's environment without MASTER_ADDR, so no store is shared between the ranks (sdp's "
+                            "backend needs none); set MASTER_ADDR and MASTER_PORT (sdprun -x) for a Gloo or NCCL group")
+
+    def set(self, key, value) -> None:
+        with self._lock:
+            self._data[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def get(self, key) -> bytes:
+        with self._lock:
+            if key not in self._data:
+                raise self._missing(key)
+            return self._data[key]
+
+    def add(self, key, value: int) -> int:
+        with self._lock:
+            n = int(self._data.get(key, b"0")) + int(value)
+            self._data[key] = str(n).encode()
+            return n
+
+    def compare_set(self, key, expected, desired) -> bytes:
+        with self._lock:
+            expected = expected.encode() if isinstance(expected, str) else bytes(expected)
+            if self._data.get(key, b"") == expected:
+                self._data[key] = desired.encode() if isinstance(desired, str) else bytes(desired)
+            return self._data.get(key, expected)
+
+    def wait(self, keys, timeout=None) -> None:
+        with self._lock:
+            missing = [k for k in keys if k not in self._data]
+        if missing:
+            raise self._missing(missing[0])
+
+    def check(self, keys) -> bool:
+        with self._lock:
+            return all(k in self._data for k in keys)
+
+    def delete_key(self, key) -> bool:
+        with self._lock:
+            return self._data.pop(key, None) is not None
+
+    def num_keys(self) -> int:
+        with self._lock:
+            return len(self._data)
+
+
+def _sdp_rendezvous(url: str, rank: int = -1, world_size: int = -1, **kwargs):
+    """``init_method`` ``sdp://`` (and ``env://`` without ``MASTER_ADDR``): rank and world size
+    from sdp's environment unless given, and a :class:`LocalStore`."""
+    from sdp.common import topology
+    topo = topology.from_env()
+    rank = topo.rank if rank is None or rank < 0 else rank
+    world_size = topo.size if world_size is None or world_size < 0 else world_size
+    yield LocalStore(), rank, world_size
+
+
+def _rendezvous_module():
+    import importlib
+    return importlib.import_module("torch.distributed.rendezvous")  # (the package re-exports a function of that name)
+
+
+def _wrap_env_handler():
+    handlers = _rendezvous_module()._rendezvous_handlers
+    original = handlers.get("env")
+    if original is None or getattr(original, "__sdp__", False):
+        return
+
+    def env_or_sdp(url: str, **kwargs):
+        if "MASTER_ADDR" not in os.environ:
+            return _sdp_rendezvous(url, **kwargs)
+        return original(url, **kwargs)
+
+    env_or_sdp.__sdp__ = True
+    env_or_sdp.__wrapped__ = original
+    handlers["env"] = env_or_sdp
+
+
+def register(name: str = BACKEND) -> None:
+    """Register sdp's backend under ``name`` (``"sdp"``; :mod:`sdp.compat_smddp.torch.torch_smddp` adds
+    ``"smddp"``) and the ``sdp://`` init method with ``torch.distributed`` (idempotent; ``"sdp"``
+    is registered when this module is imported)."""
+    if name.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(name, create_process_group, extended_api=True, devices=["cpu", "cuda"])
+    rdzv = _rendezvous_module()
+    if SCHEME not in rdzv._rendezvous_handlers:
+        rdzv.register_rendezvous_handler(SCHEME, _sdp_rendezvous)
+    _wrap_env_handler()
+
+
+register()

@@ -1,0 +1,105 @@
+"""The ``torch.distributed`` backend ``sdp`` and SMDDP's PyTorch names, over real processes
+(tests/harness.py): every collective at 2 and 3 ranks, DDP over sdp bit for bit equal to DDP over
+Gloo, mismatches raised on every rank, ``smdistributed.dataparallel.torch`` under --compat."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch.distributed backend needs torch (the torch extra)")
+
+from harness import check_ok, run_cases, run_workers  # noqa: E402
+from sdp.common.compat_names import SHIM_DIR  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from mnist_data import find_mnist_dir  # noqa: E402
+
+MNIST = find_mnist_dir()
+
+# Gloo (the baseline) on loopback only; one thread per rank on a shared machine
+ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One launch of 2 ranks for every 2-rank case (each makes and destroys its own default
+    group); SMDDP's names are enabled (--compat smdistributed), which the other cases ignore."""
+    store = str(tmp_path_factory.mktemp("torch_store") / "store")
+    env = dict(ENV, SDP_COMPAT="smdistributed",
+               PYTHONPATH=os.pathsep.join(p for p in (SHIM_DIR, os.environ.get("PYTHONPATH")) if p))
+    return run_cases(2, [("collectives", "workers_torch_distributed:collectives", []),
+                         ("mismatches", "workers_torch_distributed:mismatches", []),
+                         ("ddp", "workers_torch_distributed:ddp_sdp_and_gloo", [store, 6]),
+                         ("ddp modes", "workers_torch_distributed:ddp_modes", [4]),
+                         ("smddp", "workers_torch_distributed:smddp_names", [])], env=env, init=False)
+
+
+def _collectives_ok(values):
+    for rank, checks in enumerate(values):
+        bad = [k for k, good in checks.items() if not good]
+        assert not bad and len(checks) > 40, (rank, bad)
+
+
+def test_every_collective_of_the_process_group_2_ranks(two_ranks):
+    """``init_process_group(backend="sdp")`` with nothing but sdp's environment (no MASTER_ADDR,
+    sdp not started before: the backend starts it)."""
+    _collectives_ok(check_ok(two_ranks["collectives"]))
+
+
+def test_every_collective_of_the_process_group_3_ranks():
+    _collectives_ok(check_ok(run_workers(3, "workers_torch_distributed:collectives", [], env=ENV, init=False)))
+
+
+def test_ddp_over_sdp_matches_ddp_over_gloo_bit_for_bit(two_ranks):
+    """The same seeded training, DDP over the default (sdp) group and over a Gloo group of the
+    same job: equal weights, bit for bit, on every rank, and the weights moved."""
+    values = check_ok(two_ranks["ddp"])
+    (start, over_sdp), (start_gloo, over_gloo) = values[0]
+    assert start == start_gloo and over_sdp != start
+    assert over_sdp == over_gloo, values
+    assert values[1] == values[0], values  # and every rank holds the same weights
+
+
+def test_ddp_modes_and_comm_hooks(two_ranks):
+    """DDP's options, its fp16 and PowerSGD comm hooks (PowerSGD waits on a collective inside a
+    future's callback) and join() with uneven inputs: the ranks end with equal weights."""
+    first, second = check_ok(two_ranks["ddp modes"])
+    assert len(first) == 7 and first == second, (first, second)
+
+
+def test_mismatches_raise_on_every_rank(two_ranks):
+    for rank, out in enumerate(check_ok(two_ranks["mismatches"])):
+        for key in ("shape", "kind", "dtype", "future"):
+            assert out[key] is not None, (rank, key, out)
+            assert out[key][0] == "TensorMismatchError" or "TensorMismatchError" in out[key][1], (rank, key, out)
+        assert "rank" in out["shape"][1] and ("3" in out["shape"][1] and "4" in out["shape"][1]), out["shape"]
+        assert out["after"] == [2.0, 2.0], (rank, out)
+
+
+def test_smddp_torch_names_under_compat(two_ranks):
+    for rank, out in enumerate(check_ok(two_ranks["smddp"])):
+        assert out["same module"] and out["ddp class"] and out["available"] and out["group raises"], out
+        assert not out["before init"] and out["initialized"], out
+        assert (out["rank"], out["size"], out["local rank"]) == (rank, 2, rank), out
+        assert out["average"] == [1.5] * 3 and out["sum"] == [1.0, 1.0], out
+        assert out["broadcast"] == [1.0, 1.0] and out["all_gather"] == [0.0, 1.0], out
+        assert out["ddp grad"] == [[3.0, 3.0, 3.0]], out
+        assert out["smddp backend"] == ["smddp", [2.0, 2.0], str(rank)], out
+
+
+@pytest.mark.skipif(MNIST is None, reason="MNIST not found: set SDP_MNIST_DIR or provide ../shared/data/mnist")
+def test_ddp_mnist_example_two_ranks_agree_and_learn():
+    """examples/torch_ddp_mnist.py under sdprun on real MNIST: it learns, and both ranks end with
+    the same weights."""
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable,
+                        "examples/torch_ddp_mnist.py", "--data-dir", str(MNIST), "--steps", "100"],
+                       cwd=ROOT, env=dict(os.environ, **ENV), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    acc = float(re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+)", p.stdout).group(1))
+    sums = re.findall(r"\[(\d)\]<stdout>:weights checksum: ([0-9a-f]+)", p.stdout)
+    assert acc >= 0.88, p.stdout[-2000:]
+    assert len(sums) == 2 and sums[0][1] == sums[1][1], sums
