@@ -10,6 +10,7 @@ After :func:`install` (or in the workers of ``sdprun --compat horovod,smdistribu
     import smdistributed.dataparallel.torch.distributed    # is sdp.compat_smddp.torch.distributed
     import kungfu.python                                   # is sdp_kungfu_bridge.python
     from kungfu.tensorflow.optimizers import ...           # from sdp_kungfu_bridge.tensorflow.optimizers
+    from kungfu.torch.optimizers import ...                # from sdp_kungfu_bridge.torch.optimizers
 
 Where Horovod and SageMaker differ, the family the script imported decides
     ``init()`` called again is a no-op in plain ``sdp.tensorflow`` and under ``horovod.*``
@@ -132,6 +133,7 @@ _FAMILY_DEFS: Dict[str, _Family] = {
         packages=("kungfu",),
         aliases=(("kungfu.python", "sdp_kungfu_bridge.python"),
                  ("kungfu.tensorflow", "sdp_kungfu_bridge.tensorflow"),
+                 ("kungfu.torch", "sdp_kungfu_bridge.torch"),
                  ("kungfu.datasets", "sdp_kungfu_bridge.datasets")),
         dists=("kungfu",),
         # the KungFu fork of MindSpore (sdp_kungfu_bridge.mindspore); the real MindSpore stays
@@ -150,8 +152,8 @@ _PACKAGE_DOCS = {
                                   "smdistributed.dataparallel.tensorflow is sdp.tensorflow with "
                                   "SMDDP's init() (see sdp.compat_smddp); "
                                   "smdistributed.dataparallel.torch is sdp.compat_smddp.torch.",
-    "kungfu": "kungfu on sdp (sdp.compat): kungfu.python and kungfu.tensorflow are "
-              "sdp_kungfu_bridge.python and sdp_kungfu_bridge.tensorflow; the KungFu fork's "
+    "kungfu": "kungfu on sdp (sdp.compat): kungfu.python, kungfu.tensorflow and kungfu.torch are "
+              "sdp_kungfu_bridge.python, sdp_kungfu_bridge.tensorflow and sdp_kungfu_bridge.torch; the KungFu fork's "
               "MindSpore modules are sdp_kungfu_bridge.mindspore.",
 }
 

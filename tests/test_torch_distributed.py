@@ -27,15 +27,17 @@ ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """One launch of 2 ranks for every 2-rank case (each makes and destroys its own default
-    group); SMDDP's names are enabled (--compat smdistributed), which the other cases ignore."""
+    group); SMDDP's and KungFu's names are enabled (--compat smdistributed,kungfu), which the
+    other cases ignore."""
     store = str(tmp_path_factory.mktemp("torch_store") / "store")
-    env = dict(ENV, SDP_COMPAT="smdistributed",
+    env = dict(ENV, SDP_COMPAT="smdistributed,kungfu",
                PYTHONPATH=os.pathsep.join(p for p in (SHIM_DIR, os.environ.get("PYTHONPATH")) if p))
     return run_cases(2, [("collectives", "workers_torch_distributed:collectives", []),
                          ("mismatches", "workers_torch_distributed:mismatches", []),
                          ("ddp", "workers_torch_distributed:ddp_sdp_and_gloo", [store, 6]),
                          ("ddp modes", "workers_torch_distributed:ddp_modes", [4]),
-                         ("smddp", "workers_torch_distributed:smddp_names", [])], env=env, init=False)
+                         ("smddp", "workers_torch_distributed:smddp_names", []),
+                         ("kungfu", "workers_torch_distributed:kungfu_torch", [])], env=env, init=False)
 
 
 def _collectives_ok(values):
@@ -103,3 +105,12 @@ def test_ddp_mnist_example_two_ranks_agree_and_learn():
     sums = re.findall(r"\[(\d)\]<stdout>:weights checksum: ([0-9a-f]+)", p.stdout)
     assert acc >= 0.88, p.stdout[-2000:]
     assert len(sums) == 2 and sums[0][1] == sums[1][1], sums
+
+
+def test_kungfu_torch_under_compat(two_ranks):
+    """kungfu.torch's ops (sum by default) and SynchronousSGDOptimizer (summed gradients)."""
+    for out in check_ok(two_ranks["kungfu"]):
+        assert out["all_reduce_fn"] == [[3.0] * 3, [2.0] * 3, True], out  # new tensors, x untouched
+        assert out["in place"] == [9.0] * 3, out  # summed (3), then the product of 3 and 3
+        # the bias's gradient is 2 on each rank, summed (KungFu's default): 4; two steps of lr 0.1
+        assert out["optimizer"][0] and abs(out["optimizer"][1] + 0.8) < 1e-6, out

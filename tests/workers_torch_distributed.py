@@ -244,3 +244,28 @@ def smddp_names():
     out["smddp backend"] = [dist.get_backend(), t.tolist(), os.environ.get("LOCAL_RANK")]
     dist.destroy_process_group()
     return out
+
+
+def kungfu_torch():
+    """kungfu.torch's ops and SynchronousSGDOptimizer under --compat kungfu."""
+    import kungfu.torch as kf
+    from kungfu.python import current_rank
+    from kungfu.torch.optimizers import SynchronousSGDOptimizer
+    r, out = current_rank(), {}
+    x = torch.full((3,), float(r + 1))
+    out["all_reduce_fn"] = [kf.ops.all_reduce_fn(x).tolist(), kf.ops.all_reduce_fn(x, op="max").tolist(),
+                            x.tolist() == [float(r + 1)] * 3]
+    kf.ops.inplace_all_reduce_op(x)
+    h = kf.ops.inplace_all_reduce_async_op(x, "kf.test", op="prod")
+    kf.ops.wait_handle(h)
+    out["in place"] = x.tolist()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    start = model.bias.item()
+    opt = SynchronousSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.full((2, 3), float(r + 1))).sum().backward()
+        opt.step()
+    out["optimizer"] = [isinstance(opt, torch.optim.SGD), model.bias.item() - start]
+    return out
