@@ -114,3 +114,15 @@ def test_kungfu_torch_under_compat(two_ranks):
         assert out["in place"] == [9.0] * 3, out  # summed (3), then the product of 3 and 3
         # the bias's gradient is 2 on each rank, summed (KungFu's default): 4; two steps of lr 0.1
         assert out["optimizer"][0] and abs(out["optimizer"][1] + 0.8) < 1e-6, out
+
+
+def test_torch_benchmark_runs_and_prints_its_table():
+    """benchmarks/torch_allreduce.py end to end (speed is the benchmark's business, not a test's)."""
+    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable,
+                        "benchmarks/torch_allreduce.py", "--sizes", "1K", "--rounds", "1", "--ddp-steps", "2"],
+                       cwd=ROOT, env=dict(os.environ, **ENV), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    row = re.search(r"\[0\]<stdout>:\s+1K((?:\s+(?:[0-9.]+\s+[0-9.]+|n/a)){4})", p.stdout)
+    assert row and row.group(1).count("n/a") <= 1, p.stdout[-3000:]
+    assert re.search(r"DDP step .*: sdp backend [0-9.]+ ms, Gloo [0-9.]+ ms", p.stdout), p.stdout[-3000:]
+    assert "DDP step over sdp <= 1.0x over Gloo" in p.stdout, p.stdout[-3000:]
