@@ -38,7 +38,11 @@ coalesced form, ``reduce``, ``gather``, ``scatter``, ``alltoall``, ``all_to_all_
 ``barrier``.  Point-to-point ``send``/``recv`` raise ``NotImplementedError`` (sdp's engine has
 collectives only).
 
-**Work and futures.**  Every collective returns a :class:`Work` at once.  ``Work.wait()`` waits
+**Work and futures.**  Every collective returns a :class:`Work` at once.  An allreduce that is
+waited on at once (``async_op=False``), and, when every rank is on this host, one of a CPU tensor
+of at most :data:`NOW_BYTES` x (ranks - 1) (DDP's first bucket, a small model's only one) runs
+whole in the calling thread through sdp's fast lane (no hand-over to the engine's thread), and
+its ``Work`` is done when returned.  ``Work.wait()`` waits
 (at most the group's ``timeout``, then :class:`~sdp.common.errors.CollectiveTimeoutError`);
 ``Work.get_future()`` (what DDP's reducer and comm hooks use) returns a ``torch.futures.Future``
 that one background thread per process completes, in submission order, with the output tensors
@@ -72,25 +76,24 @@ from sdp.common.errors import CollectiveTimeoutError
 from sdp.common.reduce_ops import ReduceOp
 
 BACKEND = "sdp"
+#: an asynchronous allreduce of a CPU tensor of at most this many bytes x (ranks - 1) runs in the
+#: caller when every rank is on this host (the fast lane's limit for a synchronous allreduce)
+NOW_BYTES = 1 << 20
 #: the schemes of init_method answered from sdp's environment (see the module docstring)
 SCHEME = "sdp"
 
-_OPS = {
-    dist.ReduceOp.SUM: ReduceOp.SUM,
-    dist.ReduceOp.AVG: ReduceOp.AVERAGE,
-    dist.ReduceOp.MIN: ReduceOp.MIN,
-    dist.ReduceOp.MAX: ReduceOp.MAX,
-    dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
-}
+_OPS = {int(theirs): ours for theirs, ours in (  # (by the value of ReduceOp.RedOpType, a ReduceOp's .op)
+    (dist.ReduceOp.SUM, ReduceOp.SUM), (dist.ReduceOp.AVG, ReduceOp.AVERAGE), (dist.ReduceOp.MIN, ReduceOp.MIN),
+    (dist.ReduceOp.MAX, ReduceOp.MAX), (dist.ReduceOp.PRODUCT, ReduceOp.PRODUCT))}
 
 
 def _reduce_op(op) -> ReduceOp:
     kind = getattr(op, "op", op)
-    for theirs, ours in _OPS.items():
-        if kind == theirs:
-            return ours
-    raise ValueError(f"torch.distributed backend 'sdp': ReduceOp {kind} is not supported "
-                     "(SUM, AVG, MIN, MAX and PRODUCT are)")
+    ours = _OPS.get(int(kind))
+    if ours is None:
+        raise ValueError(f"torch.distributed backend 'sdp': ReduceOp {kind} is not supported "
+                         "(SUM, AVG, MIN, MAX and PRODUCT are)")
+    return ours
 
 
 # ---------------------------------------------------------------- Work
@@ -231,6 +234,7 @@ class ProcessGroupSDP(dist.ProcessGroup):
         self._process_set = 0
         self._timeout = timeout
         self._prefix = f"torch.{group_name or 'default'}."
+        self._local = not api.has_wire()  # (every rank on this host: the fast lane exists)
         self._seq = itertools.count()
         self._seq_lock = threading.Lock()
 
@@ -253,9 +257,13 @@ class ProcessGroupSDP(dist.ProcessGroup):
             n = next(self._seq)
         return f"{self._prefix}{n % api.AUTO_NAMES}"
 
+    def _now(self, t: torch.Tensor) -> bool:
+        """Whether an asynchronous allreduce of ``t`` runs in the caller (see the module docstring)."""
+        return self._local and not t.is_cuda and t.numel() * t.element_size() * (self._size - 1) <= NOW_BYTES
+
     def _work(self, handles, finish, outputs, tensors) -> Work:
-        devices = sorted({t.device for t in tensors if t.device.type != "cpu"}, key=str) or None
-        return Work(handles, finish, outputs, self._timeout, devices)
+        devices = [t.device for t in tensors if t.is_cuda] or None  # (a future of CUDA tensors names them)
+        return Work(handles, finish, outputs, self._timeout, devices and sorted(set(devices), key=str))
 
     # -- collectives
     def _op(self, opts) -> ReduceOp:
@@ -273,8 +281,8 @@ class ProcessGroupSDP(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         op = self._op(opts)
-        if opts is not None and not opts.asyncOp and len(tensors) == 1:  # (waited at once: the engine's
-            t = tensors[0]                                                # synchronous path, the fast lane whole)
+        if len(tensors) == 1 and (opts is not None and not opts.asyncOp or self._now(tensors[0])):
+            t = tensors[0]  # (in this thread: see the module docstring)
             out = _tensors.out_array(t)
             result = api.allreduce(_tensors.as_input(t, "all_reduce") if out is None else out, self._name(), op,
                                    out=out, process_set=self._process_set)
