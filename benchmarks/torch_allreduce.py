@@ -174,7 +174,8 @@ def main(argv=None) -> int:
             cells.append(f" {'n/a':>14} {'':>7}" if s is None else f" {s * 1e6:>14.1f} {size / s * factor / 1e9:>7.3f}")
         log0(f"{fmt_size(size):>6}" + "".join(cells))
     ddp_sdp, ddp_gloo = t[("ddp", "DDP sdp")], t[("ddp", "DDP gloo")]
-    log0(f"\nDDP step (small CNN, batch 64 per rank): sdp backend {ddp_sdp * 1e3:.2f} ms, Gloo {ddp_gloo * 1e3:.2f} ms, "
+    log0(f"\nDDP step (small CNN, batch 64 per rank): sdp backend {ddp_sdp * 1e3:.2f} ms, "
+         f"Gloo {ddp_gloo * 1e3:.2f} ms, "
          f"ratio {ddp_sdp / ddp_gloo:.2f}")
 
     log0("\ntargets (2 ranks, one host):")

@@ -64,7 +64,8 @@ def collectives():
     ok["broadcast"] = torch.equal(b, torch.full((3, 2), float(n - 1)))
     outs = [torch.zeros(2, 2, dtype=torch.bfloat16) for _ in range(n)]
     dist.all_gather(outs, torch.full((2, 2), float(r), dtype=torch.bfloat16))
-    ok["all_gather"] = all(torch.equal(o, torch.full((2, 2), float(i), dtype=torch.bfloat16)) for i, o in enumerate(outs))
+    ok["all_gather"] = all(torch.equal(o, torch.full((2, 2), float(i), dtype=torch.bfloat16))
+                           for i, o in enumerate(outs))
     o = torch.zeros(n, 3)
     dist.all_gather_into_tensor(o, torch.full((3,), float(r)))
     ok["all_gather_into_tensor"] = torch.equal(o, torch.arange(n, dtype=torch.float32)[:, None].expand(n, 3))
@@ -208,7 +209,8 @@ def smddp_names():
     import smdistributed.dataparallel.torch.parallel as parallel
     import sdp.compat_smddp.torch.distributed
 
-    out = {"same module": sdist is sdp.compat_smddp.torch.distributed, "ddp class": parallel.DistributedDataParallel is DDP,
+    out = {"same module": sdist is sdp.compat_smddp.torch.distributed,
+           "ddp class": parallel.DistributedDataParallel is DDP,
            "before init": sdist.is_initialized(), "available": sdist.is_available()}
     sdist.init_process_group()
     r, n = sdist.get_rank(), sdist.get_world_size()

@@ -72,7 +72,6 @@ from torch.futures import Future
 
 import sdp.api as api
 from sdp.torch import tensors as _tensors
-from sdp.common.errors import CollectiveTimeoutError
 from sdp.common.reduce_ops import ReduceOp
 
 BACKEND = "sdp"
@@ -406,7 +405,8 @@ class ProcessGroupSDP(dist.ProcessGroup):
         handles = []
         for i, o in enumerate(output_tensors):
             if root == api.rank():
-                flat, splits = torch.cat([x.reshape(-1) for x in input_tensors[i]]), [x.numel() for x in input_tensors[i]]
+                parts = input_tensors[i]
+                flat, splits = torch.cat([x.reshape(-1) for x in parts]), [x.numel() for x in parts]
             else:  # (an alltoall in which only the root sends)
                 flat, splits = torch.empty(0, dtype=o.dtype, device=o.device), [0] * self._size
             handles.append(api.alltoall_async(_tensors.as_input(flat, "scatter"), splits, self._name(),
