@@ -40,7 +40,10 @@ host, else staged through host memory) and come back as the input's own kind: a 
 producer module's ``from_dlpack`` of the result (a ``torch.Tensor``, a CuPy array), or a new
 capsule.  Device arrays must be C-contiguous; ``out=`` is host only.  All ranks must pass device
 arrays, or all host arrays, for a name (else :class:`~sdp.common.errors.TensorMismatchError`).
-A CPU DLPack capsule is read as a numpy array.
+A CPU DLPack capsule is read as a numpy array.  A DLPack producer in host memory that is not a
+numpy array is read through ``np.from_dlpack`` (no copy), and ``allreduce``, ``allgather``,
+``broadcast``, ``alltoall`` and ``reducescatter`` give its result back through its module's
+``from_dlpack`` (numpy where the module has none); the other calls return numpy arrays.
 """
 import atexit
 import io
@@ -59,7 +62,7 @@ from sdp.common.config import Config
 from sdp.common.errors import AlreadyInitializedError, NotInitializedError
 from sdp.common.reduce_ops import ReduceOp, resolve_op
 from sdp.engine import fusion
-from sdp.engine.device_arrays import DeviceTensor, device_tensor, device_tensors, host_array
+from sdp.engine.device_arrays import DeviceTensor, device_tensor, device_tensors, host_array, host_result
 from sdp.engine.process_sets import MAX_SET_ID
 from sdp.engine.handles import DoneHandle, Handle, PartHandle
 from sdp.engine.runtime import Request, Runtime
@@ -329,7 +332,7 @@ def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: floa
     rt, name, ps = _engine_and_name("allreduce", name, process_set)
     op = op if type(op) is ReduceOp else resolve_op(op)
     if op is ReduceOp.ADASUM:  # (not elementwise: the engine's, see sdp.engine.adasum)
-        return _adasum_now(rt, name, tensor, prescale_factor, postscale_factor, out, ps)
+        return host_result(tensor, _adasum_now(rt, name, tensor, prescale_factor, postscale_factor, out, ps))
     if not ps and type(tensor) is np.ndarray and prescale_factor == 1.0:  # (the fast lane, whole, in this thread)
         front = rt.front  # (the compiled step's common case, else the lane's Python)
         if front is not None:
@@ -347,7 +350,8 @@ def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: floa
         result = rt.device_now(req)
         if result is not None:
             return result
-    return rt.submit(req).wait()
+        return rt.submit(req).wait()
+    return host_result(tensor, rt.submit(req).wait())  # (a host DLPack producer gets its own kind back)
 
 
 def _adasum_now(rt, name, tensor, prescale_factor, postscale_factor, out, ps) -> np.ndarray:
@@ -583,7 +587,7 @@ def allgather(tensor, name: Optional[str] = None, process_set=0) -> np.ndarray:
 
     The first dimension may differ per rank; all other dimensions and the dtype must agree.
     Mirrors ``horovod.tensorflow.allgather``."""
-    return allgather_async(tensor, name, process_set).wait()
+    return host_result(tensor, allgather_async(tensor, name, process_set).wait())
 
 
 def grouped_allgather(tensors: Sequence, name: Optional[str] = None, process_set=0) -> List[np.ndarray]:
@@ -602,7 +606,7 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None, process_set=0)
     """Return ``root_rank``'s ``tensor`` on every rank.  Shape and dtype must agree; a
     ``root_rank`` outside [0, size) raises :class:`TensorMismatchError` on every rank.
     Mirrors ``horovod.tensorflow.broadcast``."""
-    return broadcast_async(tensor, root_rank, name, process_set).wait()
+    return host_result(tensor, broadcast_async(tensor, root_rank, name, process_set).wait())
 
 
 def alltoall_async(tensor, splits=None, name: Optional[str] = None, process_set=0) -> Handle:
@@ -623,7 +627,8 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, process_set=0):
 
     ``splits`` defaults to an equal split of the first dimension (which must then divide by
     size).  Mirrors ``horovod.tensorflow.alltoall``."""
-    return alltoall_async(tensor, splits, name, process_set).wait()
+    received, received_splits = alltoall_async(tensor, splits, name, process_set).wait()
+    return host_result(tensor, received), received_splits
 
 
 def reducescatter_async(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
@@ -639,7 +644,8 @@ def reducescatter(tensor, name: Optional[str] = None, op=None, prescale_factor: 
     (split as evenly as possible, lower ranks get the extra rows).
     Mirrors ``horovod.tensorflow.reducescatter``.  Raises ``ValueError`` for a scalar or an
     unsupported dtype/op (see the module docstring)."""
-    return reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set).wait()
+    return host_result(tensor, reducescatter_async(tensor, name, op, prescale_factor, postscale_factor,
+                                                   process_set).wait())
 
 
 def _set_ranks(ranks, size: int) -> List[int]:

@@ -180,6 +180,21 @@ def test_reference_arithmetic_scales_16_bit_floats_in_float32():
     assert not np.array_equal(got, ((x * np.float16(0.1)) * 2 * np.float16(1 / 3)).astype(np.float16))
 
 
+def test_host_dlpack_producers_are_read_with_from_dlpack_and_given_back_as_their_kind():
+    """Issue 54: an object with ``__dlpack__`` / ``__dlpack_device__`` in host memory (not a numpy
+    array) went in as a 0-d object array ("dtype object is not supported")."""
+    base = np.arange(6, dtype=np.float32)
+    want = {"allreduce": base * 3, "allreduce_avg": base * 1.5, "allgather": np.concatenate([base, base * 2]),
+            "broadcast": base * 2, "reducescatter": None, "alltoall": None}
+    for r, v in enumerate(check_ok(run_workers(2, "workers_host_dlpack:host_producers", []))):
+        assert {k: t for k, (t, _) in v.items()} == dict.fromkeys(want, "HostProducer"), v
+        for k, values in want.items():
+            if values is not None:
+                np.testing.assert_allclose(v[k][1], values, err_msg=k)
+        np.testing.assert_allclose(v["reducescatter"][1], (base * 3)[3 * r:3 * r + 3])
+        np.testing.assert_allclose(v["alltoall"][1], np.concatenate([base[3 * r:3 * r + 3], base[3 * r:3 * r + 3] * 2]))
+
+
 def test_numpy_cpu_capsules_read_as_host_arrays():
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     cap = a.__dlpack__()

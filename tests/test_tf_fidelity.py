@@ -95,7 +95,8 @@ def plain_runs():
     return run_cases(2, [*((f"gradients {m}", "workers_tf_fidelity:gradients", [m]) for m in ("eager", "function", "v1")),
                          *((f"local_and_global {m}", "workers_tf_fidelity:local_and_global", [m])
                            for m in ("eager", "function")),
-                         ("keras_lazy_model keras3", "workers_tf_fidelity:keras_lazy_model", [3])],
+                         ("keras_lazy_model keras3", "workers_tf_fidelity:keras_lazy_model", [3]),
+                         ("repeated gradients v1", "workers_tf_fidelity:repeated_gradients", [5])],
                      env={"TF_USE_LEGACY_KERAS": "0"}, timeout=300)
 
 
@@ -118,6 +119,18 @@ def test_gradients_of_every_collective(mode, plain_runs):
             got = v[f"{case}@0"]
             assert got is not None, (mode, case, r)
             np.testing.assert_allclose(np.asarray(got), want[r], err_msg=f"{mode} {case} rank {r}")
+
+
+def test_gradients_built_several_times_in_one_graph(plain_runs):
+    """Issue 54: five tf.gradients of one collective evaluated in one Session.run; before, the
+    gradients' collectives had one name ('... .grad.sizes' is already in flight)."""
+    values = check_ok(plain_runs["repeated gradients v1"])
+    exp = _expected_gradients()
+    for r, v in enumerate(values):
+        for case, want in exp.items():
+            assert len(v[case]) == 5, (case, r)
+            for got in v[case]:
+                np.testing.assert_allclose(np.asarray(got), want[r], err_msg=f"{case} rank {r}")
 
 
 @pytest.mark.parametrize("mode", ["eager", "v1"])
@@ -164,6 +177,12 @@ def test_error_classes_are_horovods(mode):
                 assert v[case][0] == ["FailedPrecondition"], (r, case, v[case])
             assert v["splits"][0] == ["InvalidArgument"], v["splits"]
             assert "shape_case" in v["shape"][1] and "dtype_case" in v["dtype"][1], v
+        if mode != "data":  # issue 54: the status is sdp's text, not "Error in user-defined function
+            for case in ("shape", "dtype", "root", "splits"):  # passed to MapDataset ..." (the wait op's)
+                assert "user-defined function" not in v[case][1], (case, v[case][1][:300])
+            lines = v["shape"][1].splitlines()  # (TensorFlow's own "{{function_node ...}}" may come first)
+            assert any(re.match(r"(\{\{function_node [^}]*\}\} )?allreduce of 'shape_case': shape mismatch", ln)
+                       for ln in lines), v["shape"][1]
         _check_error_messages(v)
     if mode == "function":  # after a failure the same op succeeds again, with the right values
         assert all(v["again"] == ["FailedPreconditionError", [[3.0] * 3] * 3] for v in values), values

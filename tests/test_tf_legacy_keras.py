@@ -18,7 +18,7 @@ LEGACY = {"TF_USE_LEGACY_KERAS": "1"}
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One 2-rank launch with tf_keras for both tests below."""
-    return run_cases(2, [("suite", "workers_tf_keras:legacy_keras_suite", [4]),
+    return run_cases(2, [("suite", "workers_tf_keras:legacy_keras_suite", [4]), ("hooks", "workers_tf_keras:legacy_hooks", [2]),
                          ("fit_callbacks", "workers_tf_keras:fit_callbacks_save_resume",
                           [str(tmp_path_factory.mktemp("fit_callbacks")), 3])], env=LEGACY, timeout=400)
 
@@ -27,6 +27,17 @@ def _assert_weights(a, b, **kw):
     assert len(a) == len(b)
     for x, y in zip(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
+
+
+def test_horovods_optimizer_hooks(runs):
+    """Issue 54: ``_compute_gradients`` (reduced gradients, applied as they are) and
+    ``_agg_helper`` (its ``counter``) on the tf_keras DistributedOptimizer."""
+    for v in check_ok(runs["hooks"]):
+        for kind in ("sgd", "legacy_sgd"):
+            grads, x, no_helper = v[kind]
+            assert grads == [3.0, 3.0] and np.allclose(x, [0.7, 1.7]) and no_helper, (kind, v[kind])
+        counters, x = v["aggregation"]
+        assert counters == [1, 0, 1] and np.allclose(x, [0.7]), v["aggregation"]
 
 
 def test_tf_keras_optimizers_match_single_process(runs):

@@ -81,6 +81,28 @@ def gradients(mode, with_set=False):
     return out
 
 
+def repeated_gradients(times=5):
+    """Every case's gradient built ``times`` times in one ``tf.compat.v1`` graph (``times``
+    ``tf.gradients`` of one op) and evaluated in one ``Session.run`` (issue 54: their collectives
+    met under one name).  Returns {case: [the gradient as lists] * times}."""
+    import tensorflow as tf
+
+    import sdp.compat_horovod.tensorflow as hvd
+    r = hvd.rank()
+    out = {}
+    for case, value, build in _cases(hvd, tf, r, None):
+        with tf.Graph().as_default():
+            x = tf.constant(value, name=case)
+            y = build(x)
+            dy = tf.compat.v1.placeholder(tf.float32, y.shape)
+            grads = [tf.gradients(y, x, grad_ys=dy)[0] for _ in range(times)]
+            with tf.compat.v1.Session() as sess:
+                shape = sess.run(tf.shape(y))
+                out[case] = [g.tolist() for g in sess.run(grads, {dy: upstream(shape, r)})]
+    hvd.barrier()
+    return out
+
+
 def error_classes(mode):
     """What each rank gets from collectives that Horovod fails with a TensorFlow status, ``mode``
     "eager", "function", "v1" (a ``tf.compat.v1.Session``) or "data" (the collective inside a

@@ -255,3 +255,28 @@ def legacy_keras_suite(steps):
 def hvd_keras():
     import sdp.tensorflow.keras as hvd
     return hvd
+
+
+def legacy_hooks(bpps=2):
+    """Horovod's optimizer hooks on tf_keras (issue 54): ``_compute_gradients`` returns the reduced
+    gradients and ``apply_gradients`` applies them as they are (op=Sum: a second reduction would
+    show), for the new and the legacy SGD; ``_agg_helper.counter`` with ``backward_passes_per_step``."""
+    import tensorflow as tf
+
+    import sdp.tensorflow.keras as hvd
+    r = hvd.rank()
+    out = {}
+    for kind, cls in (("sgd", tf.keras.optimizers.SGD), ("legacy_sgd", tf.keras.optimizers.legacy.SGD)):
+        x = tf.Variable([1.0, 2.0])
+        opt = hvd.DistributedOptimizer(cls(0.1), op=hvd.Sum)
+        pairs = opt._compute_gradients(lambda: tf.reduce_sum(x * (r + 1.0)), [x])
+        opt.apply_gradients(pairs)
+        out[kind] = [pairs[0][0].numpy().tolist(), x.numpy().tolist(), opt._agg_helper is None]
+    x = tf.Variable([1.0])
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), backward_passes_per_step=bpps)
+    counters = []
+    for _ in range(3):
+        opt.apply_gradients(opt._compute_gradients(lambda: tf.reduce_sum(x * (r + 1.0)), [x]))
+        counters.append(int(opt._agg_helper.counter.numpy()))
+    out["aggregation"] = [counters, x.numpy().tolist()]
+    return out

@@ -14,7 +14,9 @@ capsule) or device memory, recognised without importing any GPU library:
 
 :func:`device_tensor` turns such an input into a :class:`DeviceTensor` (pointer, shape, dtype,
 device id; C-contiguous only), or returns None for host input (:func:`device_tensors`: a list of
-them).  :func:`host_array` turns a CPU DLPack capsule into a numpy array.  Results go back as
+them).  :func:`host_array` turns a CPU DLPack capsule, or a DLPack producer in host memory that is
+not a numpy array, into a numpy array (``np.from_dlpack``: its memory, no copy);
+:func:`host_result` gives such a producer's result back as its own kind.  Results go back as
 the input's own kind (:meth:`DeviceTensor.wrap_result`): a ``GPUArray`` for a ``GPUArray``, the
 producer's own module's ``from_dlpack`` (``torch``, ``cupy``, ...) for ``__dlpack__`` /
 ``__cuda_array_interface__`` objects, and a new ``dltensor`` capsule (built here with ctypes)
@@ -446,14 +448,38 @@ def _peek_capsule(capsule) -> Tuple[int, int]:
 
 
 def host_array(obj) -> np.ndarray:
-    """``obj`` as a numpy array: a CPU DLPack capsule through ``np.from_dlpack``, anything else
+    """``obj`` as a numpy array: a CPU DLPack capsule, or a DLPack producer (``__dlpack__`` and
+    ``__dlpack_device__``) in host memory, through ``np.from_dlpack`` (no copy); anything else
     through ``np.asarray``."""
     if is_capsule(obj):
         tensor, arr = consume_capsule(obj)
         if tensor is not None:
             raise ValueError("a CUDA DLPack capsule where host memory was expected")
         return arr
+    if _host_producer(obj):
+        return np.from_dlpack(obj)
     return np.asarray(obj)
+
+
+def _host_producer(obj) -> bool:
+    """True for a DLPack producer that is not a numpy array (its device is checked by
+    ``np.from_dlpack``; device input was taken by :func:`device_tensor` before)."""
+    return (not isinstance(obj, (np.ndarray, np.generic)) and hasattr(obj, "__dlpack__")
+            and hasattr(obj, "__dlpack_device__"))
+
+
+def host_result(like, result):
+    """``result`` (host memory) as the kind of ``like``, the host input of a collective: a DLPack
+    producer that is not a numpy array gets its module's ``from_dlpack`` of it (e.g.
+    ``torch.from_dlpack``: no copy), where the module has one; anything else ``result`` itself."""
+    if type(like) is np.ndarray or not _host_producer(like):
+        return result
+    from_dlpack = getattr(sys.modules.get(type(like).__module__.split(".")[0]), "from_dlpack", None)
+    if from_dlpack is None:
+        return result
+    if isinstance(result, (list, tuple)):
+        return type(result)(from_dlpack(r) for r in result)
+    return from_dlpack(result)
 
 
 # -- exporting results ------------------------------------------------------------------------

@@ -24,6 +24,12 @@ class LocalAggregator:
         self._acc = {}
         self._counter = None
 
+    @property
+    def counter(self):
+        """The passes accumulated since the last communication (an int64 variable; None before
+        the first pass).  Horovod's ``LocalGradientAggregationHelper.counter``."""
+        return self._counter
+
     def _variable(self, shape, dtype, name):
         with tf.init_scope():
             return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name)

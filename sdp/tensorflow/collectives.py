@@ -73,10 +73,11 @@ def _zero_if_none(dy, x):
 
 def _allgather_grad(dys, xs, names, ps):
     """Horovod's allgather gradient for each of ``xs``: this rank's rows of the averaged gradient."""
-    grads = [ops.allreduce_tensor(_zero_if_none(d, x), n + ".grad", ReduceOp.AVERAGE, process_set=ps)
-             for d, x, n in zip(dys, xs, names)]
+    gnames = [ops.grad_name(n) for n in names]
+    grads = [ops.allreduce_tensor(_zero_if_none(d, x), g, ReduceOp.AVERAGE, process_set=ps)
+             for d, x, g in zip(dys, xs, gnames)]
     sizes = ops.grouped_allgather_tensors([tf.reshape(tf.shape(x, out_type=tf.int32)[0], [1]) for x in xs],
-                                          [n + ".grad.sizes" for n in names], ps)
+                                          [g + ".sizes" for g in gnames], ps)
     me = _set_index(ps)
     out = []
     for g, d in zip(grads, sizes):
@@ -113,7 +114,7 @@ def _broadcasted(tensor, name, root_rank, ps):
         y = ops.grouped_broadcast_tensors([x], [name], root_rank, ps)[0]
 
         def grad(dy):
-            g = ops.allreduce_tensor(_zero_if_none(dy, x), name + ".grad", ReduceOp.AVERAGE, process_set=ps)
+            g = ops.allreduce_tensor(_zero_if_none(dy, x), ops.grad_name(name), ReduceOp.AVERAGE, process_set=ps)
             # g * 0, not tf.zeros_like(g): zeros of a known shape would not depend on the allreduce, so a
             # TF1 session would prune it on this rank and the root would wait for it (Horovod does the same)
             return g if api.rank() == root_rank else g * tf.cast(0, g.dtype)
@@ -257,7 +258,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
         box.append(rs)
 
         def grad(dy):  # Horovod's: send each rank's rows of the gradient back with the received splits
-            return ops.alltoall_tensor(_zero_if_none(dy, x), rs, base + ".grad", ps)[0]
+            return ops.alltoall_tensor(_zero_if_none(dy, x), rs, ops.grad_name(base), ps)[0]
 
         return y, grad
 
@@ -292,7 +293,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Redu
             dy = _zero_if_none(dy, y)
             if scale != 1.0:
                 dy = dy * tf.cast(scale, dy.dtype)
-            return ops.allgather_tensor(dy, base + ".grad", ps)
+            return ops.allgather_tensor(dy, ops.grad_name(base), ps)
 
         return y, grad
 

@@ -9,7 +9,11 @@ model records a plain ``Adam``).  It overrides one method through which every up
 * tf_keras: ``apply_gradients(grads_and_vars, ...)`` (``minimize`` and ``model.fit`` reach it).
 
 There the gradients are reduced over all ranks (see :class:`sdp.tensorflow.gradients.GradientReducer`)
-before the base class applies them.  ``opt.variables`` stays a list that can also be called
+before the base class applies them.  On tf_keras, Horovod's hooks are there too:
+``_compute_gradients(loss, var_list, grad_loss=None, tape=None)`` returns the reduced (or, with
+``backward_passes_per_step``, accumulated) gradients, which ``apply_gradients`` then applies as
+they are, and ``_agg_helper`` is the accumulator (``counter``: passes since the last
+communication) or None.  ``opt.variables`` stays a list that can also be called
 (``opt.variables()``), as Horovod scripts written for Keras 2 do.
 """
 import warnings
@@ -99,6 +103,13 @@ class _TfKerasMixin:
             return super().apply_gradients(pairs, *args, **kwargs)
         grads = [g for g, _ in pairs]
         variables = [v for _, v in pairs]
+        done = self.__dict__.pop("_sdp_reduced", None)
+        if done is not None and len(done) == len(grads) and all(g is d for g, d in zip(grads, done)):
+            if st.aggregator is None:  # (from _compute_gradients: reduced already)
+                return super().apply_gradients(pairs, *args, **kwargs)
+            base = super().apply_gradients
+            return st.aggregator.apply(lambda: base(pairs, *args, **kwargs),
+                                       lambda: self.iterations.assign_add(1), deps=grads)
         if st.aggregator is None:
             reduced = st.reducer.reduce(grads, variables)
             return super().apply_gradients(list(zip(reduced, variables)), *args, **kwargs)
@@ -107,6 +118,34 @@ class _TfKerasMixin:
         base = super().apply_gradients
         return st.aggregator.apply(lambda: base(list(zip(out, variables)), *args, **kwargs),
                                    lambda: self.iterations.assign_add(1), deps=out)
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        """``(gradient, variable)`` pairs of ``loss`` (a tensor computed under ``tape``, or a
+        callable) for ``var_list``, the gradients reduced over the ranks (accumulated locally on
+        the passes between communications with ``backward_passes_per_step``); ``apply_gradients``
+        of these pairs applies them as they are.  Mirrors Horovod's ``_compute_gradients`` of its
+        Keras ``DistributedOptimizer``."""
+        st = self.__dict__["_sdp_settings"]
+        base = super()
+        tape = tf.GradientTape() if tape is None else tape
+        if hasattr(base, "_compute_gradients"):  # legacy OptimizerV2
+            pairs = base._compute_gradients(loss, var_list, grad_loss, tape=tape)
+        else:
+            pairs = base.compute_gradients(loss, var_list, tape=tape)
+        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        if st.aggregator is None:
+            reduced = st.reducer.reduce(grads, variables)
+        else:
+            self._sdp_build(variables)
+            reduced = st.aggregator.compute(grads, variables)
+        self.__dict__["_sdp_reduced"] = list(reduced)
+        return list(zip(reduced, variables))
+
+    @property
+    def _agg_helper(self):
+        """The gradient accumulator with ``backward_passes_per_step`` > 1 (its ``counter``: the
+        passes since the last communication), else None.  Horovod's attribute of that name."""
+        return self.__dict__["_sdp_settings"].aggregator
 
     def _sdp_build(self, variables):
         """Create the optimizer's variables now (both builders are idempotent), so that they are

@@ -153,6 +153,19 @@ def unique_name(base: str) -> str:
     return tf.compat.v1.get_default_graph().unique_name("sdp." + _sanitize(base), mark_as_used=True)
 
 
+def grad_name(name: str) -> str:
+    """The name of the collective in the gradient of collective ``name``: ``<name>.grad``, in a
+    graph made unique there by the graph's name counter (``<name>.grad_1``, ...), as Horovod's
+    gradient ops are named by their graph nodes: several ``tf.gradients`` of one op evaluated in
+    one ``Session.run`` must not meet under one name.  Eagerly ``<name>.grad`` (gradients are
+    computed one after another)."""
+    if tf.executing_eagerly():
+        return name + ".grad"
+    graph = tf.compat.v1.get_default_graph()
+    with graph.name_scope(None):  # (the gradient's name scope differs per tf.gradients call: left out)
+        return graph.unique_name(name + ".grad", mark_as_used=True)
+
+
 def _base_name(kind: str, tensor=None, name=None) -> str:
     """Name of a user-level collective: ``name`` if given; in graphs, from the input's op name,
     made unique in the graph (:func:`unique_name`); eagerly, ``"<kind>.eager"``, like Horovod's
@@ -541,14 +554,47 @@ def _blocking_op(fn, tensors, dtypes, deps, name):
     return outs
 
 
+_THROUGH_DATA = {}
+
+
+def _through_data(lib) -> bool:
+    """Whether a placeholder returned inside a ``tf.data`` map (by ``SdpCall`` where built, else a
+    ``numpy_function``) comes out of the iterator with its buffer (no copy): then an asynchronous
+    wait op's failure is checked after the iterator (:func:`_async_wait`).  Tried once per process."""
+    if "through_data" in _THROUGH_DATA:
+        return _THROUGH_DATA["through_data"]
+    held = []
+
+    def body(_):
+        held.append(lib.placeholder(np.float32))
+        return [held[-1]]
+
+    def element(z):
+        if lib.calls:
+            return lib.call(body, [z], [tf.float32])[0]
+        return tf.numpy_function(body, [z], tf.float32, stateful=True)
+
+    with tf.Graph().as_default() as g:
+        data = tf.data.Dataset.from_tensors(np.int64(0)).repeat().map(element).with_options(_DATA_OPTIONS)
+        address = lib.module.sdp_buffer_address(tf.compat.v1.data.make_one_shot_iterator(data).get_next())
+        with tf.compat.v1.Session(graph=g) as sess:
+            got = int(sess.run(address))
+    _THROUGH_DATA["through_data"] = bool(held) and got == held[-1].ctypes.data
+    return _THROUGH_DATA["through_data"]
+
+
 def _async_wait(wait, dtypes, deps, name):
     """Tensors of ``dtypes`` returned by ``wait()`` (it may block for peers), computed on a
     ``tf.data`` iterator's background thread by an ``IteratorGetNext`` op that runs after the ops
     ``deps``; TensorFlow's inter-op thread is free meanwhile (see the module docstring)."""
     dtypes = list(dtypes)
+    from sdp.tensorflow import build_ops
+    lib = build_ops.load()
+    deferred = (lib is not None and bool(dtypes) and not np.dtype(dtypes[0].as_numpy_dtype).hasobject
+                and _through_data(lib))
 
     def element(_):
-        return tuple(_checked_numpy_function(lambda _z: wait(), [_], dtypes, name))
+        return tuple(_checked_numpy_function(lambda _z: wait(), [_], dtypes, name, deferred=deferred))
 
     def dataset():
         return tf.data.Dataset.from_tensors(np.int64(0)).repeat().map(
@@ -562,8 +608,10 @@ def _async_wait(wait, dtypes, deps, name):
     else:
         it = tf.compat.v1.data.make_one_shot_iterator(dataset())
     with tf.control_dependencies(deps):
-        outs = it.get_next()
-    return list(outs)
+        outs = list(it.get_next())
+    if deferred:  # the failure's status here, outside the tf.data function
+        return lib.check(outs, name=f"{_sanitize(name)[:100]}.check" if name else None)
+    return outs
 
 
 _FAILED = {}  # buffer address -> a failed op's placeholder, kept alive until its SdpCheck op ran
@@ -584,7 +632,7 @@ def _failed_result(lib, dtype, status):
     return ph
 
 
-def _checked_numpy_function(fn, inputs, dtypes, name, independent=False, on_op=None):
+def _checked_numpy_function(fn, inputs, dtypes, name, independent=False, on_op=None, deferred=False):
     """Tensors of ``dtypes`` returned by ``fn(*input arrays)`` (a list of arrays) run as a stateful
     op (passed to ``on_op``; ``independent``: marked as an independent side effect, see
     :func:`_independent`).
@@ -600,11 +648,22 @@ def _checked_numpy_function(fn, inputs, dtypes, name, independent=False, on_op=N
     registered placeholder (:func:`_failed_result`) and empty arrays, and the ``SdpCheck`` op fed
     every result fails with that status, or forwards the results without a copy.  Any other
     error is raised as before.  Without the library (``SDP_TF_OPS=0``, no compiler), the plain
-    ``numpy_function``."""
+    ``numpy_function``.
+
+    ``deferred`` (the library loaded and :func:`_through_data`): every error of ``fn`` becomes a
+    registered placeholder (:func:`_failing_into_placeholder`), and the outputs are returned
+    unchecked: the caller feeds them to ``lib.check`` outside the ``tf.data`` function they run in,
+    so that TensorFlow's error starts with sdp's message, not "Error in user-defined function
+    passed to MapDataset ..." (:func:`_async_wait`)."""
     dtypes = list(dtypes)
     op_name = _sanitize(name)[:100] if name else None
     from sdp.tensorflow import build_ops  # (here: `python -m sdp.tensorflow.build_ops` runs it as __main__)
     lib = build_ops.load()
+    if deferred:
+        fn = _failing_into_placeholder(fn, lib, [np.dtype(d.as_numpy_dtype) for d in dtypes])
+        if _call_library(inputs, dtypes) is None:
+            outs = tf.numpy_function(fn, inputs, dtypes, stateful=True, name=op_name)
+            return list(outs) if isinstance(outs, (list, tuple)) else [outs]
     if dtypes and _call_library(inputs, dtypes) is not None:
         outs = lib.call(_call_body(fn, [np.dtype(d.as_numpy_dtype) for d in dtypes]), inputs, dtypes, name=op_name)
         if independent:
@@ -637,6 +696,17 @@ def _checked_numpy_function(fn, inputs, dtypes, name, independent=False, on_op=N
     if independent:
         _independent(checked[0].op)
     return checked
+
+
+def _failing_into_placeholder(fn, lib, np_dtypes):
+    """``fn``, returning a placeholder registered with its error's status (:func:`_call_status`)
+    and empty arrays instead of raising."""
+    def body(*arrays):
+        try:
+            return fn(*arrays)
+        except Exception as e:  # noqa: BLE001 - every error becomes the check op's status
+            return [_failed_result(lib, np_dtypes[0], _call_status(e))] + [np.zeros(0, d) for d in np_dtypes[1:]]
+    return body
 
 
 def _call_library(inputs, dtypes):
@@ -791,7 +861,7 @@ def grouped_allreduce_tensors(tensors, names, op, prescale_factor=1.0, postscale
 
         def grad(*dys):
             dys = [tf.zeros_like(x) if d is None else d for d, x in zip(dys, xs)]
-            return _grouped_allreduce_raw(dys, [n + ".grad" for n in names], op, prescale_factor,
+            return _grouped_allreduce_raw(dys, [grad_name(n) for n in names], op, prescale_factor,
                                           postscale_factor, process_set)
 
         return ys, grad
