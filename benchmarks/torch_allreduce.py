@@ -40,6 +40,9 @@ import sdp
 import sdp.torch
 import sdp.torch.distributed  # noqa: F401  (registers "sdp")
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from allreduce import fmt_size, parse_size  # noqa: E402  (benchmarks/allreduce.py, beside this script)
+
 # ---- targets (issue 52; 2 ranks, one host, float32) ------------------------------------------------
 TARGET_TORCH_1K_VS_NUMPY = 1.5      # sdp.torch 1 KB time <= 1.5 x the numpy API's
 TARGET_TORCH_64M_BUSBW = 0.9        # sdp.torch 64 MB busbw >= 0.9 x the numpy API's
@@ -47,19 +50,6 @@ TARGET_VS_GLOO = 2.0                # sdp.torch and the numpy API >= 2 x faster 
 TARGET_DDP_VS_GLOO = 1.0            # DDP step over sdp <= 1.0 x over Gloo
 
 MODES = ("sdp.torch", "numpy API", "dist sdp", "dist gloo")
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper().rstrip("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
-
-
-def fmt_size(n: int) -> str:
-    for unit, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= m and n % m == 0:
-            return f"{n // m}{unit}"
-    return str(n)
 
 
 def log0(*args) -> None:
@@ -140,7 +130,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
 
-    sdp.init()
+    if not sdp.is_initialized():
+        sdp.init()
     rank, n = sdp.rank(), sdp.size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // sdp.local_size()))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the baseline on loopback only

@@ -37,7 +37,8 @@ def two_ranks(tmp_path_factory):
                          ("ddp", "workers_torch_distributed:ddp_sdp_and_gloo", [store, 6]),
                          ("ddp modes", "workers_torch_distributed:ddp_modes", [4]),
                          ("smddp", "workers_torch_distributed:smddp_names", []),
-                         ("kungfu", "workers_torch_distributed:kungfu_torch", [])], env=env, init=False)
+                         ("kungfu", "workers_torch_distributed:kungfu_torch", []),
+                         ("benchmark", "workers_torch_distributed:benchmark_table", [])], env=env, init=False)
 
 
 def _collectives_ok(values):
@@ -116,13 +117,11 @@ def test_kungfu_torch_under_compat(two_ranks):
         assert out["optimizer"][0] and abs(out["optimizer"][1] + 0.8) < 1e-6, out
 
 
-def test_torch_benchmark_runs_and_prints_its_table():
+def test_torch_benchmark_runs_and_prints_its_table(two_ranks):
     """benchmarks/torch_allreduce.py end to end (speed is the benchmark's business, not a test's)."""
-    p = subprocess.run([sys.executable, "-m", "sdp.launcher.cli", "-np", "2", sys.executable,
-                        "benchmarks/torch_allreduce.py", "--sizes", "1K", "--rounds", "1", "--ddp-steps", "2"],
-                       cwd=ROOT, env=dict(os.environ, **ENV), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    row = re.search(r"\[0\]<stdout>:\s+1K((?:\s+(?:[0-9.]+\s+[0-9.]+|n/a)){4})", p.stdout)
-    assert row and row.group(1).count("n/a") <= 1, p.stdout[-3000:]
-    assert re.search(r"DDP step .*: sdp backend [0-9.]+ ms, Gloo [0-9.]+ ms", p.stdout), p.stdout[-3000:]
-    assert "DDP step over sdp <= 1.0x over Gloo" in p.stdout, p.stdout[-3000:]
+    (rc, out), _ = check_ok(two_ranks["benchmark"])
+    assert rc == 0
+    row = re.search(r"^\s+1K((?:\s+(?:[0-9.]+\s+[0-9.]+|n/a)){4})$", out, re.M)
+    assert row and "n/a" not in row.group(1), out
+    assert re.search(r"DDP step .*: sdp backend [0-9.]+ ms, Gloo [0-9.]+ ms", out), out
+    assert "DDP step over sdp <= 1.0x over Gloo" in out, out

@@ -271,3 +271,17 @@ def kungfu_torch():
         opt.step()
     out["optimizer"] = [isinstance(opt, torch.optim.SGD), model.bias.item() - start]
     return out
+
+
+def benchmark_table():
+    """benchmarks/torch_allreduce.py's main() at 1 KB, one round; returns [exit status, what it
+    printed] (rank 0 prints the table)."""
+    import contextlib
+    import io
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import torch_allreduce
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = torch_allreduce.main(["--sizes", "1K", "--rounds", "1", "--ddp-steps", "2"])
+    return [rc, buf.getvalue()]

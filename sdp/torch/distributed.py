@@ -287,7 +287,7 @@ class ProcessGroupSDP(dist.ProcessGroup):
                                    out=out, process_set=self._process_set)
             if out is None:
                 _tensors.copy_into(t, result)
-            return self._work([], lambda results: None, list(tensors), tensors)
+            return self._work([], _nothing, list(tensors), tensors)
         handles, outs = [], []
         for t in tensors:
             out = _tensors.out_array(t)  # (a CPU tensor is reduced in its own memory)
@@ -308,12 +308,7 @@ class ProcessGroupSDP(dist.ProcessGroup):
         root = self._root(opts)
         handles = [api.broadcast_async(_tensors.as_input(t, "broadcast"), root, self._name(), self._process_set)
                    for t in tensors]
-
-        def finish(results):
-            if root != api.rank():
-                for t, r in zip(tensors, results):
-                    _tensors.copy_into(t, r)
-        return self._work(handles, finish, list(tensors), tensors)
+        return self._work(handles, _into(tensors) if root != api.rank() else _nothing, list(tensors), tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         handles = [api.allgather_async(self._flat(t, "all_gather"), self._name(), self._process_set)
@@ -332,11 +327,7 @@ class ProcessGroupSDP(dist.ProcessGroup):
                 raise ValueError(f"all_gather_into_tensor: an output of {o.numel()} elements for {self._size} "
                                  f"inputs of {i.numel()}; expected {i.numel() * self._size}")
         handles = [api.allgather_async(self._flat(t, "all_gather"), self._name(), self._process_set) for t in inputs]
-
-        def finish(results):
-            for o, r in zip(outputs, results):
-                _tensors.copy_into(o, r)
-        return self._work(handles, finish, list(outputs), list(inputs))
+        return self._work(handles, _into(outputs), list(outputs), list(inputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -353,11 +344,7 @@ class ProcessGroupSDP(dist.ProcessGroup):
                                  f"ranks and an output of {o.numel()}; expected one input of {o.numel()} per rank")
         handles = [self._reducescatter_rows(torch.cat([i.reshape(-1) for i in ins]), op)
                    for ins in input_tensors]
-
-        def finish(results):
-            for o, r in zip(output_tensors, results):
-                _tensors.copy_into(o, r)
-        return self._work(handles, finish, list(output_tensors), list(output_tensors))
+        return self._work(handles, _into(output_tensors), list(output_tensors), list(output_tensors))
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self.reduce_scatter_single_coalesced([output], [input], opts)
@@ -371,11 +358,7 @@ class ProcessGroupSDP(dist.ProcessGroup):
                 raise ValueError(f"reduce_scatter_tensor: an input of {i.numel()} elements for {self._size} ranks "
                                  f"and an output of {o.numel()}; expected {o.numel() * self._size}")
         handles = [self._reducescatter_rows(i, op) for i in inputs]
-
-        def finish(results):
-            for o, r in zip(outputs, results):
-                _tensors.copy_into(o, r)
-        return self._work(handles, finish, list(outputs), list(outputs))
+        return self._work(handles, _into(outputs), list(outputs), list(outputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -383,21 +366,13 @@ class ProcessGroupSDP(dist.ProcessGroup):
         root, op = self._root(opts), self._op(opts)
         handles = [api.allreduce_async(_tensors.as_input(t, "reduce"), self._name(), op,
                                        process_set=self._process_set) for t in tensors]
-
-        def finish(results):
-            if root == api.rank():
-                for t, r in zip(tensors, results):
-                    _tensors.copy_into(t, r)
-        return self._work(handles, finish, list(tensors), tensors)
+        return self._work(handles, _into(tensors) if root == api.rank() else _nothing, list(tensors), tensors)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         root = self._root(opts)
         handles = [api.allgather_async(self._flat(t, "gather"), self._name(), self._process_set)
                    for t in input_tensors]
-
-        def finish(results):
-            if root == api.rank():
-                _split_into(output_tensors, results)
+        finish = (lambda results: _split_into(output_tensors, results)) if root == api.rank() else _nothing
         return self._work(handles, finish, list(output_tensors), list(input_tensors))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
@@ -411,11 +386,8 @@ class ProcessGroupSDP(dist.ProcessGroup):
                 flat, splits = torch.empty(0, dtype=o.dtype, device=o.device), [0] * self._size
             handles.append(api.alltoall_async(_tensors.as_input(flat, "scatter"), splits, self._name(),
                                               self._process_set))
-
-        def finish(results):
-            for o, (received, _splits) in zip(output_tensors, results):
-                _tensors.copy_into(o, received)
-        return self._work(handles, finish, list(output_tensors), list(output_tensors))
+        return self._work(handles, _into(output_tensors, received=True), list(output_tensors),
+                          list(output_tensors))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         flat = torch.cat([x.reshape(-1) for x in input_tensors])
@@ -435,7 +407,7 @@ class ProcessGroupSDP(dist.ProcessGroup):
     def barrier(self, opts=None):
         handle = api.allreduce_async(np.zeros(1, np.int32), self._name(), ReduceOp.SUM,
                                      process_set=self._process_set)
-        return self._work([handle], lambda results: None, [], [])
+        return self._work([handle], _nothing, [], [])
 
     def send(self, tensors, dst, tag=0):
         raise NotImplementedError(_NO_P2P)
@@ -448,6 +420,19 @@ class ProcessGroupSDP(dist.ProcessGroup):
 
 
 _NO_P2P = "torch.distributed backend 'sdp' has collectives only: send/recv are not supported"
+
+
+def _nothing(results) -> None:
+    """The finish of a collective whose results are not this rank's to keep."""
+
+
+def _into(tensors, received: bool = False):
+    """The finish that copies each result (an alltoall's received part, with ``received``) into
+    its tensor."""
+    def finish(results):
+        for t, r in zip(tensors, results):
+            _tensors.copy_into(t, r[0] if received else r)
+    return finish
 
 
 def _split_into(output_lists, results) -> None:
