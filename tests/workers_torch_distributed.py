@@ -102,6 +102,26 @@ def collectives():
     t = torch.ones(2)
     dist.all_reduce(t, group=group)
     ok["new_group of every rank"] = torch.equal(t, torch.full((2,), float(n)))
+    sub = [0, 2] if n >= 3 else [1]  # (an sdp process set; the other ranks are no members)
+    group = dist.new_group(sub)
+    if r in sub:
+        t = torch.full((2,), float(r + 1))
+        dist.all_reduce(t, group=group)
+        b = torch.full((1,), float(r))
+        dist.broadcast(b, src=sub[-1], group=group)  # (a job rank; the group's rank len(sub) - 1)
+        outs = [torch.zeros(1) for _ in sub]
+        dist.all_gather(outs, torch.full((1,), float(r)), group=group)
+        ok["subgroup"] = (torch.equal(t, torch.full((2,), float(sum(s + 1 for s in sub))))
+                          and b.item() == sub[-1] and [o.item() for o in outs] == [float(s) for s in sub]
+                          and (dist.get_rank(group), dist.get_world_size(group)) == (sub.index(r), len(sub)))
+    else:
+        ok["subgroup"] = group == dist.GroupMember.NON_GROUP_MEMBER
+    again = dist.new_group(sub)  # (the same ranks again: the same process set)
+    if r in sub:
+        t = torch.ones(1)
+        dist.all_reduce(t, group=again)
+        ok["subgroup again"] = t.item() == len(sub)
+    dist.barrier()  # (a set's collectives are negotiated by rank 0, also when it is no member)
     try:
         dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND)
         ok["BAND raises"] = False
@@ -143,6 +163,8 @@ def ddp_sdp_and_gloo(store_file: str, steps: int):
     topo = topology.from_env()
     r, n = _init(init_method=f"file://{store_file}", rank=topo.rank, world_size=topo.size)
     gloo = dist.new_group(backend="gloo")
+    from sdp.torch.distributed import ProcessGroupSDP
+    assert dist.get_backend(gloo) == "gloo" and not isinstance(gloo, ProcessGroupSDP), gloo  # (Gloo's own)
     out = [_train(None, r, steps), _train(gloo, r, steps)]
     dist.destroy_process_group()
     return out

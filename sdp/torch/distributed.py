@@ -50,10 +50,12 @@ that one background thread per process completes, in submission order, with the 
 there when the callback asks for its future (PowerSGD's hook waits on it at once); it must not
 block on the future of a collective started outside the callback.
 
-**Subgroups.**  ``dist.new_group(ranks)`` over every rank is a group of its own (its own names)
-on the whole job.  A strict subset raises ``NotImplementedError`` on its members: PyTorch calls a
-backend only on a new group's members, and sdp's process sets are registered on every rank
-(use ``sdp.torch``'s process sets instead).
+**Subgroups.**  ``dist.new_group(ranks)`` with the default group on this backend is an sdp
+process set of ``ranks`` (:func:`sdp.api.add_process_sets`, on every rank: PyTorch's rule that
+every rank calls ``new_group`` makes that possible through the default group's ``new_group``
+hook); over every rank it is a group of its own on the whole job.  Made on its members only
+(``use_local_synchronization=True``, or beside a default group of another backend), a strict
+subset raises ``NotImplementedError`` there; so does ``sort_ranks=False`` with ranks out of order.
 
 Mirrors ``torch.distributed``'s ``ProcessGroup``/``Work`` contract (c10d) as PyTorch 2.x's
 ``ProcessGroupGloo`` fulfils it for CPU tensors.
@@ -62,6 +64,7 @@ import datetime
 import itertools
 import os
 import queue
+import sys
 import threading
 from typing import Callable, List, Optional, Sequence
 
@@ -223,19 +226,48 @@ class ProcessGroupSDP(dist.ProcessGroup):
     """``torch.distributed.ProcessGroup`` on sdp's engine (see the module docstring).
 
     ``global_ranks``: the job ranks of this group in group-rank order (the whole job for the
-    default group).  ``timeout``: seconds a ``Work.wait()`` may take (PyTorch's ``timeout=``)."""
+    default group); ``process_set``: the sdp process set of those ranks (0: every rank).
+    ``timeout``: seconds a ``Work.wait()`` may take (PyTorch's ``timeout=``)."""
 
-    def __init__(self, store, rank: int, size: int, global_ranks: List[int], group_name: str,
-                 timeout: Optional[float]):
+    def __init__(self, rank: int, size: int, global_ranks: List[int], group_name: str,
+                 timeout: Optional[float], process_set: int = 0):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._global = list(global_ranks)
-        self._process_set = 0
+        self._process_set = process_set
         self._timeout = timeout
         self._prefix = f"torch.{group_name or 'default'}."
         self._local = not api.has_wire()  # (every rank on this host: the fast lane exists)
         self._seq = itertools.count()
         self._seq_lock = threading.Lock()
+
+    # -- subgroups
+    @property
+    def new_group(self):
+        """PyTorch's hook for the subgroups of a Python default group: ``dist.new_group`` calls
+        ``default_pg.new_group(ranks, ...)`` on every rank when the default group has one.  It
+        is offered only where the new group's backend is this one (read from that caller's
+        frame, which names neither backend nor ``use_local_synchronization`` to the hook), else
+        PyTorch makes the group itself (Gloo beside sdp)."""
+        caller = sys._getframe(1)
+        f = caller.f_locals if caller.f_code.co_name == "_new_group_with_tag" else {}
+        if str(f.get("backend", "")).lower() not in _NAMES or f.get("use_local_synchronization", True):
+            raise AttributeError("new_group")
+        return self._new_group
+
+    def _new_group(self, ranks, timeout=None, pg_options=None, group_name=None, group_desc=None):
+        """The group of job ``ranks`` (ascending), on every rank (see :attr:`new_group`): an sdp
+        process set registered on every rank (:func:`sdp.api.add_process_sets`, once per set of
+        ranks); the members' :class:`ProcessGroupSDP`, None elsewhere."""
+        ranks = list(range(api.size())) if ranks is None else [int(r) for r in ranks]
+        if ranks != sorted(ranks):
+            raise NotImplementedError(f"torch.distributed backend 'sdp': a group of ranks {ranks} in another order "
+                                      "than ascending (sort_ranks=False) is not supported")
+        ps = 0 if ranks == list(range(api.size())) else _process_set(ranks)
+        me = api.rank()
+        if me not in ranks:
+            return None
+        return ProcessGroupSDP(ranks.index(me), len(ranks), ranks, str(group_name), _seconds(timeout), ps)
 
     # -- identity
     def getBackendName(self) -> str:
@@ -453,12 +485,27 @@ def _seconds(timeout) -> Optional[float]:
     return float(timeout) if timeout else None
 
 
+_NAMES = set()  # the names the backend is registered under (register())
+_sets = {}  # (runtime, job ranks) -> the sdp process set made for dist.new_group(ranks)
+
+
+def _process_set(ranks: List[int]) -> int:
+    """The sdp process set of ``ranks`` for a new group, registered on every rank the first time
+    (every rank calls this: PyTorch's ``new_group`` rule)."""
+    key = (id(api.runtime()), tuple(ranks))
+    if key not in _sets:
+        _sets[key] = api.add_process_sets([ranks])[0]
+    return _sets[key]
+
+
 def create_process_group(options, backend_options=None) -> ProcessGroupSDP:
     """The backend's creator (``register_backend``'s extended form): ``options`` is PyTorch's
     ``_DistributedBackendOptions`` (``store``, ``group_rank``, ``group_size``, ``timeout``,
     ``group_id``, ``global_ranks_in_group``).  Starts sdp (``sdp.init()``) if it is not running.
     Raises ``ValueError`` when PyTorch's rank or world size is not sdp's, ``NotImplementedError``
-    for a group over a strict subset of the ranks."""
+    for a group over a strict subset of the ranks made without the default group's hook
+    (``new_group(..., use_local_synchronization=True)``, or next to a default group of another
+    backend: only its members call the creator, and sdp registers process sets on every rank)."""
     if not api.is_initialized():
         api.init()
     rank, size = options.group_rank, options.group_size
@@ -470,9 +517,10 @@ def create_process_group(options, backend_options=None) -> ProcessGroupSDP:
     if sorted(ranks) != list(range(api.size())):
         raise NotImplementedError(
             f"torch.distributed backend 'sdp': a group of ranks {ranks} (a strict subset of the job's "
-            f"{api.size()}) is not supported: PyTorch calls a backend on a new group's members only, and sdp "
-            "registers its process sets on every rank; use sdp.torch's process sets")
-    return ProcessGroupSDP(options.store, rank, size, ranks, str(options.group_id), _seconds(options.timeout))
+            f"{api.size()}) is made on its members only here (use_local_synchronization=True, or a default "
+            "group of another backend), and sdp registers process sets on every rank: make the default "
+            "group sdp's and call dist.new_group(ranks) on every rank, or use sdp.torch's process sets")
+    return ProcessGroupSDP(rank, size, ranks, str(options.group_id), _seconds(options.timeout))
 
 
 class LocalStore(dist.Store):
@@ -568,6 +616,7 @@ def register(name: str = BACKEND) -> None:
     """Register sdp's backend under ``name`` (``"sdp"``; :mod:`sdp.compat_smddp.torch.torch_smddp` adds
     ``"smddp"``) and the ``sdp://`` init method with ``torch.distributed`` (idempotent; ``"sdp"``
     is registered when this module is imported)."""
+    _NAMES.add(name.lower())
     if name.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(name, create_process_group, extended_api=True, devices=["cpu", "cuda"])
     rdzv = _rendezvous_module()
