@@ -4,9 +4,10 @@ names a face re-exports from other modules too (mkdocstrings renders imported na
 they are listed, or in ``__all__``).
 
 Public names: ``__all__`` plus every attribute without a leading underscore that is not a module
-(the faces' implementation modules are documented through the names they export)."""
+(the faces' implementation modules are documented through the names they export) or a logger."""
 import importlib
 import inspect
+import logging
 import re
 
 _DIRECTIVE = re.compile(r"^::: ([A-Za-z_][\w.]*)\s*$")
@@ -16,7 +17,8 @@ _NOT_API = {"tf", "keras", "np"}  # modules a face imports for itself
 def public_names(module) -> list:
     """The names ``module`` offers its users, sorted."""
     names = set(getattr(module, "__all__", ()))
-    names |= {n for n, v in vars(module).items() if not n.startswith("_") and not inspect.ismodule(v)}
+    names |= {n for n, v in vars(module).items()
+              if not n.startswith("_") and not inspect.ismodule(v) and not isinstance(v, logging.Logger)}
     return sorted(names - _NOT_API)
 
 

@@ -1,29 +1,29 @@
 """Framework-free API on numpy arrays: the layer every face (TensorFlow, KungFu) is built on.
 
-``init()`` reads the topology from the environment (see :mod:`sdp.common.topology`), meets the
+``init()`` reads the topology from the environment (see ``sdp.common.topology``), meets the
 other ranks and starts the engine.  Collectives come in ``*_async`` forms returning a
-:class:`~sdp.engine.handles.Handle` and synchronous forms returning numpy arrays.
+``Handle`` and synchronous forms returning numpy arrays.
 
 Names identify a collective across ranks: ranks may submit in different orders, and the engine
 matches them by name.  Without a ``name``, one is generated from a per-process counter, which
 matches across ranks when every rank makes the same unnamed calls in the same order.
 
 Process sets (Horovod's ``process_set=``): every collective takes ``process_set``, a set id (int)
-or an object with a ``process_set_id`` (:class:`sdp.process_sets.ProcessSet`); 0, the default,
+or an object with a ``process_set_id`` (``sdp.process_sets.ProcessSet``); 0, the default,
 is the whole job.  Only the set's ranks call a set's collective (another rank gets ``ValueError``
 naming the set and the rank, at once); roots (broadcast) are job ranks in the set; allgather
 concatenates and alltoall splits in the set's rank order; AVERAGE divides by the set's size.
-Sets are added with :func:`add_process_sets` on every rank alike; see
-:mod:`sdp.engine.process_sets` for how they are negotiated and run.
+Sets are added with ``add_process_sets`` on every rank alike; see
+``sdp.engine.process_sets`` for how they are negotiated and run.
 
 Dtypes: reductions (allreduce, reducescatter) take bool (SUM/MAX: logical or, MIN/PRODUCT:
 logical and; no AVERAGE, no scale factors), int8/16/32/64, uint8-64, float16, bfloat16, float32
 and float64 (16-bit floats are summed and scaled in float32 and rounded once); allgather,
 broadcast and alltoall move any dtype without Python objects.  Anything else raises
 ``ValueError`` on the calling rank when submitted, before any other rank is involved; a
-disagreement between ranks raises :class:`~sdp.common.errors.TensorMismatchError` on every rank.
+disagreement between ranks raises ``TensorMismatchError`` on every rank.
 
-``op=Adasum`` (Horovod's adaptive summation, :mod:`sdp.engine.adasum`; ``ReduceOp.ADASUM``):
+``op=Adasum`` (Horovod's adaptive summation, ``sdp.engine.adasum``; ``ReduceOp.ADASUM``):
 allreduces of float16, float32 and float64 only (else ``ValueError``), of the global process set
 of a power-of-two number of ranks (else ``NotImplementedError`` with Horovod's text, on every
 calling rank at once); no averaging (a postscale still applies).  Always run by the engine
@@ -35,11 +35,11 @@ needs a power-of-two number of hosts.
 Device arrays: every collective also takes arrays in CUDA memory: PyCUDA ``GPUArray``s, objects
 with ``__cuda_array_interface__`` (CuPy, PyTorch; the engine waits on the stream they name), DLPack
 producers (``__dlpack__``) and raw ``dltensor`` capsules (``tf.experimental.dlpack.to_dlpack``).
-They are reduced on the device (:mod:`sdp.engine.device_path`: CUDA IPC between the ranks of one
+They are reduced on the device (``sdp.engine.device_path``: CUDA IPC between the ranks of one
 host, else staged through host memory) and come back as the input's own kind: a ``GPUArray``, the
 producer module's ``from_dlpack`` of the result (a ``torch.Tensor``, a CuPy array), or a new
 capsule.  Device arrays must be C-contiguous; ``out=`` is host only.  All ranks must pass device
-arrays, or all host arrays, for a name (else :class:`~sdp.common.errors.TensorMismatchError`).
+arrays, or all host arrays, for a name (else ``TensorMismatchError``).
 A CPU DLPack capsule is read as a numpy array.  A DLPack producer in host memory that is not a
 numpy array is read through ``np.from_dlpack`` (no copy), and ``allreduce``, ``allgather``,
 ``broadcast``, ``alltoall`` and ``reducescatter`` give its result back through its module's
@@ -72,10 +72,10 @@ _lock = threading.Lock()
 _runtime: Optional[Runtime] = None
 _counters = {}
 _counter_lock = threading.Lock()
-#: mean bytes per array up to which grouped_allreduce_async flattens host arrays into one request
-#: (packing them costs the caller a copy the engine would make anyway; above it, the engine's own
-#: fusion packs straight into shared memory, which saves a pass over the bytes)
 GROUP_MEAN_BYTES = 64 << 10
+"""Mean bytes per array up to which ``grouped_allreduce_async`` flattens host arrays into one
+request (packing them costs the caller a copy the engine would make anyway; above it, the
+engine's own fusion packs straight into shared memory, which saves a pass over the bytes)."""
 _set_ids = itertools.count(1)  # ids of process sets, in the order they are added (the same on every rank)
 
 
@@ -84,7 +84,7 @@ def _setup_logging() -> None:
     logger's level: a script's ``logging.basicConfig(level=logging.DEBUG)`` (KungFu's Keras
     example) must not turn on sdp's debug lines.  A level set on the ``sdp`` logger itself before
     ``init()`` is kept unless ``SDP_LOG_LEVEL`` is given.  Raises ``ValueError`` naming the
-    variable for an unknown level (:func:`sdp.common.config.log_level_from_env`)."""
+    variable for an unknown level (``sdp.common.config.log_level_from_env``)."""
     from sdp.common.config import log_level_from_env
     level = log_level_from_env()
     logger = logging.getLogger("sdp")
@@ -100,10 +100,10 @@ def init(config: Optional[Config] = None) -> None:
     """Start sdp in this process: read the topology, rendezvous with all ranks, start the engine.
 
     Mirrors ``smdistributed.dataparallel.tensorflow.init`` / ``horovod.tensorflow.init``.
-    Raises :class:`AlreadyInitializedError` if called twice (as SMDDP documents; the Horovod face
-    under Horovod's names, :func:`sdp.tensorflow.mpi_ops.init`, turns that into a no-op),
-    :class:`TopologyError` for a bad environment, one ``ValueError`` naming every
-    ``SDP_*``/``HOROVOD_*`` setting whose value is not allowed (:func:`sdp.common.config.check_env`), :class:`RendezvousError` if the other ranks do
+    Raises ``AlreadyInitializedError`` if called twice (as SMDDP documents; the Horovod face
+    under Horovod's names, ``sdp.tensorflow.mpi_ops.init``, turns that into a no-op),
+    ``TopologyError`` for a bad environment, one ``ValueError`` naming every
+    ``SDP_*``/``HOROVOD_*`` setting whose value is not allowed (``sdp.common.config.check_env``), ``RendezvousError`` if the other ranks do
     not show up within ``SDP_START_TIMEOUT`` seconds."""
     global _runtime, _set_ids
     with _lock:
@@ -140,7 +140,7 @@ atexit.register(shutdown)
 def set_fusion_threshold(nbytes: int) -> None:
     """Set the fusion buffer size in bytes (0 disables fusion); rank 0's setting decides the
     buckets for every rank.  SMDDP's ``bucket_cap_mb`` maps here through
-    :func:`sdp.common.config.bucket_cap_mb_to_bytes`.  Raises ``ValueError`` if negative."""
+    ``sdp.common.config.bucket_cap_mb_to_bytes``.  Raises ``ValueError`` if negative."""
     runtime("set_fusion_threshold()").set_fusion_threshold(nbytes)
 
 
@@ -170,7 +170,7 @@ def is_initialized() -> bool:
 
 
 def runtime(what: str = "this function") -> Runtime:
-    """The engine of this process; raises :class:`NotInitializedError` before ``init()``."""
+    """The engine of this process; raises ``NotInitializedError`` before ``init()``."""
     rt = _runtime
     if rt is None:
         raise NotInitializedError(what)
@@ -214,7 +214,9 @@ def has_wire() -> bool:
     return rt.size > 1 and rt.mesh.shm is None
 
 
-AUTO_NAMES = 1024  # distinct auto names per kind (as Horovod's response cache capacity, 1024)
+AUTO_NAMES = 1024
+"""Distinct automatic names per kind of collective before the counter wraps (as Horovod's response
+cache capacity, 1024)."""
 
 
 def auto_name(kind: str, process_set=0) -> str:
@@ -266,7 +268,7 @@ def _check_set(rt: Runtime, kind: str, name: Optional[str], process_set) -> int:
 
 
 def as_input(tensor):
-    """``tensor`` as the engine takes it: a :class:`~sdp.engine.device_arrays.DeviceTensor` for
+    """``tensor`` as the engine takes it: a ``DeviceTensor`` for
     CUDA memory (see the module docstring), else a numpy array."""
     if type(tensor) is np.ndarray:  # (the common case, ~0.3 us instead of ~1.2 per tensor)
         return tensor
@@ -288,7 +290,7 @@ def _submit(kind, tensor, name, process_set=0, **kw) -> Handle:
 
 
 def _engine_and_name(kind: str, name: Optional[str], process_set) -> tuple:
-    """``(runtime, engine name, set id)`` of a collective (see :func:`_set_name`)."""
+    """``(runtime, engine name, set id)`` of a collective (see ``_set_name``)."""
     rt = _runtime
     if rt is None:
         raise NotInitializedError(f"{kind}()")
@@ -301,7 +303,7 @@ def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor
                     postscale_factor: float = 1.0, out: Optional[np.ndarray] = None, process_set=0) -> Handle:
     """Start an allreduce of ``tensor`` (numpy array, any shape) and return a handle.
 
-    ``op``: :class:`ReduceOp` (default AVERAGE).  Scale factors multiply before / after reduction.
+    ``op``: ``ReduceOp`` (default AVERAGE).  Scale factors multiply before / after reduction.
     The result has the shape and dtype of ``tensor``; it is written into ``out`` when given (a
     preallocated array of that shape and dtype, which may be ``tensor`` itself: in place, like
     ``horovod.torch.allreduce_``), else into a new array.
@@ -325,10 +327,10 @@ def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor
 def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, out: Optional[np.ndarray] = None, process_set=0) -> np.ndarray:
     """Reduce ``tensor`` across all ranks (default: average) and return the result everywhere
-    (``out`` if given, see :func:`allreduce_async`).
+    (``out`` if given, see ``allreduce_async``).
 
     Shape, dtype, op and scale factors must agree on every rank, otherwise every rank raises
-    :class:`TensorMismatchError`.  Mirrors ``horovod.tensorflow.allreduce`` on numpy arrays."""
+    ``TensorMismatchError``.  Mirrors ``horovod.tensorflow.allreduce`` on numpy arrays."""
     rt, name, ps = _engine_and_name("allreduce", name, process_set)
     op = op if type(op) is ReduceOp else resolve_op(op)
     if op is ReduceOp.ADASUM:  # (not elementwise: the engine's, see sdp.engine.adasum)
@@ -380,16 +382,16 @@ def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = 
     """Submit allreduces of several arrays in one batch (scheduled and fused together);
     ``names`` defaults to ``<auto>.0``, ``<auto>.1``, ...  Returns one handle per array.
 
-    Host arrays of at most :data:`GROUP_MEAN_BYTES` bytes on average go to the engine as one
-    request per dtype (a flattened group, :meth:`Request.group`): one negotiation, one cache
+    Host arrays of at most ``GROUP_MEAN_BYTES`` bytes on average go to the engine as one
+    request per dtype (a flattened group, ``Request.group``): one negotiation, one cache
     entry and one handle for the lot, where per-array requests cost ~10 us each.  Every rank must
-    then pass the same shapes in the same order (else :class:`TensorMismatchError` naming the
+    then pass the same shapes in the same order (else ``TensorMismatchError`` naming the
     group by its first name and count; a timeline shows the group under that name, without
     the FUSE and UNPACK phases, which happen outside the engine); larger arrays go one request
     each, fused by the engine.  Groups are cut at the fusion threshold (0: one request per
     array), so ranks must use the same threshold.  With every rank on this host, one group of
     every array runs in the calling thread while the fast lane is idle, as
-    :func:`grouped_allreduce` does, for up to the lane's spin (200 us) if a peer has not
+    ``grouped_allreduce`` does, for up to the lane's spin (200 us) if a peer has not
     submitted it yet; then it is posted and the handles are returned as usual."""
     got = _front_group(_runtime, tensors, names, op, prescale_factor, postscale_factor, process_set, True)
     if got is not None:
@@ -399,7 +401,7 @@ def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = 
 
 def _front_group(rt, tensors, names, op, prescale_factor, postscale_factor, process_set, hold: bool = False):
     """The compiled group entry's answer (``Runtime.front_group``: a learnt group run whole in
-    this thread; ``hold``: a held group's :class:`Handle` where it is not consumed at once), or
+    this thread; ``hold``: a held group's ``Handle`` where it is not consumed at once), or
     None where it does not run (no runtime or entry, a process set, a prescale, not learnt)."""
     front = rt.front_group if rt is not None else None
     if front is None or type(process_set) is not int or process_set or prescale_factor != 1.0:
@@ -410,7 +412,7 @@ def _front_group(rt, tensors, names, op, prescale_factor, postscale_factor, proc
 
 def _part_handles(names: List[str], got) -> List[PartHandle]:
     """Each array's handle of a group the fast lane ran in the caller: ``got``, the group's held
-    :class:`Handle`, or the list of its results."""
+    ``Handle``, or the list of its results."""
     whole = got
     if type(got) is not Handle:
         whole = Handle(names[0])
@@ -421,7 +423,7 @@ def _part_handles(names: List[str], got) -> List[PartHandle]:
 
 
 def _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, process_set, parts: bool):
-    """:func:`grouped_allreduce_async`'s work: returns one handle per array, or, where not
+    """``grouped_allreduce_async``'s work: returns one handle per array, or, where not
     ``parts`` and every array went in one group, in order, that group's handle alone (its
     result is the list of the arrays' results)."""
     rt = runtime("grouped_allreduce()")
@@ -507,10 +509,10 @@ _group_plans = {}  # (names, fusion threshold) -> (dtypes and shapes, a plan: se
 
 
 def _group_plan(names: List[str], arrays: List[np.ndarray], threshold: int, device: Optional[list] = None):
-    """How :func:`grouped_allreduce_async` submits ``arrays``: None (host arrays whose mean size
-    is over :data:`GROUP_MEAN_BYTES`: a request each), else ``[(indices, group name, layout)]``,
+    """How ``grouped_allreduce_async`` submits ``arrays``: None (host arrays whose mean size
+    is over ``GROUP_MEAN_BYTES``: a request each), else ``[(indices, group name, layout)]``,
     one entry per request: a run of one dtype cut at the fusion ``threshold`` (layout None: one
-    array alone).  ``device``: for :class:`DeviceTensor` objects, what each array's group must share
+    array alone).  ``device``: for ``DeviceTensor`` objects, what each array's group must share
     (dtype, device, kind), at any size: the device path gathers a group with one launch where a
     request each cost ~19 us of Python on the H200 machine (issue 27)."""
     if device is None and sum(a.nbytes for a in arrays) > GROUP_MEAN_BYTES * len(arrays):
@@ -549,8 +551,8 @@ def grouped_allreduce(tensors: Sequence, name: Optional[str] = None, op=None,
 
 def grouped_allreduce_named(tensors: Sequence, names: Optional[Sequence[str]], op=None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, process_set=0) -> List[np.ndarray]:
-    """:func:`grouped_allreduce` with each array's name given (as :func:`grouped_allreduce_async`
-    takes them), waited at once: one array is one :func:`allreduce`; with every rank on this host
+    """``grouped_allreduce`` with each array's name given (as ``grouped_allreduce_async``
+    takes them), waited at once: one array is one ``allreduce``; with every rank on this host
     a group of small arrays may run whole in the calling thread (the fast lane)."""
     if len(tensors) == 1 and names is not None:
         return [allreduce(tensors[0], names[0], op, prescale_factor, postscale_factor, None, process_set)]
@@ -578,7 +580,7 @@ def grouped_broadcast_async(tensors: Sequence, root_rank: int, names: Sequence[s
 
 
 def allgather_async(tensor, name: Optional[str] = None, process_set=0) -> Handle:
-    """Start an allgather; see :func:`allgather`."""
+    """Start an allgather; see ``allgather``."""
     return _submit("allgather", tensor, name, process_set)
 
 
@@ -598,19 +600,19 @@ def grouped_allgather(tensors: Sequence, name: Optional[str] = None, process_set
 
 
 def broadcast_async(tensor, root_rank: int, name: Optional[str] = None, process_set=0) -> Handle:
-    """Start a broadcast; see :func:`broadcast`."""
+    """Start a broadcast; see ``broadcast``."""
     return _submit("broadcast", tensor, name, process_set, root=int(root_rank))
 
 
 def broadcast(tensor, root_rank: int, name: Optional[str] = None, process_set=0) -> np.ndarray:
     """Return ``root_rank``'s ``tensor`` on every rank.  Shape and dtype must agree; a
-    ``root_rank`` outside [0, size) raises :class:`TensorMismatchError` on every rank.
+    ``root_rank`` outside [0, size) raises ``TensorMismatchError`` on every rank.
     Mirrors ``horovod.tensorflow.broadcast``."""
     return host_result(tensor, broadcast_async(tensor, root_rank, name, process_set).wait())
 
 
 def alltoall_async(tensor, splits=None, name: Optional[str] = None, process_set=0) -> Handle:
-    """Start an alltoall; the handle's result is ``(received, received_splits)`` (see :func:`alltoall`).
+    """Start an alltoall; the handle's result is ``(received, received_splits)`` (see ``alltoall``).
     Mirrors ``horovod.torch.alltoall_async``."""
     arr = as_input(tensor)
     rt = runtime("alltoall()")
@@ -633,7 +635,7 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, process_set=0):
 
 def reducescatter_async(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0, process_set=0) -> Handle:
-    """Start a reducescatter; see :func:`reducescatter`.  Mirrors ``horovod.torch.reducescatter_async``."""
+    """Start a reducescatter; see ``reducescatter``.  Mirrors ``horovod.torch.reducescatter_async``."""
     return _submit("reducescatter", tensor, name, process_set, op=resolve_op(op), prescale=prescale_factor,
                    postscale=postscale_factor)
 
@@ -719,7 +721,7 @@ def join() -> int:
     """Declare that this rank has no more data: until every rank has joined, its part of the
     other ranks' allreduces (SUM/AVERAGE) is zeros.  Blocks until all ranks joined; returns the
     rank that joined last.  Other collectives involving a joined rank raise
-    :class:`TensorMismatchError` on every rank.  Mirrors ``horovod.tensorflow.join``."""
+    ``TensorMismatchError`` on every rank.  Mirrors ``horovod.tensorflow.join``."""
     from sdp.engine.coordinator import JOIN
     link = runtime("join()").link
     if link is not None:  # (the path of sdp.engine.hostlink turns off on every rank)

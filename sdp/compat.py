@@ -1,6 +1,6 @@
 """Drop-in import compatibility: ``horovod``, ``smdistributed`` and ``kungfu`` module names on sdp.
 
-After :func:`install` (or in the workers of ``sdprun --compat horovod,smdistributed,kungfu``)::
+After ``install`` (or in the workers of ``sdprun --compat horovod,smdistributed,kungfu``)::
 
     import horovod.tensorflow as hvd                       # sdp.tensorflow, Horovod's init()
     import horovod.tensorflow.keras as hvd                 # sdp.tensorflow.keras, Horovod's init()
@@ -14,24 +14,24 @@ After :func:`install` (or in the workers of ``sdprun --compat horovod,smdistribu
 
 Where Horovod and SageMaker differ, the family the script imported decides
     ``init()`` called again is a no-op in plain ``sdp.tensorflow`` and under ``horovod.*``
-    (Horovod's rule) and raises :class:`~sdp.common.errors.AlreadyInitializedError` under
+    (Horovod's rule) and raises ``AlreadyInitializedError`` under
     ``smdistributed.*`` only (SMDDP's rule).  So ``smdistributed.dataparallel.tensorflow`` and
     ``smdistributed.dataparallel.tensorflow.keras`` are the thin modules
-    :mod:`sdp.compat_smddp.tensorflow` / :mod:`sdp.compat_smddp.keras`: every name in them is
+    ``sdp.compat_smddp.tensorflow`` / ``sdp.compat_smddp.keras``: every name in them is
     sdp.tensorflow's (or sdp.tensorflow.keras's) own object except ``init``.
-    ``horovod.tensorflow`` and ``horovod.tensorflow.keras`` are :mod:`sdp.compat_horovod.tensorflow`
-    / :mod:`sdp.compat_horovod.keras`: sdp's objects plus Horovod's process-set names.
+    ``horovod.tensorflow`` and ``horovod.tensorflow.keras`` are ``sdp.compat_horovod.tensorflow``
+    / ``sdp.compat_horovod.keras``: sdp's objects plus Horovod's process-set names.
 
 Horovod's other module paths
     ``horovod.tensorflow.util`` / ``.mpi_ops`` / ``.functions`` / ``.compression`` / ``.elastic``
-    and ``horovod.tensorflow.keras.callbacks`` are ``sdp.tensorflow.<same>``; ``horovod.common.util`` is :mod:`sdp.common.util`,
-    ``horovod.common.exceptions`` is :mod:`sdp.common.errors`; ``horovod.runner`` (``run``,
-    ``util.threads``) is :mod:`sdp.compat_horovod.runner`.  ``horovod.torch`` and its submodules
+    and ``horovod.tensorflow.keras.callbacks`` are ``sdp.tensorflow.<same>``; ``horovod.common.util`` is ``sdp.common.util``,
+    ``horovod.common.exceptions`` is ``sdp.common.errors``; ``horovod.runner`` (``run``,
+    ``util.threads``) is ``sdp.compat_horovod.runner``.  ``horovod.torch`` and its submodules
     (``mpi_ops``, ``functions``, ``compression``, ``optimizer``, ``sync_batch_norm``, ``elastic``)
     are ``sdp.torch.<same>`` (a Horovod-only face: its ``init()`` follows Horovod's rule itself).
 
 Mechanism
-    A :class:`importlib.abc.MetaPathFinder` at the front of ``sys.meta_path`` maps names to sdp
+    A ``importlib.abc.MetaPathFinder`` at the front of ``sys.meta_path`` maps names to sdp
     modules.  An alias is the *same module object* (``sys.modules["horovod.tensorflow.
     elastic"] is sys.modules["sdp.tensorflow.elastic"]``), so identity and ``isinstance`` hold; every
     submodule follows its prefix (``horovod.tensorflow.X`` -> ``sdp.tensorflow.X``) unless the
@@ -40,11 +40,11 @@ Mechanism
     module not written yet) gives a ``ModuleNotFoundError`` naming both the alias and the missing
     sdp module.  The
     top-level packages (``horovod``, ``smdistributed``, ``smdistributed.dataparallel``,
-    ``kungfu``) are small synthetic packages; ``horovod.run`` is :func:`run`.
+    ``kungfu``) are small synthetic packages; ``horovod.run`` is ``run``.
 
-    ``sdprun --compat X`` exports ``SDP_COMPAT=X`` and puts :data:`SHIM_DIR` (``sdp/_compat_site``)
+    ``sdprun --compat X`` exports ``SDP_COMPAT=X`` and puts ``SHIM_DIR`` (``sdp/_compat_site``)
     first on the workers' ``PYTHONPATH``.  That directory holds tiny real packages ``horovod/``,
-    ``smdistributed/`` and ``kungfu/`` whose ``__init__`` calls :func:`_activate_shim`, which
+    ``smdistributed/`` and ``kungfu/`` whose ``__init__`` calls ``_activate_shim``, which
     installs the finder for that family (only if ``SDP_COMPAT`` names it).  No ``sitecustomize``
     or ``.pth`` file is involved, and nothing happens until the script imports one of these names.
 
@@ -53,16 +53,16 @@ Mechanism
     ``sdp_kungfu_bridge.mindspore.{ops,optim,callback}`` (``_Family.guarded``: mapped inside the
     real, unmodified MindSpore, each only while MindSpore has no module of that name: a KungFu-built
     MindSpore is used as it is, with a ``CompatShadowWarning``).  The shim ``mindspore/`` package
-    loads the real MindSpore in its place (:func:`_activate_shim`) and then itself adds the fork's
+    loads the real MindSpore in its place (``_activate_shim``) and then itself adds the fork's
     ``mindspore._c_expression.kungfu_*`` functions
-    (:func:`sdp_kungfu_bridge.mindspore.add_c_expression_functions`), so this module never imports
+    (``sdp_kungfu_bridge.mindspore.add_c_expression_functions``), so this module never imports
     the bridge (which imports it).
 
 Never shadowing a real installation silently
     Before mapping a family, the real package is looked up with sdp's finder and ``SHIM_DIR`` left
     out (``sys.modules``, then every other ``sys.meta_path`` finder, without importing it).  If a
     real ``horovod`` / ``smdistributed.dataparallel`` / ``kungfu`` exists, sdp does *not* replace
-    it and warns (:class:`CompatShadowWarning`) with its location and how to choose:
+    it and warns (``CompatShadowWarning``) with its location and how to choose:
     ``SDP_COMPAT_FORCE=1`` (or a comma list of families) or ``install(force=True)`` uses sdp
     anyway.  Under ``sdprun --compat`` the shim package then loads the real package in its place.
 
@@ -71,7 +71,7 @@ Keras 3 optimizers
     Keras 3 ``Optimizer.variables`` is a property returning a list.  ``import sdp.tensorflow``
     (and so every alias of it) patches that property to return a list subclass that is also
     callable (calling it returns the list itself), so both spellings work, with or without
-    ``--compat`` (:mod:`sdp.tensorflow.keras_variables`).
+    ``--compat`` (``sdp.tensorflow.keras_variables``).
 """
 import importlib
 import importlib.abc
@@ -210,7 +210,7 @@ def _without_shim(paths: Optional[Iterable[str]]) -> List[str]:
 
 
 def _find_other(name: str, path: Optional[List[str]]):
-    """The spec of ``name`` from every meta-path finder except sdp's, ignoring :data:`SHIM_DIR`."""
+    """The spec of ``name`` from every meta-path finder except sdp's, ignoring ``SHIM_DIR``."""
     search = _without_shim(sys.path if path is None else path)
     for finder in sys.meta_path:
         if isinstance(finder, _CompatFinder):
@@ -424,7 +424,7 @@ def install(which: Union[str, Iterable[str]] = FAMILIES,
 
     ``force``: ``None`` reads ``SDP_COMPAT_FORCE`` (``1`` / ``all`` or a comma list of families);
     ``True`` or a list of families replaces a real installation of those families.  Without it,
-    a family with a real installation is left alone and a :class:`CompatShadowWarning` says so.
+    a family with a real installation is left alone and a ``CompatShadowWarning`` says so.
     With it, the real installation is replaced (with a warning), and any of its modules already
     imported are dropped from ``sys.modules`` so that the next import gives sdp.
 
@@ -478,7 +478,7 @@ def install(which: Union[str, Iterable[str]] = FAMILIES,
 
 
 def uninstall(which: Union[str, Iterable[str]] = FAMILIES) -> None:
-    """Undo :func:`install` for ``which``: the names stop resolving to sdp, and the aliases
+    """Undo ``install`` for ``which``: the names stop resolving to sdp, and the aliases
     already in ``sys.modules`` are removed (modules holding references keep them).  The Keras
     patch stays."""
     families = parse_families(which)
@@ -552,7 +552,7 @@ _SHIM_FAMILY = {"mindspore": "kungfu"}
 def run(fn, args=(), kwargs=None, np: int = 1, hosts: Optional[str] = None, **kw):
     """``horovod.run``: call ``fn(*args, **kwargs)`` on ``np`` ranks (local, or on ``hosts``
     through ssh) and return their results in rank order.  An alias of
-    :func:`sdp.launcher.run_func.run`, which documents the keywords and what must be picklable."""
+    ``sdp.launcher.run_func.run``, which documents the keywords and what must be picklable."""
     from sdp.launcher.run_func import run as launcher_run
     active = installed()
     forced = [f for f in active if _finder is not None and _finder.families.get(f)]

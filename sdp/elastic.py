@@ -1,24 +1,24 @@
 """Worker side of elastic jobs, framework-free: epochs, Horovod Elastic's state and ``run`` loop.
 
 One elastic core serves Horovod Elastic (``sdprun --host-discovery-script``,
-:class:`sdp.launcher.elastic.HorovodElasticDriver`) and the KungFu bridge's resize (``sdprun -w``,
-:mod:`sdp_kungfu_bridge._cluster`): the engine's world is fixed for the life of a
-:class:`~sdp.engine.runtime.Runtime`, so a job changes shape by starting a new *epoch*: every
+``sdp.launcher.elastic.HorovodElasticDriver``) and the KungFu bridge's resize (``sdprun -w``,
+``sdp_kungfu_bridge._cluster``): the engine's world is fixed for the life of a
+``Runtime``, so a job changes shape by starting a new *epoch*: every
 member shuts its runtime down, takes the ``SDP_*`` variables of the new epoch from ``sdprun``'s
-signed control endpoint (``SDP_ELASTIC_URL``), and calls :func:`sdp.api.init` again, which meets
+signed control endpoint (``SDP_ELASTIC_URL``), and calls ``sdp.api.init`` again, which meets
 the other members (and newly started workers) at the epoch's own rendezvous.  A new runtime means
 new ranks ``0..n-1``, a new topology, fresh engine caches and freshly made shared memory.
 
 Horovod Elastic on top (mirrors ``horovod.common.elastic``):
 
-* :class:`State` / :class:`ObjectState`: ``commit()`` = ``save()`` + ``check_host_updates()``;
+* ``State`` / ``ObjectState``: ``commit()`` = ``save()`` + ``check_host_updates()``;
   ``restore()`` goes back to the last ``save()``; ``sync()`` gives every rank rank 0's state;
   ``register_reset_callbacks(fns)`` are called after every re-formation.
-* :func:`run_fn`: the loop behind ``hvd.elastic.run``: ``sync()``, call the function; on
-  :class:`~sdp.common.errors.HorovodInternalError` (a collective failed, e.g. a peer died:
-  :class:`~sdp.common.errors.PeerLostError`; not the ``ValueError`` kinds such as
-  :class:`~sdp.common.errors.TensorMismatchError`, a bug that would fail again on every try, which
-  propagate) ``restore()`` the last commit, re-form, ``sync()`` and call again; on :class:`~sdp.common.errors.HostsUpdatedInterrupt` re-form without rollback
+* ``run_fn``: the loop behind ``hvd.elastic.run``: ``sync()``, call the function; on
+  ``HorovodInternalError`` (a collective failed, e.g. a peer died:
+  ``PeerLostError``; not the ``ValueError`` kinds such as
+  ``TensorMismatchError``, a bug that would fail again on every try, which
+  propagate) ``restore()`` the last commit, re-form, ``sync()`` and call again; on ``HostsUpdatedInterrupt`` re-form without rollback
   (and without sync when hosts were only removed).  Each rank reports a recovery in one warning
   line (``collective failed (lost connection to rank 2: ...): rolling back ...``): inside the loop
   the transport's own error line about the lost peer is left out.
@@ -26,12 +26,12 @@ Horovod Elastic on top (mirrors ``horovod.common.elastic``):
   ``commit()``/``check_host_updates()`` rank 0 reads the count and broadcasts it, so every rank
   raises ``HostsUpdatedInterrupt`` at the same commit.
 
-Re-forming (:func:`reset`): ``sdp.api.shutdown()``, then ``POST /join {"worker": id, "epoch": e}``
+Re-forming (``reset``): ``sdp.api.shutdown()``, then ``POST /join {"worker": id, "epoch": e}``
 until ``sdprun`` answers with the next epoch (it waits until every live member asked, starts
 workers for new slots, and starts the epoch's rendezvous).  Waits are bounded: each request by
 ``SDP_ELASTIC_HTTP_TIMEOUT`` (default 30 s), the whole wait by ``SDP_ELASTIC_TIMEOUT`` (default
-600 s, set by ``--elastic-timeout``); then :class:`ElasticError`.  An answer ``{"stop": why}``
-(the job ends: below ``--min-np``, ``--reset-limit`` reached) raises :class:`ElasticError` too.
+600 s, set by ``--elastic-timeout``); then ``ElasticError``.  An answer ``{"stop": why}``
+(the job ends: below ``--min-np``, ``--reset-limit`` reached) raises ``ElasticError`` too.
 """
 import copy
 import functools
@@ -78,7 +78,7 @@ def control_url() -> Optional[str]:
 
 def request(url: str, method: str = "GET", body=None, timeout: Optional[float] = None) -> dict:
     """An HTTP request with a JSON body and answer; requests to ``sdprun``'s own endpoint are
-    signed with the job secret.  Raises :class:`ElasticError` on HTTP or network failure."""
+    signed with the job secret.  Raises ``ElasticError`` on HTTP or network failure."""
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     secret = security.secret_from_env()
@@ -112,7 +112,7 @@ def epoch() -> int:
 
 def enter_epoch(rank_env: Dict[str, str], rendezvous: str, new_epoch: int) -> None:
     """Start the runtime of epoch ``new_epoch``: set its ``SDP_*`` variables (``rank_env``, the
-    rendezvous address) and call :func:`sdp.api.init`.  The old runtime must be shut down."""
+    rendezvous address) and call ``sdp.api.init``.  The old runtime must be shut down."""
     os.environ.update({k: str(v) for k, v in rank_env.items()})
     os.environ["SDP_RENDEZVOUS_ADDR"] = rendezvous
     os.environ[EPOCH_ENV] = str(new_epoch)
@@ -142,8 +142,8 @@ _lost_ranks = set()  # ranks of the current epoch a failed collective named (Pee
 
 
 def note_lost(e: BaseException) -> None:
-    """Remember the rank a :class:`~sdp.common.errors.PeerLostError` names: the next
-    :func:`reset` tells ``sdprun``, which then stops that worker if it does not ask to re-form
+    """Remember the rank a ``PeerLostError`` names: the next
+    ``reset`` tells ``sdprun``, which then stops that worker if it does not ask to re-form
     (a dead link or machine) instead of waiting for its ssh session to time out."""
     rank = getattr(e, "rank", None) if isinstance(e, PeerLostError) else None
     if rank is None:  # the same error wrapped by a framework (a TensorFlow op error)
@@ -155,7 +155,7 @@ def note_lost(e: BaseException) -> None:
 
 def reset() -> None:
     """Leave the current epoch and join the next one (see the module docstring).  Raises
-    :class:`ElasticError` outside an elastic job, when ``sdprun`` stops the job, or on timeout;
+    ``ElasticError`` outside an elastic job, when ``sdprun`` stops the job, or on timeout;
     ``SystemExit(0)`` when ``sdprun`` lets this worker go (its host left the discovery output:
     the worker ends, as Horovod's do)."""
     url, worker = control_url(), os.environ.get(WORKER_ENV)
@@ -194,7 +194,7 @@ class State:
     """Horovod's elastic ``State``: what a job rolls back to and shares with new workers.
 
     ``bcast_object(obj, root_rank)`` and ``get_rank()`` are the collectives it uses (default:
-    :func:`sdp.api.broadcast_object`, :func:`sdp.api.rank`).  Mirrors
+    ``sdp.api.broadcast_object``, ``sdp.api.rank``).  Mirrors
     ``horovod.common.elastic.State``."""
 
     def __init__(self, bcast_object: Optional[Callable] = None, get_rank: Optional[Callable] = None):
@@ -209,6 +209,7 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
+        """Call the reset callbacks (the loop of ``run_fn`` does, after each re-formation)."""
         for cb in self._reset_callbacks:
             cb()
 
@@ -217,13 +218,13 @@ class State:
         self._hosts_version = self._bcast_object(v, 0)
 
     def commit(self) -> None:
-        """``save()`` the state, then :meth:`check_host_updates` (may raise
-        :class:`~sdp.common.errors.HostsUpdatedInterrupt`).  A collective: every rank calls it."""
+        """``save()`` the state, then ``check_host_updates`` (may raise
+        ``HostsUpdatedInterrupt``).  A collective: every rank calls it."""
         self.save()
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Raise :class:`~sdp.common.errors.HostsUpdatedInterrupt` on every rank when ``sdprun``
+        """Raise ``HostsUpdatedInterrupt`` on every rank when ``sdprun``
         saw the hosts change since the last check (rank 0 asks, then broadcasts; a collective)."""
         prev = self._hosts_version
         self._host_baseline()
@@ -231,16 +232,19 @@ class State:
             raise HostsUpdatedInterrupt(False)
 
     def save(self) -> None:
+        """Keep the current state as the one ``restore`` goes back to (subclasses say what)."""
         raise NotImplementedError
 
     def restore(self) -> None:
+        """Go back to the state of the last ``save`` (after a failed collective)."""
         raise NotImplementedError
 
     def sync(self) -> None:
+        """Give every rank rank 0's state (a collective: every rank calls it)."""
         raise NotImplementedError
 
     def reset(self) -> None:
-        pass
+        """Nothing here: Horovod's hook for subclasses, called when the job is reset."""
 
 
 class ObjectState(State):
@@ -254,12 +258,15 @@ class ObjectState(State):
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
 
     def save(self) -> None:
+        """Deep-copy the attributes as the state to go back to."""
         self._saved_state = {k: copy.deepcopy(getattr(self, k)) for k in self._saved_state}
 
     def restore(self) -> None:
+        """Set the attributes back to the copies of the last ``save``."""
         self._set_attrs()
 
     def sync(self) -> None:
+        """Broadcast rank 0's saved attributes and set them on every rank (a collective)."""
         if self._saved_state:
             self._saved_state = self._bcast_object(self._saved_state, 0)
             self._set_attrs()
@@ -272,14 +279,14 @@ class ObjectState(State):
 def _recoverable(e: BaseException) -> bool:
     """Whether a re-formation can help: an sdp error of the job (a lost peer, a timeout, a stall,
     a failed rendezvous), not a usage error (``ValueError`` kinds such as a tensor mismatch, which
-    would fail again on every try) and not the elastic machinery's own :class:`ElasticError`."""
+    would fail again on every try) and not the elastic machinery's own ``ElasticError``."""
     return isinstance(e, HorovodInternalError) and not isinstance(e, (ElasticError, ValueError))
 
 
 def _reform(reset_fn: Callable) -> None:
     """``reset_fn()`` until it succeeds: a member lost while the job re-forms (the new epoch's
     rendezvous or first collective fails) means one more re-formation.  ``sdprun`` bounds the
-    tries (``--reset-limit``, ``--elastic-timeout``: then :class:`ElasticError`)."""
+    tries (``--reset-limit``, ``--elastic-timeout``: then ``ElasticError``)."""
     while True:
         try:
             reset_fn()
@@ -294,7 +301,7 @@ def _reform(reset_fn: Callable) -> None:
 
 
 class _RecoveredLoss(logging.Filter):
-    """On ``sdp.transport`` inside :func:`run_fn`: drops its "lost rank" error, which the
+    """On ``sdp.transport`` inside ``run_fn``: drops its "lost rank" error, which the
     rollback's warning repeats (one line per rank for a recovery)."""
 
     def filter(self, record):
@@ -307,7 +314,7 @@ _RECOVERED_LOSS = _RecoveredLoss()
 def run_fn(func: Callable, reset_fn: Callable = reset, is_internal_error: Callable = None) -> Callable:
     """The loop of Horovod's ``hvd.elastic.run`` (see the module docstring): ``func(state, ...)``
     is called until it returns; ``is_internal_error(exc)`` may classify framework errors (e.g. a
-    TensorFlow op error caused by a lost peer) as :class:`HorovodInternalError`."""
+    TensorFlow op error caused by a lost peer) as ``HorovodInternalError``."""
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):

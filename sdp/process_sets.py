@@ -1,12 +1,12 @@
 """Horovod's process sets, framework-free: ``ProcessSet``, ``global_process_set``,
 ``add_process_set``, ``remove_process_set``.  Mirrors ``horovod.common.process_sets``; the
-TensorFlow face (:mod:`sdp.tensorflow`, ``horovod.tensorflow`` under ``--compat horovod``)
+TensorFlow face (``sdp.tensorflow``, ``horovod.tensorflow`` under ``--compat horovod``)
 exports these objects and takes them as ``process_set=`` on every collective.
 
 - ``ProcessSet(ranks)``: a set of job ranks (sorted; ``ValueError`` unless all are ints; an MPI
   communicator raises ``NotImplementedError``: sdp has no MPI).  It gets its ``process_set_id``
   when registered: statically with ``init(process_sets=[...])`` (every rank passes the same
-  list), or dynamically with :func:`add_process_set` (only when ``HOROVOD_DYNAMIC_PROCESS_SETS=1``
+  list), or dynamically with ``add_process_set`` (only when ``HOROVOD_DYNAMIC_PROCESS_SETS=1``
   or ``init(process_sets="dynamic")``, else ``ValueError``, as in Horovod; every rank adds the
   same sets in the same order).  ``size()`` (ranks in the set), ``rank()`` (this rank's index in
   the set; ``ValueError`` if it is not in it), ``included()`` return None while unregistered.
@@ -14,7 +14,7 @@ exports these objects and takes them as ``process_set=`` on every collective.
   the set and the rank.  Broadcast roots are job ranks (``hvd.rank()``), as in Horovod.
 - ``global_process_set``: id 0, every rank (``ranks`` is ``[]`` before ``init()``).
 
-How the engine negotiates and runs sets: :mod:`sdp.engine.process_sets`.
+How the engine negotiates and runs sets: ``sdp.engine.process_sets``.
 """
 import os
 from typing import List, Optional, Sequence, Union
@@ -103,6 +103,8 @@ class _GlobalProcessSet(ProcessSet):
 
 
 global_process_set = _GlobalProcessSet()
+"""The process set of every rank (id 0), the default ``process_set`` of every collective.
+Mirrors ``horovod.tensorflow.global_process_set``."""
 
 
 def _dynamic() -> bool:
@@ -110,7 +112,7 @@ def _dynamic() -> bool:
 
 
 def init_process_sets(process_sets) -> None:
-    """Register the static sets of ``init(process_sets=...)``: a list of :class:`ProcessSet`
+    """Register the static sets of ``init(process_sets=...)``: a list of ``ProcessSet``
     (every rank passes the same list; ``ValueError`` for a duplicate, naming its place), or
     ``"dynamic"`` (sets ``HOROVOD_DYNAMIC_PROCESS_SETS=1``), or None."""
     if process_sets is None:
@@ -133,7 +135,7 @@ def init_process_sets(process_sets) -> None:
 
 
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
-    """Register a new process set after ``init()`` and return it (a :class:`ProcessSet`; a list of
+    """Register a new process set after ``init()`` and return it (a ``ProcessSet``; a list of
     ranks makes one).  Every rank calls it with the same set, in the same order.  Raises
     ``ValueError`` unless ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` (Horovod's message), for a set that
     exists already, or for invalid ranks.  Mirrors ``horovod.tensorflow.add_process_set``."""

@@ -2,7 +2,7 @@
 ``sdp_kungfu_bridge.tensorflow.{ops,optimizers,initializer}`` mirror ``kungfu.tensorflow.*``.
 
 ``sdprun --compat kungfu`` makes them importable under the ``kungfu`` names.  Importing this
-package does not join the cluster; importing :mod:`sdp_kungfu_bridge.python` (or reading one of
+package does not join the cluster; importing ``sdp_kungfu_bridge.python`` (or reading one of
 the names below from this package, as old scripts do with ``from kungfu import current_rank``)
 does.
 """

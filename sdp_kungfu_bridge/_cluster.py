@@ -1,10 +1,10 @@
 """Cluster state of the KungFu bridge: init/finalize, epochs, names, and elastic resizing.
 
-Framework-free (numpy + :mod:`sdp.api`); :mod:`sdp_kungfu_bridge.python` is its public face.
+Framework-free (numpy + ``sdp.api``); ``sdp_kungfu_bridge.python`` is its public face.
 
 Epochs
 ======
-The engine's world is fixed for the life of a :class:`sdp.engine.runtime.Runtime`, so a resize is
+The engine's world is fixed for the life of a ``sdp.engine.runtime.Runtime``, so a resize is
 a new *epoch* of the job: every live worker shuts its runtime down and starts a new one for the
 new cluster.  An epoch is numbered (``SDP_ELASTIC_EPOCH``, 0 for the workers ``sdprun`` starts
 first) and has its own rendezvous server, which the launcher runs.  Everything the bridge keys on
@@ -16,7 +16,7 @@ Resize protocol (``resize(n)`` / ``resize()``)
 All current members call it at the same point of their program (it is a collective):
 
 1. Target size.  ``resize(n)``: every rank's ``n`` is gathered; if they differ every rank raises
-   :class:`ResizeError`.  ``resize()``: rank 0 reads the desired size from the config server
+   ``ResizeError``.  ``resize()``: rank 0 reads the desired size from the config server
    (``SDP_CONFIG_SERVER``, HTTP GET, JSON with ``size`` or a KungFu-style ``Workers`` list) and
    broadcasts it.
 2. Same size as now: nothing happens; every rank returns ``(False, False)``.
@@ -25,21 +25,21 @@ All current members call it at the same point of their program (it is a collecti
    epoch ``e + 1`` of size ``n``, starts processes for the new ranks ``size .. n-1`` (with the
    ``SDP_*`` variables of the new epoch), records ``n`` as the desired size in its config server,
    and answers ``{"epoch": e + 1, "size": n, "rendezvous": "tcp://...", "ranks": [env, ...]}``.
-   Rank 0 broadcasts the answer (or the error: then every rank raises :class:`ResizeError` and
+   Rank 0 broadcasts the answer (or the error: then every rank raises ``ResizeError`` and
    the cluster is unchanged).
 4. Switch.  Every member shuts its runtime down (the old ring is dissolved; ``shutdown`` waits for
    every peer's goodbye).  Ranks ``>= n`` are *detached*: they return ``(True, True)`` and should
-   exit (``detached()`` is then true; collectives raise :class:`DetachedError`).  Ranks ``< n``
+   exit (``detached()`` is then true; collectives raise ``DetachedError``).  Ranks ``< n``
    keep their rank, set the ``SDP_*`` variables of the new epoch and call ``sdp.api.init()``, which
    meets the new workers at the new rendezvous; they return ``(True, False)``.
 5. The program re-synchronises: rank 0 broadcasts its step counter and model (KungFu's elastic
    callback pattern); new workers do the same broadcast as their first collective.
 
 The epoch switch (shut down, take the new epoch's ``SDP_*``, ``sdp.api.init()``) is
-:func:`sdp.elastic.enter_epoch`, the core Horovod Elastic uses too.
+``sdp.elastic.enter_epoch``, the core Horovod Elastic uses too.
 
 Every wait has a deadline: HTTP calls ``SDP_ELASTIC_HTTP_TIMEOUT`` seconds (default 30), the new
-rendezvous ``SDP_START_TIMEOUT``.  Failures raise :class:`ElasticError` subclasses.
+rendezvous ``SDP_START_TIMEOUT``.  Failures raise ``ElasticError`` subclasses.
 """
 import hashlib
 import itertools
@@ -222,7 +222,7 @@ def all_reduce_int_max(x: int) -> int:
 
 
 def _request(url: str, method: str = "GET", body=None) -> dict:
-    """:func:`sdp.elastic.request` (signed towards sdprun's endpoint), with the bridge's errors."""
+    """``sdp.elastic.request`` (signed towards sdprun's endpoint), with the bridge's errors."""
     try:
         return elastic.request(url, method, body, timeout=_http_timeout())
     except elastic.ElasticError as e:
@@ -255,7 +255,7 @@ def fetch_desired_size() -> int:
 
 def propose_new_size(new_size: int) -> None:
     """Write ``new_size`` to the config server (no collective; workers pick it up at their next
-    ``resize()``).  Raises :class:`ElasticError` without a config server or on HTTP failure."""
+    ``resize()``).  Raises ``ElasticError`` without a config server or on HTTP failure."""
     new_size = int(new_size)
     if new_size < 1:
         raise ValueError(f"cluster size must be at least 1, got {new_size}")

@@ -1,10 +1,10 @@
 """Peer-to-peer model store: ``save_variable`` / ``request_variable`` and ``PairAveragingOptimizer``.
 
 Every worker keeps its latest saved arrays (by name, with a few recent versions) in a
-:class:`sdp.transport.store.Server` and pulls peers' arrays with a
-:class:`sdp.transport.store.Client`, at any time and without the owner taking part (AD-PSGD's
+``sdp.transport.store.Server`` and pulls peers' arrays with a
+``sdp.transport.store.Client``, at any time and without the owner taking part (AD-PSGD's
 premise).  Peer addresses are exchanged with ``sdp.api.allgather_object`` at the start of each
-cluster epoch (:func:`on_epoch`).  Raises :class:`StoreError` / :class:`StoreTimeoutError`
+cluster epoch (``on_epoch``).  Raises ``StoreError`` / ``StoreTimeoutError``
 (``SDP_STORE_TIMEOUT`` seconds, default 60).
 """
 import atexit
@@ -78,7 +78,7 @@ def save(name: str, array, version: Optional[int] = None) -> None:
 def request(rank: int, name: str, version: Optional[int] = None,
             timeout: Optional[float] = None) -> np.ndarray:
     """Pull ``name`` (latest, or ``version``) from the store of worker ``rank``.  Raises
-    :class:`StoreError` for an unknown rank/name/version, :class:`StoreTimeoutError` on timeout."""
+    ``StoreError`` for an unknown rank/name/version, ``StoreTimeoutError`` on timeout."""
     table = _peers
     if not 0 <= int(rank) < len(table):
         raise StoreError(f"no worker of rank {rank} in the current cluster of {len(table)}")

@@ -9,7 +9,7 @@ products, and for the engine thread and the caller that runs a collective.  Meas
 the allreduce took 45.9 us and one product 531 us; with BLAS's default of a thread per core,
 600 us and 11.6 ms (a second run: 46.5 us / 531 us against 663 us / 3.1 ms).
 
-:func:`share_cores` therefore caps the BLAS libraries loaded at ``init()`` at this rank's share
+``share_cores`` therefore caps the BLAS libraries loaded at ``init()`` at this rank's share
 of the cores (``cores // local_size``, at least 1) through threadpoolctl, as torchrun sets
 ``OMP_NUM_THREADS=1`` for several processes per node.  A thread count the user chose wins:
 nothing changes when ``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``,
@@ -28,7 +28,7 @@ USER_SET = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_
 
 def share_cores(local_size: int) -> Optional[int]:
     """Cap the BLAS thread pools loaded in this process at ``cores // local_size`` threads (at
-    least 1) when ``local_size`` (ranks on this host) > 1 and no variable of :data:`USER_SET` is
+    least 1) when ``local_size`` (ranks on this host) > 1 and no variable of ``USER_SET`` is
     set; returns the cap, or None when nothing was changed (also without threadpoolctl)."""
     if local_size <= 1 or any(os.environ.get(v) for v in USER_SET):
         return None

@@ -1,22 +1,26 @@
-"""Names of the drop-in compatibility families, shared by the launcher and :mod:`sdp.compat`.
+"""Names of the drop-in compatibility families, shared by the launcher and ``sdp.compat``.
 
-``sdprun --compat`` (:mod:`sdp.launcher.cli`) checks its value and puts :data:`SHIM_DIR` on the
-workers' ``PYTHONPATH``; :mod:`sdp.compat` maps the module names.  Kept here, below both, so the
+``sdprun --compat`` (``sdp.launcher.cli``) checks its value and puts ``SHIM_DIR`` on the
+workers' ``PYTHONPATH``; ``sdp.compat`` maps the module names.  Kept here, below both, so the
 launcher never imports the faces.
 """
 import os
 from typing import Iterable, Tuple, Union
 
 FAMILIES = ("horovod", "smdistributed", "kungfu")
+"""The compatibility families, the values of ``sdprun --compat`` (a comma list, or ``all``)."""
 COMPAT_ENV = "SDP_COMPAT"
+"""The environment variable naming the families a worker maps (``sdprun --compat`` sets it)."""
 FORCE_ENV = "SDP_COMPAT_FORCE"
-#: the directory whose ``sitecustomize``-style shim activates ``SDP_COMPAT`` in a worker
+"""The environment variable that maps a family over a real installation (``1`` or a comma list)."""
 SHIM_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_compat_site")
+"""The directory of the shim packages (``horovod/``, ...) that ``sdprun --compat`` puts first on
+the workers' ``PYTHONPATH``; each activates ``SDP_COMPAT``'s mapping when imported."""
 
 
 def parse_families(value: Union[str, Iterable[str], None]) -> Tuple[str, ...]:
     """``"horovod,kungfu"`` / ``["horovod"]`` / ``"all"`` -> a tuple of family names, in
-    :data:`FAMILIES` order.  Raises ``ValueError`` naming an unknown family."""
+    ``FAMILIES`` order.  Raises ``ValueError`` naming an unknown family."""
     if value is None:
         return ()
     items = value.split(",") if isinstance(value, str) else list(value)

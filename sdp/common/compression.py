@@ -1,8 +1,8 @@
 """What the faces' gradient compression shares, framework-free: Horovod's ``Compressor`` interface,
 ``NoneCompressor`` (tensors unchanged), and whether gradient reducers skip the float16 cast where
-no bytes cross a network (``SDP_FP16_SKIP_LOCAL``, see :mod:`sdp.tensorflow.compression`).  Each
-face's ``FP16Compressor`` casts with its framework (:mod:`sdp.tensorflow.compression`,
-:mod:`sdp.torch.compression`)."""
+no bytes cross a network (``SDP_FP16_SKIP_LOCAL``, see ``sdp.tensorflow.compression``).  Each
+face's ``FP16Compressor`` casts with its framework (``sdp.tensorflow.compression``,
+``sdp.torch.compression``)."""
 import os
 
 SKIP_LOCAL_ENV = "SDP_FP16_SKIP_LOCAL"

@@ -45,7 +45,7 @@ Horovod spellings (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``, ``HOROV
 ``HOROVOD_HIERARCHICAL_ALLREDUCE``, ``HOROVOD_CACHE_CAPACITY``) are read as fallbacks; an empty value counts as unset.  A value
 that is not allowed (does not parse; a negative or NaN byte count or time; a flag other than 0/1;
 an unknown ``SDP_LOG_LEVEL``) is one line naming the variable, the value and what is allowed
-(:func:`check_env`): ``sdprun`` prints it and starts no rank; a rank started otherwise raises it
+(``check_env``): ``sdprun`` prints it and starts no rank; a rank started otherwise raises it
 as one ``ValueError`` from ``init()``.
 """
 import dataclasses
@@ -133,7 +133,7 @@ def setting_error(name: str, value: str, allowed: str) -> str:
 
 def _read(env, setting: Setting):
     """``(name, parsed value)`` of the first variable of ``setting`` set in ``env`` (empty
-    counts as unset), or None; raises ``ValueError`` with :func:`setting_error`'s text."""
+    counts as unset), or None; raises ``ValueError`` with ``setting_error``'s text."""
     for name in setting.names:
         value = env.get(name)
         if value not in (None, ""):
@@ -145,10 +145,10 @@ def _read(env, setting: Setting):
 
 
 def check_env(env: Optional[Mapping[str, str]] = None) -> List[str]:
-    """One message per setting of :data:`SETTINGS` whose value in ``env`` (default
+    """One message per setting of ``SETTINGS`` whose value in ``env`` (default
     ``os.environ``) is not allowed, e.g. ``SDP_FUSION_THRESHOLD='-5' is not allowed: a whole
     number of bytes >= 0``; empty when all are fine.  ``sdprun`` prints these before it starts
-    a rank; :meth:`Config.from_env` raises them as one ``ValueError``."""
+    a rank; ``Config.from_env`` raises them as one ``ValueError``."""
     env = os.environ if env is None else env
     problems = []
     for setting in SETTINGS:
@@ -161,13 +161,17 @@ def check_env(env: Optional[Mapping[str, str]] = None) -> List[str]:
 
 def log_level_from_env(env: Optional[Mapping[str, str]] = None):
     """``SDP_LOG_LEVEL`` as a level name (upper-cased) or number, or None when unset;
-    ``ValueError`` (:func:`setting_error`) if unknown."""
+    ``ValueError`` (``setting_error``) if unknown."""
     got = _read(os.environ if env is None else env, next(s for s in SETTINGS if s.names == ("SDP_LOG_LEVEL",)))
     return None if got is None else got[1]
 
 
 @dataclasses.dataclass
 class Config:
+    """The engine's settings, one field per ``SDP_*`` variable of the table above (seconds in
+    ``*_s`` fields, bytes in ``*_bytes`` and ``fusion_threshold``); ``Config.from_env()`` reads
+    them.  ``sdp.init(config)`` takes one instead of the environment."""
+
     fusion_threshold: int = DEFAULT_FUSION_THRESHOLD  # bytes; 0 disables fusion
     cycle_time_ms: float = 0.0
     timeout_s: float = 300.0
@@ -190,7 +194,7 @@ class Config:
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":
         """The settings in ``env`` (default ``os.environ``), defaults for the unset ones.
         Raises one ``ValueError`` naming every variable whose value is not allowed, its value
-        and what is allowed (:func:`check_env`)."""
+        and what is allowed (``check_env``)."""
         env = os.environ if env is None else env
         problems = check_env(env)
         if problems:

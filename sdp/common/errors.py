@@ -1,12 +1,12 @@
 """Exceptions raised by sdp.
 
-Every error a user can see derives from :class:`SdpError`, so ``except sdp.errors.SdpError``
+Every error a user can see derives from ``SdpError``, so ``except sdp.errors.SdpError``
 catches all of them.  The names mirror what Horovod users know (``HorovodInternalError`` is
 ``SdpError``'s role) while staying specific enough to act on.
 
-:func:`sdp_message` finds sdp's message in an exception that ends a rank, also where TensorFlow
+``sdp_message`` finds sdp's message in an exception that ends a rank, also where TensorFlow
 re-raised it under its own class and text (a graph collective's status): a rank started by
-``sdprun`` prints that one line instead of the traceback (:mod:`sdp.common.rank_signals`).
+``sdprun`` prints that one line instead of the traceback (``sdp.common.rank_signals``).
 """
 import collections
 from typing import Optional, Tuple
@@ -103,7 +103,7 @@ class ProtocolError(SdpError):
 
 HorovodInternalError = SdpError
 """``horovod.common.exceptions.HorovodInternalError`` ("a collective operation failed"): every
-sdp error derives from :class:`SdpError`, so ``except HorovodInternalError`` catches a lost peer,
+sdp error derives from ``SdpError``, so ``except HorovodInternalError`` catches a lost peer,
 a stall, a timeout or a mismatch."""
 
 
@@ -112,7 +112,7 @@ class HostsUpdatedInterrupt(SdpError):
     ``horovod.common.exceptions.HostsUpdatedInterrupt`` (``skip_sync``: reset without restoring the
     committed state).  Raised on every rank at the same ``State.commit()`` /
     ``check_host_updates()`` when ``sdprun --host-discovery-script`` found new slots
-    (:mod:`sdp.elastic`); ``hvd.elastic.run`` catches it before :data:`HorovodInternalError`."""
+    (``sdp.elastic``); ``hvd.elastic.run`` catches it before ``HorovodInternalError``."""
 
     def __init__(self, skip_sync: bool = False):
         super().__init__(f"the hosts of the job changed (skip_sync={skip_sync})")
@@ -120,7 +120,7 @@ class HostsUpdatedInterrupt(SdpError):
 
 
 def get_version_mismatch_message(name: str, version: str, installed_version: str) -> str:
-    """The message of :class:`HorovodVersionMismatchError`.  Mirrors Horovod's function."""
+    """The message of ``HorovodVersionMismatchError``.  Mirrors Horovod's function."""
     return (f"Framework {name} installed with version {installed_version} but found version {version}. "
             "This can result in unexpected behavior including runtime errors.")
 

@@ -1,7 +1,7 @@
 """Compiling sdp's native parts into a per-user cache, once per machine and source.
 
-Shared by :mod:`sdp.tensorflow.build_ops` (the ``SdpCheck`` TensorFlow op, C++) and
-:mod:`sdp.engine.native` (the fast lane's compiled step, a C extension).  A library is named by
+Shared by ``sdp.tensorflow.build_ops`` (the ``SdpCheck`` TensorFlow op, C++) and
+``sdp.engine.native`` (the fast lane's compiled step, a C extension).  A library is named by
 a hash of everything that shapes it (source, flags, versions), kept in ``$SDP_CACHE_DIR/<kind>/``
 (default ``$XDG_CACHE_HOME/sdp``, else ``~/.cache/sdp``), and built under a file lock so that the
 ranks of a job starting together compile it once.
@@ -87,7 +87,7 @@ def build(out: Path, argv: Callable[[str], List[str]], force: bool = False) -> P
     """Run ``argv(tmp)`` (a compiler command writing ``tmp``) unless ``out`` exists (``force``:
     anyway), then move the result to ``out`` (readers never see a partial library).  Concurrent
     callers compile once: the first takes the directory's lock, the others wait and find it.
-    Raises :class:`BuildError` when the command cannot run, times out or fails."""
+    Raises ``BuildError`` when the command cannot run, times out or fails."""
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

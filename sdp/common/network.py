@@ -19,7 +19,7 @@ LOOPBACK = "127.0.0.1"
 def interface_address(iface: str) -> str:
     """The IPv4 address of network interface ``iface`` (e.g. ``"eth0"``).
 
-    Raises :class:`ValueError` naming the interfaces that exist when ``iface`` does not exist or
+    Raises ``ValueError`` naming the interfaces that exist when ``iface`` does not exist or
     has no IPv4 address."""
     addrs = psutil.net_if_addrs()
     for a in addrs.get(iface, ()):
@@ -61,7 +61,7 @@ def host_of(address: Optional[str]) -> Optional[str]:
 def bind_address(towards: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> str:
     """The address this process binds its listening sockets to: ``SDP_IFACE``'s address when
     set, else the address routing to ``towards`` (a host, or a ``tcp://host:port`` URL, e.g. the
-    rendezvous), else loopback.  Raises :class:`ValueError` for an unknown ``SDP_IFACE``."""
+    rendezvous), else loopback.  Raises ``ValueError`` for an unknown ``SDP_IFACE``."""
     env = os.environ if env is None else env
     iface = env.get(IFACE_ENV)
     if iface:

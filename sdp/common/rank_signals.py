@@ -12,7 +12,7 @@ Quiet stops
     variable named ``step`` in the outermost frame of the traceback that has one (the training
     loop of the examples); it is left out when there is none.  From the moment the signal
     arrives, the rank's standard error (file descriptor 2) goes to ``/dev/null`` -- a watcher
-    thread sees the signal at once through :func:`signal.set_wakeup_fd`, even while the main
+    thread sees the signal at once through ``signal.set_wakeup_fd``, even while the main
     thread waits inside TensorFlow -- so the errors of collectives that the stop cuts short
     (TensorFlow logs them from C++) do not fill the terminal; standard output is kept, and the
     one line goes to the original standard error.  The process then runs its
@@ -22,7 +22,7 @@ Quiet stops
     killed.  A script that catches the interruption itself ends as it chooses.
 
 sdp's errors in one line
-    An sdp error that ends the script (:func:`sdp.common.errors.sdp_message`: a
+    An sdp error that ends the script (``sdp.common.errors.sdp_message``: a
     ``TensorMismatchError``, ``StallError``, ``PeerLostError``, ..., also as TensorFlow re-raised
     it from a graph) is printed as one line instead of its traceback, where sdp's frames and
     TensorFlow's hid the script's: ``rank 1: TensorMismatchError: allreduce of 'grad': shape
@@ -35,14 +35,14 @@ Stacks on request
     the script's (main) thread first, outermost call first, then sdp's and other threads, each
     under its name: the watcher thread above writes them when it reads the signal, so a main
     thread waiting inside TensorFlow or sdp is shown too.  (Where another wakeup fd was set
-    already, :func:`faulthandler.register` writes them, in the interpreter's order.)  ``sdprun``
-    sends it to the ranks its stall check names (see :mod:`sdp.launcher.procs`); ``kill -USR1 PID``
+    already, ``faulthandler.register`` writes them, in the interpreter's order.)  ``sdprun``
+    sends it to the ranks its stall check names (see ``sdp.launcher.procs``); ``kill -USR1 PID``
     works too.
 
 Stacks at a crash
     A rank that dies of a fatal signal (SIGSEGV, SIGFPE, SIGABRT -- glibc's ``free(): ...``
     aborts --, SIGBUS, SIGILL) writes every thread's Python stack first
-    (:func:`faulthandler.enable`), to the original standard error: a crash after a stop signal
+    (``faulthandler.enable``), to the original standard error: a crash after a stop signal
     silenced fd 2 is still seen, with the thread it happened in.  Not where the script or
     ``PYTHONFAULTHANDLER`` enabled faulthandler already.
 """
@@ -267,5 +267,5 @@ def _enable_crash_stacks() -> None:
 
 
 def install_from_env(environ=os.environ) -> bool:
-    """:func:`install` when this process is a rank started by ``sdprun`` (``SDP_JOB_ID`` set)."""
+    """``install`` when this process is a rank started by ``sdprun`` (``SDP_JOB_ID`` set)."""
     return install() if environ.get(JOB_ENV) else False

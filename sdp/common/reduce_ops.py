@@ -11,6 +11,10 @@ import numpy as np
 
 
 class ReduceOp(enum.IntEnum):
+    """How a collective combines the ranks' values, with Horovod's numeric values: ``AVERAGE``
+    (0: the sum divided by the number of ranks), ``SUM`` (1), ``ADASUM`` (2), ``MIN`` (3), ``MAX``
+    (4), ``PRODUCT`` (5).  Mirrors ``horovod.tensorflow``'s reduce ops."""
+
     AVERAGE = 0
     SUM = 1
     ADASUM = 2
@@ -20,11 +24,17 @@ class ReduceOp(enum.IntEnum):
 
 
 Average = ReduceOp.AVERAGE
+"""``ReduceOp.AVERAGE``: the sum over the ranks divided by their number (Horovod's ``hvd.Average``)."""
 Sum = ReduceOp.SUM
+"""``ReduceOp.SUM``: the sum over the ranks (Horovod's ``hvd.Sum``)."""
 Adasum = ReduceOp.ADASUM
+"""``ReduceOp.ADASUM``: Horovod's adaptive summation (``hvd.Adasum``)."""
 Min = ReduceOp.MIN
+"""``ReduceOp.MIN``: the elementwise minimum over the ranks (Horovod's ``hvd.Min``)."""
 Max = ReduceOp.MAX
+"""``ReduceOp.MAX``: the elementwise maximum over the ranks (Horovod's ``hvd.Max``)."""
 Product = ReduceOp.PRODUCT
+"""``ReduceOp.PRODUCT``: the elementwise product over the ranks (Horovod's ``hvd.Product``)."""
 
 # In-place binary ufunc used to combine two partial results (AVERAGE sums, then scales once).
 UFUNCS = {
@@ -49,7 +59,7 @@ def scale_in_place(buf: np.ndarray, factor: float) -> None:
 
 
 def resolve_op(op=None, average=None) -> ReduceOp:
-    """Turn ``op``/legacy ``average=`` (Horovod) into a :class:`ReduceOp`.
+    """Turn ``op``/legacy ``average=`` (Horovod) into a ``ReduceOp``.
 
     ``op=None`` and ``average=None`` mean AVERAGE (Horovod's and SMDDP's default).
     Raises ``ValueError`` when both are given or ``op`` is unknown.

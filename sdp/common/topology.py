@@ -1,6 +1,6 @@
 """Where this process sits in the job: rank, world size, local rank/size, cross rank/size.
 
-Read from the environment by :func:`from_env`, first match wins:
+Read from the environment by ``from_env``, first match wins:
 
 ============  =====================================================================================
 source        variables (a source matches when its rank and size variables are both present)
@@ -32,18 +32,18 @@ The SDP source is taken literally (missing local/cross values are 0/1; the rende
 
 * Rendezvous: ``SDP_RENDEZVOUS_ADDR`` if set (someone else serves it, ``serve_rendezvous=False``),
   else ``tcp://{MASTER_ADDR}:{MASTER_PORT}`` with ``serve_rendezvous=True`` (rank 0 serves it;
-  ``MASTER_PORT`` defaults to :data:`DEFAULT_RENDEZVOUS_PORT`).  When ``MASTER_ADDR`` is unset,
+  ``MASTER_PORT`` defaults to ``DEFAULT_RENDEZVOUS_PORT``).  When ``MASTER_ADDR`` is unset,
   Slurm falls back to the first node of ``SLURM_STEP_NODELIST`` / ``SLURM_JOB_NODELIST``
-  (expanded with python-hostlist) at the port :func:`slurm_rendezvous_port` derives from
+  (expanded with python-hostlist) at the port ``slurm_rendezvous_port`` derives from
   ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``; SageMaker to the first of the sorted ``SM_HOSTS``;
   ``TF_CONFIG`` to the ``host:port`` of its first chief/master/worker.  Horovod's own
   ``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT`` is an HTTP server that does not speak our protocol and
   is ignored.  Under ``torchrun`` with ``TORCHELASTIC_USE_AGENT_STORE=True`` the port
   ``MASTER_PORT`` is already taken by torchrun's own TCPStore, so ``MASTER_PORT + 1`` is used.
-  World size > 1 with no rendezvous address raises :class:`TopologyError`.
+  World size > 1 with no rendezvous address raises ``TopologyError``.
 * Local rank/size: when the launcher gives neither, each process is assumed to run on its own
   host (local rank 0, local size 1).  A local rank without a local size (or a local size > 1
-  without a local rank) raises :class:`TopologyError` rather than guessing.
+  without a local rank) raises ``TopologyError`` rather than guessing.
 * Cross rank/size (Horovod's meaning: the rank among the processes with the same local rank on
   the other hosts; with a uniform layout, the host index and the number of hosts): taken from the
   launcher where it says them (``HOROVOD_CROSS_*``, ``GROUP_RANK``/``GROUP_WORLD_SIZE``, Slurm's
@@ -53,10 +53,10 @@ The SDP source is taken literally (missing local/cross values are 0/1; the rende
   ``cross_size = size // local_size`` and ``cross_rank = rank // local_size``.  When they cannot
   be derived (non-uniform placement), they are 0 and 1 until rendezvous.
 * After rendezvous (``sdp.init()``), every value that was assumed or derived above (not given by
-  the launcher; :attr:`Topology.assumed`) is recomputed from the host names all ranks registered
-  (:meth:`Topology.with_hosts`), so round-robin placement and uneven hosts get the right values.
-* ``hostname`` is ``SDP_HOSTNAME`` if set, else :func:`socket.gethostname`.
-* A value that is not an integer raises :class:`TopologyError` naming the variable; so does an
+  the launcher; ``Topology.assumed``) is recomputed from the host names all ranks registered
+  (``Topology.with_hosts``), so round-robin placement and uneven hosts get the right values.
+* ``hostname`` is ``SDP_HOSTNAME`` if set, else ``socket.gethostname``.
+* A value that is not an integer raises ``TopologyError`` naming the variable; so does an
   impossible topology (rank >= size, local rank >= local size, ...).
 """
 import dataclasses
@@ -89,7 +89,7 @@ class Topology:
     assumed: Tuple[str, ...] = ()  # "local" / "cross": values not given by the launcher
 
     def with_hosts(self, hosts: List[str]) -> "Topology":
-        """This topology with its :attr:`assumed` values computed from every rank's host name
+        """This topology with its ``assumed`` values computed from every rank's host name
         (``hosts[r]``, as registered at rendezvous).  Local rank/size: this rank's index among
         the ranks on its host (in rank order) and their number.  Cross rank/size: this rank's
         index among the ranks with the same local rank (one per host, in rank order) and their
@@ -218,7 +218,7 @@ def expand_slurm_tasks_per_node(value: str, name: str = "SLURM_TASKS_PER_NODE") 
     python-hostlist's ``hostlist.parse_slurm_tasks_per_node``.
 
     ``"4"`` -> ``[4]``, ``"4(x2)"`` -> ``[4, 4]``, ``"2(x3),1"`` -> ``[2, 2, 2, 1]``.
-    Raises :class:`TopologyError` (naming ``name``) on anything else, or on a zero count.
+    Raises ``TopologyError`` (naming ``name``) on anything else, or on a zero count.
     """
     try:
         counts = hostlist.parse_slurm_tasks_per_node(value)
@@ -233,7 +233,7 @@ def expand_slurm_tasks_per_node(value: str, name: str = "SLURM_TASKS_PER_NODE") 
 
 def expand_nodelist(value: str, name: str = "SLURM_JOB_NODELIST") -> List[str]:
     """Expand a Slurm host list (``"n[1-3,7],gpu05"`` -> ``["n1", "n2", "n3", "n7", "gpu05"]``)
-    with python-hostlist's ``hostlist.expand_hostlist``.  Raises :class:`TopologyError` (naming
+    with python-hostlist's ``hostlist.expand_hostlist``.  Raises ``TopologyError`` (naming
     ``name``) when it is malformed or empty."""
     try:
         nodes = hostlist.expand_hostlist(value)
@@ -245,13 +245,13 @@ def expand_nodelist(value: str, name: str = "SLURM_JOB_NODELIST") -> List[str]:
 
 
 def slurm_rendezvous_port(job_id: int, step_id: int = 0) -> int:
-    """The port a plain ``srun`` job step rendezvous on (see :data:`SLURM_PORT_BASE`)."""
+    """The port a plain ``srun`` job step rendezvous on (see ``SLURM_PORT_BASE``)."""
     return SLURM_PORT_BASE + (job_id * 7 + step_id) % SLURM_PORT_SPAN
 
 
 def _slurm_adjust(env, raw: _Raw) -> None:
     """Local size and cross rank/size from Slurm's node id and tasks-per-node list; the
-    rendezvous default: the step's first node, port :func:`slurm_rendezvous_port`."""
+    rendezvous default: the step's first node, port ``slurm_rendezvous_port``."""
     nodelist_var = _first(env, _SLURM_NODELIST)
     if nodelist_var is not None:
         raw.default_master_host = expand_nodelist(env[nodelist_var], nodelist_var)[0]
@@ -397,7 +397,7 @@ _SOURCES: Tuple[_Source, ...] = (
     _Source("INDEXED_JOB", rank=("JOB_COMPLETION_INDEX",), size=("WORLD_SIZE",)),
 )
 
-#: Names of every source, in order of precedence (what :attr:`Topology.source` can be).
+#: Names of every source, in order of precedence (what ``Topology.source`` can be).
 SOURCES: Tuple[str, ...] = ("SDP",) + tuple(s.name for s in _SOURCES) + ("default",)
 
 
@@ -481,14 +481,14 @@ def _from_source(env, src: _Source, raw: _Raw) -> Topology:
 
 
 def from_env(env: Optional[Mapping[str, str]] = None) -> Topology:
-    """Build the :class:`Topology` of this process from ``env`` (default ``os.environ``).
+    """Build the ``Topology`` of this process from ``env`` (default ``os.environ``).
 
-    Sources are tried in the order of :data:`SOURCES` (``SDP``, ``HOROVOD``, ``OMPI``, ``PMI``,
+    Sources are tried in the order of ``SOURCES`` (``SDP``, ``HOROVOD``, ``OMPI``, ``PMI``,
     ``SLURM``, ``SAGEMAKER``, ``TF_CONFIG``, ``TORCHRUN``, ``INDEXED_JOB``, ``default``); the
     first whose rank and size variables are present wins.  See the module docstring for the variables and for how missing values
     (local, cross, rendezvous) are filled in.
 
-    Raises :class:`~sdp.common.errors.TopologyError` for non-integer or inconsistent values, and
+    Raises ``TopologyError`` for non-integer or inconsistent values, and
     when a world of size > 1 has no rendezvous address.
     """
     env = os.environ if env is None else env

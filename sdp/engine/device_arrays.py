@@ -12,12 +12,12 @@ capsule) or device memory, recognised without importing any GPU library:
   ``DLManagedTensor`` is read with ctypes; the capsule is consumed (renamed ``used_dltensor``) and
   its deleter called once the collective no longer needs the memory.
 
-:func:`device_tensor` turns such an input into a :class:`DeviceTensor` (pointer, shape, dtype,
-device id; C-contiguous only), or returns None for host input (:func:`device_tensors`: a list of
-them).  :func:`host_array` turns a CPU DLPack capsule, or a DLPack producer in host memory that is
+``device_tensor`` turns such an input into a ``DeviceTensor`` (pointer, shape, dtype,
+device id; C-contiguous only), or returns None for host input (``device_tensors``: a list of
+them).  ``host_array`` turns a CPU DLPack capsule, or a DLPack producer in host memory that is
 not a numpy array, into a numpy array (``np.from_dlpack``: its memory, no copy);
-:func:`host_result` gives such a producer's result back as its own kind.  Results go back as
-the input's own kind (:meth:`DeviceTensor.wrap_result`): a ``GPUArray`` for a ``GPUArray``, the
+``host_result`` gives such a producer's result back as its own kind.  Results go back as
+the input's own kind (``DeviceTensor.wrap_result``): a ``GPUArray`` for a ``GPUArray``, the
 producer's own module's ``from_dlpack`` (``torch``, ``cupy``, ...) for ``__dlpack__`` /
 ``__cuda_array_interface__`` objects, and a new ``dltensor`` capsule (built here with ctypes)
 for a capsule.
@@ -177,7 +177,7 @@ class DeviceTensor:
 
     @property
     def parts(self) -> tuple:
-        """The tensors whose memory this one reads: itself (a :class:`DeviceGroup`: its parts)."""
+        """The tensors whose memory this one reads: itself (a ``DeviceGroup``: its parts)."""
         return (self,)
 
     def pieces(self, base: int) -> list:
@@ -210,7 +210,7 @@ class DeviceTensor:
 
     def wrap_views(self, result: "DeviceTensor", views) -> Optional[list]:
         """Views of 1-D ``result`` as this tensor's kind: one per ``(byte offset, shape)`` of
-        ``views``; None where the kind has no views (a capsule, an :class:`Exported`)."""
+        ``views``; None where the kind has no views (a capsule, an ``Exported``)."""
         if self.kind == "capsule":
             return None
         if self.module_name() == "cupy" and _cupy_wrap_works:
@@ -228,8 +228,8 @@ class DeviceTensor:
         return [whole[offset // item:offset // item + math.prod(shape)].reshape(shape) for offset, shape in views]
 
     def wrap_result(self, result: "DeviceTensor"):
-        """``result`` (a :class:`DeviceTensor` whose ``source`` owns the memory, see
-        :class:`Exported`) as the kind of array this tensor came as."""
+        """``result`` (a ``DeviceTensor`` whose ``source`` owns the memory, see
+        ``Exported``) as the kind of array this tensor came as."""
         exported = Exported(result)
         if self.kind == "gpuarray":
             return result.source.to_gpuarray(result) if hasattr(result.source, "to_gpuarray") else exported
@@ -249,9 +249,9 @@ class DeviceTensor:
 
 
 class DeviceGroup(DeviceTensor):
-    """A flattened group of device tensors (``parts``: :class:`DeviceTensor` objects of one
+    """A flattened group of device tensors (``parts``: ``DeviceTensor`` objects of one
     dtype, device and kind) allreduced as one 1-D tensor of ``count`` elements, each part at element
-    offset ``starts[i]`` (a :class:`~sdp.engine.fusion.Layout`'s; padding between parts is
+    offset ``starts[i]`` (a ``Layout``'s; padding between parts is
     reduced and never read).  The parts are not contiguous: ``ptr`` is the first part's, naming
     the device only; the engine reads the parts themselves (one gather into its window)."""
 
@@ -282,8 +282,8 @@ class DeviceGroup(DeviceTensor):
 
 
 def same_kind(tensors) -> bool:
-    """Whether every one of ``tensors`` (:class:`DeviceTensor`) came as the same kind of array
-    (the same ``kind`` and type of source), so one :meth:`DeviceTensor.wrap_views` serves them all."""
+    """Whether every one of ``tensors`` (``DeviceTensor``) came as the same kind of array
+    (the same ``kind`` and type of source), so one ``DeviceTensor.wrap_views`` serves them all."""
     first = tensors[0]
     kind, typ = first.kind, type(first.source)
     return all(t.kind == kind and type(t.source) is typ for t in tensors)
@@ -362,7 +362,7 @@ def _tensor_from_dl(t: DLTensor, source, kind, managed, stream=None) -> DeviceTe
 
 def consume_capsule(capsule, kind="capsule") -> Tuple[Optional[DeviceTensor], Optional[np.ndarray]]:
     """Read a ``dltensor`` capsule: ``(DeviceTensor, None)`` for CUDA memory (the capsule is
-    consumed; :meth:`DeviceTensor.release` calls its deleter), ``(None, ndarray)`` for host memory
+    consumed; ``DeviceTensor.release`` calls its deleter), ``(None, ndarray)`` for host memory
     (numpy consumes it).  ``ValueError`` for a used capsule or another device type."""
     t, managed, name = _read_managed(capsule)
     dev = t.device.device_type
@@ -389,7 +389,7 @@ class _CapsuleHolder:
 
 
 def device_tensor(obj) -> Optional[DeviceTensor]:
-    """A :class:`DeviceTensor` for an input in CUDA memory, None for anything else (host input,
+    """A ``DeviceTensor`` for an input in CUDA memory, None for anything else (host input,
     which the caller turns into numpy).  ``ValueError`` for a device array that is not
     C-contiguous or whose dtype the engine does not carry."""
     if isinstance(obj, (np.ndarray, np.generic, list, tuple, int, float, bool)) or obj is None:
@@ -463,7 +463,7 @@ def host_array(obj) -> np.ndarray:
 
 def _host_producer(obj) -> bool:
     """True for a DLPack producer that is not a numpy array (its device is checked by
-    ``np.from_dlpack``; device input was taken by :func:`device_tensor` before)."""
+    ``np.from_dlpack``; device input was taken by ``device_tensor`` before)."""
     return (not isinstance(obj, (np.ndarray, np.generic)) and hasattr(obj, "__dlpack__")
             and hasattr(obj, "__dlpack_device__"))
 

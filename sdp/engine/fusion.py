@@ -120,12 +120,12 @@ def compiled():
 
 class Layout:
     """Where each array of a flattened group lies in one aligned 1-D buffer of ``dtype``: at
-    :func:`offsets` (padding zeroed), so that every part is an aligned view.  Built once per group
-    shape (callers cache it: a training step submits the same group every step); :meth:`pack`
-    copies arrays into such a buffer, :meth:`views` gives the parts of a result back.  ``shapes``: every array's
+    ``offsets`` (padding zeroed), so that every part is an aligned view.  Built once per group
+    shape (callers cache it: a training step submits the same group every step); ``pack``
+    copies arrays into such a buffer, ``views`` gives the parts of a result back.  ``shapes``: every array's
     shape, in order (what ranks must agree on); ``count``: the buffer's elements; ``starts``: each
     array's element offset in it (a tuple); ``spans``: each array's (start, end, shape or None
-    where a 1-D slice has it) in it, what :meth:`views` cuts."""
+    where a 1-D slice has it) in it, what ``views`` cuts."""
 
     __slots__ = ("dtype", "shapes", "count", "starts", "spans", "_seq", "_pads")
 
@@ -148,8 +148,8 @@ class Layout:
         self._seq = seq if self._pads else None  # (None: the arrays lie end to end)
 
     def pack(self, arrays: List[np.ndarray], out: np.ndarray) -> None:
-        """Copy ``arrays`` (this layout's shapes and dtype) into ``out`` (1-D, :attr:`count`
-        elements of :attr:`dtype`), padding zeroed: one ``concatenate`` (~0.2 us per array,
+        """Copy ``arrays`` (this layout's shapes and dtype) into ``out`` (1-D, ``count``
+        elements of ``dtype``), padding zeroed: one ``concatenate`` (~0.2 us per array,
         where a copy each costs ~1.5 us; with the compiled step loaded, a copy each in C:
         100 x 4 KB ~11 instead of ~25 us)."""
         step = compiled()
@@ -178,7 +178,7 @@ _chunks = threading.local()  # this thread's (chunk, bytes of it handed out)
 def aligned_empty(dtype, count: int, align_bytes: int = ALIGN_BYTES) -> np.ndarray:
     """A new 1-D array of ``count`` elements of ``dtype`` whose data starts on an ``align_bytes``
     boundary (numpy's own arrays are only 16-byte aligned).  Arrays of at most
-    :data:`SMALL_BYTES` are views of a 64 KB chunk that this thread carves in turn (finding an
+    ``SMALL_BYTES`` are views of a 64 KB chunk that this thread carves in turn (finding an
     address costs ~1 us, as much as the rest of a 1 KB allreduce's result); a chunk is freed
     once every array of it is."""
     dtype = np.dtype(dtype)

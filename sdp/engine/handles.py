@@ -1,6 +1,6 @@
-"""What a submitted collective's caller holds: :class:`Handle` (one collective), :class:`PartHandle`
+"""What a submitted collective's caller holds: ``Handle`` (one collective), ``PartHandle``
 (one array of a flattened group, or of a burst the fast lane gathered into one batch) and
-:class:`DoneHandle` (a collective done in the caller's thread).  ``wait()`` returns the result
+``DoneHandle`` (a collective done in the caller's thread).  ``wait()`` returns the result
 array or raises the error every rank sees; ``done()`` never blocks."""
 import threading
 import time
@@ -48,8 +48,8 @@ class Handle:
     def wait(self, timeout: Optional[float] = None, _spin: bool = True):
         """Block until done and return the result (numpy array, or tuple for alltoall).
 
-        Raises the collective's error (e.g. :class:`TensorMismatchError`, :class:`PeerLostError`),
-        or :class:`CollectiveTimeoutError` if ``timeout`` seconds pass first.  (``_spin``: False
+        Raises the collective's error (e.g. ``TensorMismatchError``, ``PeerLostError``),
+        or ``CollectiveTimeoutError`` if ``timeout`` seconds pass first.  (``_spin``: False
         when the fast lane has just polled for it.)"""
         self._waited = True
         lane = self._lane
@@ -86,7 +86,7 @@ class DoneHandle:
 
 
 class PartHandle:
-    """The handle of one array of a flattened group (:meth:`Request.group`), or of one
+    """The handle of one array of a flattened group (``Request.group``), or of one
     ``allreduce_async`` of a burst the fast lane gathered into one batch (``sdp.engine.lane``):
     ``wait()`` returns its part of the group's result (a view, no copy); the group's error is
     every part's error.  A batch the lane hands to the engine instead (its ranks gathered
@@ -106,7 +106,7 @@ class PartHandle:
         return type(part) is not Handle or part.done()
 
     def wait(self, timeout: Optional[float] = None):
-        """Block until the group is done and return this tensor's result (see :meth:`Handle.wait`)."""
+        """Block until the group is done and return this tensor's result (see ``Handle.wait``)."""
         group = self._group
         if group._is_done and group._error is None:  # (done, often by another part: ~0.1 us, not ~0.5)
             group._waited = True  # (for the fast lane: not a burst's first request)

@@ -1,12 +1,12 @@
 """Process sets in the engine: collectives among a subset of the job's ranks (Horovod's
 ``process_set=`` argument), next to those of the whole job (the global set, id 0).
 
-**Registry.**  Every rank holds the same table ``id -> ranks`` (:attr:`Runtime.process_sets`),
-filled by :func:`sdp.api.add_process_sets` on every rank alike (ids ``1, 2, ...`` in the order the
+**Registry.**  Every rank holds the same table ``id -> ranks`` (``Runtime.process_sets``),
+filled by ``sdp.api.add_process_sets`` on every rank alike (ids ``1, 2, ...`` in the order the
 sets were added; the job's coordinator, rank 0, holds the same table).
 
 **Negotiation.**  Rank 0's coordinator negotiates every set, keyed by (set, name): a request for
-set ``ps`` carries ``"ps": ps`` in its meta, and :mod:`sdp.api` names it ``<name>@ps<id>``, so a
+set ``ps`` carries ``"ps": ps`` in its meta, and ``sdp.api`` names it ``<name>@ps<id>``, so a
 name may be in flight on several sets at once.  A set's collective is ready once each of *its*
 ranks submitted it (the coordinator checks that only they do), and its response item carries
 ``"ps"``; every rank receives every response and ranks outside the set skip the set's items.
@@ -18,7 +18,7 @@ is negotiated only between rank 0's own collectives (its *data* moves concurrent
 collectives of disjoint sets overlap in time).
 
 **Data path.**  A set's collectives run the flat ZeroMQ algorithms (ring, recursive doubling,
-binomial-tree broadcast, pairwise alltoall) on a :class:`~sdp.engine.groups.Group` of its ranks,
+binomial-tree broadcast, pairwise alltoall) on a ``Group`` of its ranks,
 tagged ``SET_TAG_BASE + id`` (apart from the hierarchy's groups and from every other set), with a
 sequence counter of its own.  No shared memory and no hierarchical allreduce: those are for the
 global set.  Allreduces of one set are fused as the global set's are (buckets never mix sets).
@@ -33,6 +33,7 @@ from sdp.engine.groups import Group
 
 SET_TAG_BASE = 1 << 15  # group tags of process sets: 2**15 + id (the hierarchy uses small tags)
 MAX_SET_ID = (1 << 15) - 1
+"""The largest process set id (sets get ids 1, 2, ... in the order they are added)."""
 
 
 class SetComm:

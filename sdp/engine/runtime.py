@@ -1,7 +1,7 @@
 """The per-process engine: a background thread that owns the sockets, negotiates with rank 0,
 fuses, and runs collectives, while the caller's threads (e.g. TensorFlow) keep computing.
 
-Callers :meth:`Runtime.submit` a :class:`Request` and get a :class:`Handle`; ``handle.wait()``
+Callers ``Runtime.submit`` a ``Request`` and get a ``Handle``; ``handle.wait()``
 returns the result array or raises the error every rank sees.
 """
 import collections
@@ -37,7 +37,7 @@ POOL_MIN_BYTES = 64 << 10
 
 
 class Request:
-    """One tensor submitted to one collective (see :mod:`sdp.engine.coordinator` for ``meta``)."""
+    """One tensor submitted to one collective (see ``sdp.engine.coordinator`` for ``meta``)."""
 
     __slots__ = ("name", "kind", "array", "op", "root", "prescale", "postscale", "splits", "handle", "out", "ps",
                  "device", "layout", "_shapes", "sources")
@@ -46,15 +46,15 @@ class Request:
     def group(cls, name: str, arrays: List[np.ndarray], layout: Optional[fusion.Layout] = None, **kw) -> "Request":
         """One allreduce request for several host arrays of one dtype (a *flattened group*),
         negotiated, cached and reduced as one tensor, so a group costs the engine one request
-        instead of one per array.  ``layout``: the arrays' :class:`~sdp.engine.fusion.Layout`
+        instead of one per array.  ``layout``: the arrays' ``Layout``
         (made here if not given).  The arrays are packed once, where they go: into the fast
-        lane's shared memory (:meth:`pack_into`), else into the request's own aligned buffer
-        when the engine takes it (:meth:`fill`, the copy fusion would make anyway); they must
+        lane's shared memory (``pack_into``), else into the request's own aligned buffer
+        when the engine takes it (``fill``, the copy fusion would make anyway); they must
         not change until the result is there (as for any asynchronous collective).  Every rank
         must group the same shapes in the same order: the shapes are part of the agreed meta
         (``gs``).  The result is the list of the arrays' results (views of one buffer);
-        :class:`PartHandle` gives each.  Device tensors (:class:`DeviceTensor` objects of one dtype,
-        device and kind) make a :class:`DeviceGroup` instead, gathered into the device path's
+        ``PartHandle`` gives each.  Device tensors (``DeviceTensor`` objects of one dtype,
+        device and kind) make a ``DeviceGroup`` instead, gathered into the device path's
         window when the engine runs it; its result is the list of the parts' results as their
         kind (views of one device allocation where the kind allows)."""
         layout = layout or fusion.Layout(arrays)
@@ -67,7 +67,7 @@ class Request:
     @classmethod
     def burst(cls, name: str, array: np.ndarray, op, postscale: float) -> "Request":
         """What ``cls(name, "allreduce", array, op, postscale=postscale)`` makes, without its
-        checks: for an array the fast lane's open batch takes (:meth:`Lane.burst`: a C-contiguous
+        checks: for an array the fast lane's open batch takes (``Lane.burst``: a C-contiguous
         host array of the batch's dtype, op and postscale, which its first request passed)."""
         req = object.__new__(cls)
         req.name, req.kind, req.array, req.op, req.root, req.prescale = name, "allreduce", array, op, None, 1.0
@@ -118,7 +118,7 @@ class Request:
                              f"{array.shape} (allreduce only), got {out.dtype} {out.shape}")
         self.out = out
         self.ps = ps  # process set id (0: all ranks; see sdp.engine.process_sets)
-        #: a flattened group's :class:`~sdp.engine.fusion.Layout` (see :meth:`group`), else None
+        #: a flattened group's ``Layout`` (see ``group``), else None
         self.layout = layout
         self._shapes = None if layout is None else layout.shapes
         self.sources = None  # a flattened group's arrays until packed into ``array`` (see group)
@@ -234,7 +234,7 @@ class Runtime:
     # -- caller side -------------------------------------------------------------------------
     def allreduce_now(self, name: str, array, op, postscale: float, out, layout=None, hold: bool = False):
         """A synchronous allreduce of every rank (or a flattened group's, with ``layout``) in the
-        fast lane, in the calling thread (:meth:`Lane.allreduce_now`; ``hold``: its handle where
+        fast lane, in the calling thread (``Lane.allreduce_now``; ``hold``: its handle where
         it is not consumed at once); None where the lane does not take it (submit it)."""
         if self._failed is not None or self._stop.is_set():
             return None
@@ -246,7 +246,7 @@ class Runtime:
     def device_now(self, req: Request):
         """The result of synchronous allreduce ``req`` of device memory (every rank, no prescale),
         run whole in the calling thread through the fast lane and the device path's own windows
-        (:meth:`Lane.device_now`, :meth:`DevicePath.lane_pack`); None where they do not take it
+        (``Lane.device_now``, ``DevicePath.lane_pack``); None where they do not take it
         now (nothing done: submit ``req``).  The first device collective always goes to the
         engine, which opens the windows."""
         dp = self._device
@@ -264,9 +264,9 @@ class Runtime:
         return self._lane_device(self._device.lane_reduce, req, *self._device_args(req))
 
     def _lane_device(self, fn, *args):
-        """``fn(*args)``: device work of :meth:`device_now` in whichever thread runs it.  A failure
+        """``fn(*args)``: device work of ``device_now`` in whichever thread runs it.  A failure
         there (a CUDA error: out of memory, a bad pointer) fails the job as one in the engine
-        thread does: raised here as :class:`SdpError`, and by the engine thread, which tells
+        thread does: raised here as ``SdpError``, and by the engine thread, which tells
         every peer why before it leaves (they raise within the usual bounds)."""
         try:
             return fn(*args)
@@ -280,7 +280,7 @@ class Runtime:
     def submit(self, req: Request) -> Handle:
         """Queue ``req`` for the background thread; returns its handle at once.
 
-        Raises the engine's fatal error (e.g. :class:`PeerLostError`) if it has already failed."""
+        Raises the engine's fatal error (e.g. ``PeerLostError``) if it has already failed."""
         self.submit_many((req,))
         return req.handle
 
@@ -472,7 +472,7 @@ class Runtime:
 
     def _inline_in(self, msg: dict, items: List[dict], tail: memoryview) -> Dict[str, memoryview]:
         """The results rank 0 sent inline with response ``msg`` (``"st"``), by name; raises
-        :class:`ProtocolError` when they do not fit the items (sdp.engine.inline)."""
+        ``ProtocolError`` when they do not fit the items (sdp.engine.inline)."""
         st = msg.get("st")
         if st is None:
             return {}
@@ -651,7 +651,7 @@ class Runtime:
 
     def _result_array(self, dtype: np.dtype, count: int) -> np.ndarray:
         """A new 1-D result array: from the shared-memory result pool when there is room (peers
-        then write into it directly) and it holds at least :data:`POOL_MIN_BYTES`, else from
+        then write into it directly) and it holds at least ``POOL_MIN_BYTES``, else from
         the heap."""
         seg = self.mesh.shm if self.hierarchy is None else self.hierarchy.host.shm
         pool = seg.pool if seg is not None and count * dtype.itemsize >= POOL_MIN_BYTES else None
@@ -661,7 +661,7 @@ class Runtime:
     def _reduce(self, inp: np.ndarray, out: np.ndarray, req: Request, fill=None) -> None:
         """Prescale, allreduce ``inp`` into ``out`` (1-D; may be the same array), then
         postscale/average.  ``inp`` is left unchanged unless it is ``out``.  ``fill``: packs
-        (and prescales) ``out`` on demand, see :func:`collectives.allreduce`."""
+        (and prescales) ``out`` on demand, see ``collectives.allreduce``."""
         seq = self._next_seq()
         if req.prescale != 1.0 and fill is None:
             if inp is not out:
@@ -724,10 +724,10 @@ class Runtime:
 
     def _allreduce_bucket(self, reqs: List[Request]) -> None:
         """One collective for ``reqs`` (same dtype/op/scales).  A fused bucket's fusion buffer is
-        one new result array (see :meth:`_result_array`): the bucket is packed straight into this
+        one new result array (see ``_result_array``): the bucket is packed straight into this
         rank's shared-memory half when it fits and reduced into the result, else packed into the
         result and reduced in place; each request gets a view of its part (no unpack copy).
-        Device arrays take the device path's IPC route (:mod:`sdp.engine.device_path`)."""
+        Device arrays take the device path's IPC route (``sdp.engine.device_path``)."""
         tl, names, first = self.timeline, [r.name for r in reqs], reqs[0]
         if tl:
             for name in names:
@@ -798,7 +798,7 @@ class Runtime:
 
     def check_adasum(self, ps: int) -> None:
         """Raise Horovod's ``NotImplementedError`` where an Adasum allreduce of process set ``ps``
-        cannot run in this job (:func:`sdp.engine.adasum.check`), at once, on the calling rank."""
+        cannot run in this job (``sdp.engine.adasum.check``), at once, on the calling rank."""
         adasum.check(self.size, ps, self._adasum_hosts())
 
     def _adasum_hosts(self) -> Optional[List[List[int]]]:
@@ -807,7 +807,7 @@ class Runtime:
         return self.hierarchy.members if self.hierarchy is not None and self.config.hierarchical else None
 
     def _adasum_bucket(self, reqs: List[Request]) -> None:
-        """One Adasum for the requests of a fusion bucket (:mod:`sdp.engine.adasum`): packed into
+        """One Adasum for the requests of a fusion bucket (``sdp.engine.adasum``): packed into
         one new array (device arrays staged through host memory first: Adasum is not elementwise,
         the device path's kernels are), prescaled, combined per tensor, postscaled; each request
         gets a view of its part."""
@@ -907,8 +907,8 @@ class Runtime:
         return result
 
     def add_process_set(self, ps: int, ranks: List[int]) -> None:
-        """Register process set ``ps`` (1 .. :data:`process_sets.MAX_SET_ID`) of job ranks ``ranks``
-        (ascending).  Every rank registers the same sets with the same ids (:mod:`sdp.api` does)."""
+        """Register process set ``ps`` (1 .. ``process_sets.MAX_SET_ID``) of job ranks ``ranks``
+        (ascending).  Every rank registers the same sets with the same ids (``sdp.api`` does)."""
         ranks = [int(r) for r in ranks]
         if self.rank in ranks:
             self._set_comms[ps] = process_sets.SetComm(self.mesh, ps, ranks)

@@ -17,23 +17,23 @@ int32 scalar tensor.  Other collectives that involve a joined rank raise ``Tenso
 
 ``init()`` follows Horovod (a second call is a no-op), as under Horovod's names
 (``import horovod.tensorflow as hvd`` with ``sdprun --compat horovod`` is
-:mod:`sdp.compat_horovod.tensorflow`); under SMDDP's name (``smdistributed.dataparallel.tensorflow``,
-:mod:`sdp.compat_smddp`) a second call raises ``AlreadyInitializedError``, as in SMDDP.
+``sdp.compat_horovod.tensorflow``); under SMDDP's name (``smdistributed.dataparallel.tensorflow``,
+``sdp.compat_smddp``) a second call raises ``AlreadyInitializedError``, as in SMDDP.
 Horovod's submodules are here too: ``util``, ``mpi_ops``, ``functions``, ``compression``,
 ``elastic`` (Horovod Elastic: ``hvd.elastic.run``, ``TensorFlowKerasState``, ...; see
-:mod:`sdp.elastic` and ``sdprun --host-discovery-script``).
+``sdp.elastic`` and ``sdprun --host-discovery-script``).
 
 Process sets (``ProcessSet``, ``init(process_sets=[...])``, ``add_process_set``,
 ``remove_process_set``, ``process_set=`` on every collective) are Horovod's; see
-:mod:`sdp.process_sets`.
+``sdp.process_sets``.
 
-``op=Adasum`` is Horovod's (:mod:`sdp.engine.adasum`; ``DistributedOptimizer(op=Adasum)`` of a
+``op=Adasum`` is Horovod's (``sdp.engine.adasum``; ``DistributedOptimizer(op=Adasum)`` of a
 ``tf.compat.v1.train.Optimizer`` is Horovod's delta optimizer).
 
 Not available: ``tf.estimator`` (removed from
 TensorFlow 2.16; ``BroadcastGlobalVariablesHook`` works with
 ``tf.compat.v1.train.MonitoredTrainingSession``), XLA (collectives are ``tf.numpy_function`` ops;
-building one under ``jit_compile=True`` raises :class:`XlaNotSupportedError`).
+building one under ``jit_compile=True`` raises ``XlaNotSupportedError``).
 """
 from sdp import api as _api
 from sdp.tensorflow import threads as _threads
@@ -65,12 +65,12 @@ def init(comm=None, process_sets=None):
     it already is.
 
     Mirrors ``horovod.tensorflow.init``: a second call on an initialized process returns at once
-    (after :func:`shutdown` it initializes again).  ``comm``: None or ``[]`` (all ranks; anything
+    (after ``shutdown`` it initializes again).  ``comm``: None or ``[]`` (all ranks; anything
     else raises ``NotImplementedError``, sdp has no MPI; checked on every call).
-    ``process_sets``: a list of :class:`ProcessSet` registered as static sets (the same list on
-    every rank; see :mod:`sdp.process_sets`), or ``"dynamic"``; used by the call that
+    ``process_sets``: a list of ``ProcessSet`` registered as static sets (the same list on
+    every rank; see ``sdp.process_sets``), or ``"dynamic"``; used by the call that
     initializes.  SMDDP's rule (a second call raises ``AlreadyInitializedError``) applies under
-    SMDDP's name only: ``smdistributed.dataparallel.tensorflow.init`` (:mod:`sdp.compat_smddp`)."""
+    SMDDP's name only: ``smdistributed.dataparallel.tensorflow.init`` (``sdp.compat_smddp``)."""
     if comm not in (None, []):
         raise NotImplementedError(f"sdp.tensorflow.init() takes no MPI communicator (got comm={comm!r})")
     if _api.is_initialized():

@@ -5,7 +5,7 @@ to local accumulators; on every ``backward_passes_per_step``-th pass the accumul
 reduced over ranks (and divided by ``backward_passes_per_step`` if
 ``average_aggregated_gradients``), the accumulators are cleared and the optimizer applies them; on
 the other passes the optimizer only advances its iteration counter.  Works eagerly, in
-``tf.function`` and in ``tf.compat.v1`` graphs (two phases: :meth:`compute` then :meth:`apply`).
+``tf.function`` and in ``tf.compat.v1`` graphs (two phases: ``compute`` then ``apply``).
 """
 import tensorflow as tf
 
@@ -82,8 +82,8 @@ class LocalAggregator:
         return [None if g is None else next(it) for g in dense]
 
     def apply(self, apply_fn, skip_fn, deps=()):
-        """Run ``apply_fn()`` on a communication pass (after :meth:`compute` has reset the
-        counter), ``skip_fn()`` otherwise.  ``deps``: tensors returned by :meth:`compute`, so that
+        """Run ``apply_fn()`` on a communication pass (after ``compute`` has reset the
+        counter), ``skip_fn()`` otherwise.  ``deps``: tensors returned by ``compute``, so that
         graphs read the counter after it was updated.  Eagerly it returns what the branch returned;
         in a graph, a bool tensor that depends on the branch's effects."""
         deps = [d for d in deps if d is not None]

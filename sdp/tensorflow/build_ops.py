@@ -1,7 +1,7 @@
 """Build and load sdp's compiled TensorFlow ops, ``SdpCall`` and ``SdpCheck`` (``sdp/tensorflow/cc/sdp_ops.cc``).
 
-``SdpCall`` (built where Python's and numpy's headers are there; :attr:`Library.calls`) runs a
-graph collective's Python function instead of a ``tf.numpy_function`` (:meth:`Library.call`):
+``SdpCall`` (built where Python's and numpy's headers are there; ``Library.calls``) runs a
+graph collective's Python function instead of a ``tf.numpy_function`` (``Library.call``):
 its kernel calls the function with numpy views of its inputs and takes the returned arrays as
 its outputs, or a returned ``(code, message)`` as its status (Horovod's classes, without
 ``SdpCheck``).  It saves ~30 us of a ``tf.function``'s 1 KB allreduce (201-202 -> 170-171 us,
@@ -13,9 +13,9 @@ ops, and TensorFlow gives an exception raised there a status by its Python class
 (``ValueError`` -> ``InvalidArgumentError``).  Horovod's kernels fail a mismatch across ranks with
 ``tf.errors.FailedPreconditionError``.  With this library loaded, a graph collective's
 ``numpy_function`` that fails with such an error returns a one-element placeholder as its first
-result instead of raising, registered (:meth:`Library.register`) with the status, and the
+result instead of raising, registered (``Library.register``) with the status, and the
 ``SdpCheck`` op fed its results fails with that status, or forwards them without a copy (see
-:mod:`sdp.tensorflow.ops`).  When loaded, a self-test checks that TensorFlow takes such a
+``sdp.tensorflow.ops``).  When loaded, a self-test checks that TensorFlow takes such a
 placeholder without a copy (else the op could not recognise it, and the library is not used).
 
 Building (needs a C++ compiler: ``$CXX``, else ``g++``, ``c++`` or ``clang++``; ~5-10 s):
@@ -61,15 +61,15 @@ _state = {}  # "lib": the loaded module or None once load() decided; "why": the 
 
 
 class Library:
-    """The loaded library: :meth:`check` builds an ``SdpCheck`` op; :meth:`register` and
-    :meth:`pending` are its C functions (through ``ctypes``) for a failed collective's placeholder."""
+    """The loaded library: ``check`` builds an ``SdpCheck`` op; ``register`` and
+    ``pending`` are its C functions (through ``ctypes``) for a failed collective's placeholder."""
 
     def __init__(self, module, path: Path, align: int):
         self.module = module
         self.path = path
         self.align = align  # TensorFlow takes a numpy_function result without a copy at this alignment
         native = ctypes.CDLL(str(path))  # the library TensorFlow loaded (one handle, one registry)
-        #: whether SdpCall was built (:meth:`call`)
+        #: whether SdpCall was built (``call``)
         self.calls = hasattr(module, "sdp_call")
         self._functions = weakref.WeakValueDictionary()  # token -> SdpCall's function (its graph holds it)
         self._tokens = itertools.count()
@@ -91,7 +91,7 @@ class Library:
 
     def call(self, fn, inputs, dtypes, name=None):
         """``SdpCall``: the tensors of ``dtypes`` (inputs and outputs of the dtypes in
-        :data:`CALL_DTYPES`) that ``fn(*input arrays)`` returns, a list of C-contiguous arrays
+        ``CALL_DTYPES``) that ``fn(*input arrays)`` returns, a list of C-contiguous arrays
         of those dtypes, or a ``(code, message bytes)`` tuple: the op fails with that status.
         With no ``dtypes`` (a side effect: ``fn`` returns ``[]``), the operation.  ``fn`` is kept
         alive by the outermost graph (the op finds it by a token; it is forgotten with that
@@ -158,9 +158,9 @@ def compiler() -> Optional[list]:
 
 
 def build(force: bool = False) -> Path:
-    """Compile the library into :func:`cache_dir` unless it is there (``force``: compile anyway)
+    """Compile the library into ``cache_dir`` unless it is there (``force``: compile anyway)
     and return its path.  Concurrent callers (ranks of a job) compile once: the first takes the
-    directory's lock, the others wait for it and find the library.  Raises :class:`BuildError`
+    directory's lock, the others wait for it and find the library.  Raises ``BuildError``
     when there is no compiler or it fails."""
     out = library_path()
     if out.exists() and not force:
@@ -185,7 +185,7 @@ def _call_flags() -> list:
 
 
 def load(build_missing: bool = True) -> Optional[Library]:
-    """The loaded :class:`Library`, or None when graph collectives go without it: ``SDP_TF_OPS=0``,
+    """The loaded ``Library``, or None when graph collectives go without it: ``SDP_TF_OPS=0``,
     no compiler, a failed build, load or self-test.
     Decided once per process (a missing library is built first when ``build_missing``); the
     reason for None is logged once."""

@@ -2,9 +2,9 @@
 
 Each function builds its ops (eagerly they run at once; in ``tf.function`` / ``tf.compat.v1`` graphs
 it runs when the graph does).  Shapes and dtypes must agree across ranks where stated, otherwise
-every rank raises :class:`sdp.errors.TensorMismatchError`.  A call before ``init()`` raises
-:class:`sdp.errors.NotInitializedError`; inside ``jit_compile=True`` functions
-:class:`sdp.tensorflow.ops.XlaNotSupportedError`.
+every rank raises ``sdp.errors.TensorMismatchError``.  A call before ``init()`` raises
+``sdp.errors.NotInitializedError``; inside ``jit_compile=True`` functions
+``sdp.tensorflow.ops.XlaNotSupportedError``.
 """
 import numpy as np
 import tensorflow as tf
@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - TensorFlow internals moved
 
 
 def _check_op(op, ps):
-    """``op``; for Adasum, Horovod's checks as the op is built (:func:`sdp.api.check_adasum`:
+    """``op``; for Adasum, Horovod's checks as the op is built (``sdp.api.check_adasum``:
     ``NotImplementedError`` for a process set, or a number of ranks that is not a power of two)."""
     if op == ReduceOp.ADASUM:
         api.check_adasum(ps)
@@ -172,7 +172,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
                       op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
                       ignore_name_scope=False, name=None):
     """Allreduce a list of tensors in one op (fused by the engine); returns a list of tensors with
-    the same shapes and dtypes (``IndexedSlices`` are allgathered, as in :func:`allreduce`).
+    the same shapes and dtypes (``IndexedSlices`` are allgathered, as in ``allreduce``).
     Mirrors ``horovod.tensorflow.grouped_allreduce``."""
     check_devices(device_dense, device_sparse)
     ps = check_process_set(process_set)
@@ -199,7 +199,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
 def oob_allreduce(tensor, compression=Compression.none, op=ReduceOp.AVERAGE):
     """Out-of-band allreduce for non-gradient tensors (e.g. a loss to report); returns the reduced
     tensor (same shape and dtype).  Mirrors ``smdistributed.dataparallel.tensorflow.oob_allreduce``;
-    in sdp it is the same engine path as :func:`allreduce`, and every ``ReduceOp`` works."""
+    in sdp it is the same engine path as ``allreduce``, and every ``ReduceOp`` works."""
     return allreduce(tensor, compression=compression, op=op)
 
 
@@ -229,7 +229,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """:func:`allgather` of each tensor of a list, in one op.  Mirrors
+    """``allgather`` of each tensor of a list, in one op.  Mirrors
     ``horovod.tensorflow.grouped_allgather``."""
     ps = check_process_set(process_set)
     tensors = [ops._as_tensor(t) for t in tensors]
@@ -302,7 +302,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Redu
 
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=ReduceOp.AVERAGE,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
-    """:func:`reducescatter` of each tensor of a list.  Mirrors
+    """``reducescatter`` of each tensor of a list.  Mirrors
     ``horovod.tensorflow.grouped_reducescatter``."""
     return [reducescatter(t, device_dense, compression, op, None, process_set, False, prescale_factor,
                           postscale_factor) for t in tensors]

@@ -7,7 +7,7 @@ unchanged otherwise; ``decompress(t, ctx)`` casts back to ``ctx`` when it is flo
 
 Where the cast does not pay, sdp skips it, at the place that issues the gradient collectives
 (``DistributedGradientTape`` and every ``DistributedOptimizer`` pass their ``compression``
-through :func:`gradient_compression`): when every rank shares this host's memory, the engine
+through ``gradient_compression``): when every rank shares this host's memory, the engine
 reduces through shared memory, no bytes cross a network, and numpy's float16 arithmetic (~0.3
 GB/s here, against ~3 GB/s for float32: see benchmarks/README.md) costs more than the halved size
 saves; gradients then travel in their own dtype (and more precisely).  ``SDP_FP16_SKIP_LOCAL=0``
@@ -37,9 +37,9 @@ class FP16Compressor(Compressor):
 
 
 class WireFP16Compressor(Compressor):
-    """:class:`FP16Compressor` when collectives cross a network (``sdp.api.has_wire()``, decided
+    """``FP16Compressor`` when collectives cross a network (``sdp.api.has_wire()``, decided
     when ``compress`` runs); otherwise tensors pass unchanged (``ctx`` ``None``).  What
-    :func:`gradient_compression` gives gradient reducers for ``Compression.fp16``."""
+    ``gradient_compression`` gives gradient reducers for ``Compression.fp16``."""
 
     @staticmethod
     def compress(tensor):
@@ -54,7 +54,7 @@ class WireFP16Compressor(Compressor):
 
 def gradient_compression(compression):
     """The compressor a gradient reducer (tape, optimizer) uses for the user's ``compression``:
-    :class:`WireFP16Compressor` for ``Compression.fp16`` while :func:`skip_local` holds,
+    ``WireFP16Compressor`` for ``Compression.fp16`` while ``skip_local`` holds,
     ``Compression.none`` for ``None``, else ``compression`` itself."""
     if compression is None:
         return NoneCompressor

@@ -2,7 +2,7 @@
 ``sdprun --compat horovod``).
 
 Launch with ``sdprun -np N --min-np A --max-np B --host-discovery-script SCRIPT python train.py``
-(see :class:`sdp.launcher.elastic.HorovodElasticDriver`).  Use (Horovod's pattern)::
+(see ``sdp.launcher.elastic.HorovodElasticDriver``).  Use (Horovod's pattern)::
 
     state = hvd.elastic.TensorFlowKerasState(model, optimizer, batch=0, epoch=0)
 
@@ -14,15 +14,15 @@ Launch with ``sdprun -np N --min-np A --max-np B --host-discovery-script SCRIPT 
 
     train(state)
 
-* :func:`run`: calls ``train(state)`` after ``state.sync()``; when a collective fails because a
-  peer died (:class:`~sdp.common.errors.HorovodInternalError`, or a TensorFlow op error whose
+* ``run``: calls ``train(state)`` after ``state.sync()``; when a collective fails because a
+  peer died (``HorovodInternalError``, or a TensorFlow op error whose
   cause is an sdp error) the state goes back to its last ``commit()``, the job re-forms from the
   survivors (new ranks 0..n-1, new engine and shared memory), the state is synced from the new
-  rank 0 and ``train`` is called again.  A :class:`~sdp.common.errors.HostsUpdatedInterrupt`
+  rank 0 and ``train`` is called again.  A ``HostsUpdatedInterrupt``
   (new slots, raised by ``commit()``/``check_host_updates()`` on every rank at once) re-forms
-  the job without rollback.  The loop is :func:`sdp.elastic.run_fn`.
-* :class:`TensorFlowKerasState` (a built Keras model and its optimizer, plus keyword attributes),
-  :class:`TensorFlowState` (a list of ``tf.Variable``), :class:`ObjectState` (attributes only):
+  the job without rollback.  The loop is ``sdp.elastic.run_fn``.
+* ``TensorFlowKerasState`` (a built Keras model and its optimizer, plus keyword attributes),
+  ``TensorFlowState`` (a list of ``tf.Variable``), ``ObjectState`` (attributes only):
   ``save``/``commit``/``restore``/``sync``/``check_host_updates``/``register_reset_callbacks``
   as in Horovod.  Variables are saved as numpy copies; ``sync`` broadcasts rank 0's values
   (named ``elastic.sync.<i>``) and attributes.
@@ -90,15 +90,18 @@ class TensorFlowState(ObjectState):
         super().__init__(**kwargs)
 
     def save(self):
+        """Copy the variables' values (and the attributes) as the state to go back to."""
         self._saved_values = _values(self.variables)
         super().save()
 
     def restore(self):
+        """Assign the values of the last ``save`` back to the variables (and the attributes)."""
         for v, x in zip(self.variables, self._saved_values):
             v.assign(x)
         super().restore()
 
     def sync(self):
+        """Broadcast rank 0's variables and attributes to every rank (a collective)."""
         _broadcast_variables(self.variables, 0)
         self._saved_values = _values(self.variables)
         super().sync()
@@ -127,15 +130,19 @@ class TensorFlowKerasState(ObjectState):
         self._saved_model_state = _values(self._variables())
 
     def save(self):
+        """Copy the model's and the optimizer's variables (and the attributes) as the state to go
+        back to."""
         self._save_model()
         super().save()
 
     def restore(self):
+        """Assign the values of the last ``save`` back to the model and the optimizer."""
         for v, x in zip(self._variables(), self._saved_model_state):
             v.assign(x)
         super().restore()
 
     def sync(self):
+        """Broadcast rank 0's model and optimizer variables and attributes (a collective)."""
         _broadcast_variables(self._variables(), 0)
         self._save_model()
         super().sync()

@@ -7,22 +7,22 @@ TensorFlow face raises these classes with sdp's message (tensor name, ranks, val
 are also sdp's own classes, so both ``except tf.errors.FailedPreconditionError`` and ``except
 sdp.errors.SdpError`` (``TensorMismatchError``) catch them:
 
-- :class:`TensorMismatchError`: ``tf.errors.FailedPreconditionError`` and
-  :class:`sdp.common.errors.TensorMismatchError` (so also ``SdpError``, ``ValueError``).
-- :class:`AlltoallSplitsError`: ``tf.errors.InvalidArgumentError`` and sdp's ``TensorMismatchError``.
-- :class:`InvalidCollectiveError` (a rank outside the set): ``tf.errors.InvalidArgumentError``,
+- ``TensorMismatchError``: ``tf.errors.FailedPreconditionError`` and
+  ``sdp.common.errors.TensorMismatchError`` (so also ``SdpError``, ``ValueError``).
+- ``AlltoallSplitsError``: ``tf.errors.InvalidArgumentError`` and sdp's ``TensorMismatchError``.
+- ``InvalidCollectiveError`` (a rank outside the set): ``tf.errors.InvalidArgumentError``,
   ``SdpError`` and ``ValueError``.
 
-Where: eagerly, every collective of :mod:`sdp.tensorflow`.  In ``tf.function`` and
+Where: eagerly, every collective of ``sdp.tensorflow``.  In ``tf.function`` and
 ``tf.compat.v1`` graphs (and ``tf.data`` functions) the collectives are ``tf.numpy_function`` ops,
 whose Python errors TensorFlow turns into a status by their Python class only (``ValueError`` ->
 ``InvalidArgumentError``, anything else -> ``UnknownError``).  So there a collective's
-``numpy_function`` does not raise these errors: it hands their status (:func:`graph_status`) to
-sdp's compiled ``SdpCheck`` op (:mod:`sdp.tensorflow.build_ops`), which fails with it: TensorFlow
+``numpy_function`` does not raise these errors: it hands their status (``graph_status``) to
+sdp's compiled ``SdpCheck`` op (``sdp.tensorflow.build_ops``), which fails with it: TensorFlow
 raises ``tf.errors.FailedPreconditionError`` / ``InvalidArgumentError`` (its own classes, not
 sdp's: the call that raises is TensorFlow's) with sdp's message.  Without that library
 (``SDP_TF_OPS=0``, no C++ compiler) every one of them is ``tf.errors.InvalidArgumentError`` in
-graphs.  A rank outside a set gets :class:`InvalidCollectiveError` when the op is built (while a
+graphs.  A rank outside a set gets ``InvalidCollectiveError`` when the op is built (while a
 function is traced, too: AutoGraph re-raises these classes as they are).
 """
 
@@ -53,13 +53,13 @@ class _FromMessage:
 
 class TensorMismatchError(_FromMessage, tf.errors.FailedPreconditionError, _errors.TensorMismatchError):
     """Ranks disagree on a collective (shape, dtype, op, root rank, scale factors): Horovod's
-    ``tf.errors.FailedPreconditionError``, also :class:`sdp.common.errors.TensorMismatchError`."""
+    ``tf.errors.FailedPreconditionError``, also ``sdp.common.errors.TensorMismatchError``."""
     _op_error = tf.errors.FailedPreconditionError
 
 
 class InvalidCollectiveError(_FromMessage, tf.errors.InvalidArgumentError, _errors.SdpError, ValueError):
     """A collective called with arguments Horovod rejects (a rank outside the process set it
-    calls): ``tf.errors.InvalidArgumentError``, also :class:`sdp.common.errors.SdpError` and
+    calls): ``tf.errors.InvalidArgumentError``, also ``sdp.common.errors.SdpError`` and
     ``ValueError`` (what sdp raised before)."""
     _op_error = tf.errors.InvalidArgumentError
 
@@ -67,13 +67,13 @@ class InvalidCollectiveError(_FromMessage, tf.errors.InvalidArgumentError, _erro
 class AlltoallSplitsError(_FromMessage, tf.errors.InvalidArgumentError, _errors.TensorMismatchError):
     """A rank's alltoall ``splits`` do not add up to its first dimension (or are not one per
     rank): Horovod's ``tf.errors.InvalidArgumentError``, also
-    :class:`sdp.common.errors.TensorMismatchError` (every rank raises it)."""
+    ``sdp.common.errors.TensorMismatchError`` (every rank raises it)."""
     _op_error = tf.errors.InvalidArgumentError
 
 
 def graph_status(e: BaseException):
-    """``e``'s TensorFlow status for sdp's compiled check op (:mod:`sdp.tensorflow.build_ops`):
-    ``(code, UTF-8 message)`` when :func:`as_tf_error` gives ``e`` a TensorFlow class, else None
+    """``e``'s TensorFlow status for sdp's compiled check op (``sdp.tensorflow.build_ops``):
+    ``(code, UTF-8 message)`` when ``as_tf_error`` gives ``e`` a TensorFlow class, else None
     (the error is raised as it is, and TensorFlow maps it by its Python class)."""
     tf_e = as_tf_error(e)
     if not isinstance(tf_e, tf.errors.OpError) or not tf_e.error_code:
@@ -93,7 +93,7 @@ def as_tf_error(e: BaseException) -> BaseException:
 
 
 class _TfErrors:
-    """:func:`tf_errors`' context manager (a class: ~0.1 us to enter and leave where a
+    """``tf_errors``' context manager (a class: ~0.1 us to enter and leave where a
     ``contextlib`` generator costs ~0.9 us, on every eager collective)."""
 
     __slots__ = ()
@@ -114,6 +114,6 @@ _TF_ERRORS = _TfErrors()
 
 
 def tf_errors() -> _TfErrors:
-    """A context manager: re-raise sdp's errors of the block as :func:`as_tf_error` says (the
+    """A context manager: re-raise sdp's errors of the block as ``as_tf_error`` says (the
     original as ``__cause__``)."""
     return _TF_ERRORS

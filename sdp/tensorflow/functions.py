@@ -74,7 +74,7 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
 def broadcast_global_variables(root_rank):
     """Broadcast all ``tf.compat.v1.global_variables()`` from ``root_rank``; returns the op to
     run.  Graph mode only (TF1 style): eagerly it raises ``RuntimeError``, as Horovod does
-    (use :func:`broadcast_variables` with the model's and optimizer's variables instead).
+    (use ``broadcast_variables`` with the model's and optimizer's variables instead).
     Mirrors ``horovod.tensorflow.broadcast_global_variables`` /
     ``smdistributed.dataparallel.tensorflow.broadcast_global_variables``."""
     if tf.executing_eagerly():

@@ -23,19 +23,19 @@ class DistributedGradientTape(tf.GradientTape):
         (as SMDDP documents).
       compression: ``Compression.none`` (default) or ``Compression.fp16`` (floats travel as
         float16 and come back in their own dtype; skipped while no rank is across a network,
-        unless ``SDP_FP16_SKIP_LOCAL=0``: see :func:`sdp.tensorflow.compression.gradient_compression`).
+        unless ``SDP_FP16_SKIP_LOCAL=0``: see ``sdp.tensorflow.compression.gradient_compression``).
       sparse_as_dense: make ``tf.IndexedSlices`` gradients dense before the allreduce; by default
         they are allgathered (values and indices) and stay ``IndexedSlices``.
       op: ``ReduceOp``/``hvd.Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``, ``Adasum``
         (Horovod's adaptive summation of the gradients, per variable, no averaging: float
-        gradients, a power-of-two number of ranks, the global process set; see :mod:`sdp.engine.adasum`).
+        gradients, a power-of-two number of ranks, the global process set; see ``sdp.engine.adasum``).
       gradient_predivide_factor: with AVERAGE, scale by ``1/f`` before and ``f/size`` after the sum.
       num_groups, groups: accepted and validated as Horovod does; no effect on the results (the
         engine fuses all gradients of a call by itself).
       process_set: the ranks that reduce together (``hvd.ProcessSet``; default all); only they
         may call ``gradient()``, and AVERAGE divides by the set's size.
       scale_local_gradients: divide gradients of sources registered with
-        :meth:`register_local_source` by ``size()`` (Horovod's default, True).
+        ``register_local_source`` by ``size()`` (Horovod's default, True).
 
     ``gradient(target, sources, output_gradients=None, ...)`` returns the same structure, shapes
     and dtypes as ``tf.GradientTape.gradient``.  Every rank must call it with the same sources.
@@ -65,6 +65,9 @@ class DistributedGradientTape(tf.GradientTape):
 
     def gradient(self, target, sources, output_gradients=None, unconnected_gradients=None,
                  use_generic_names=False):
+        """``tf.GradientTape.gradient``'s gradients of ``target`` for ``sources`` (same structure),
+        reduced over the ranks (see the class docstring); every rank must call it with the same
+        sources."""
         kwargs = {} if unconnected_gradients is None else {"unconnected_gradients": unconnected_gradients}
         grads = self._sdp_tape.gradient(target, sources, output_gradients, **kwargs)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
@@ -74,11 +77,11 @@ class DistributedGradientTape(tf.GradientTape):
         return tf.nest.pack_sequence_as(grads, reduced)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None, use_generic_names=False):
-        """:meth:`gradient`, split by kind of source: returns ``(local_vars_grads,
+        """``gradient``, split by kind of source: returns ``(local_vars_grads,
         global_vars_grads)``, two lists of ``(source, gradient)`` pairs (source first, unlike
         ``apply_gradients``' pairs), in the order of ``sources``: the sources registered with
-        :meth:`register_local_source` (their gradients local, scaled as :meth:`gradient` does)
-        and all others (reduced over the ranks).  A collective like :meth:`gradient`: every rank
+        ``register_local_source`` (their gradients local, scaled as ``gradient`` does)
+        and all others (reduced over the ranks).  A collective like ``gradient``: every rank
         calls it with the same sources.  Mirrors Horovod's method (horovod.tensorflow, 0.28)."""
         grads = self.gradient(target, sources, output_gradients=output_gradients,
                               use_generic_names=use_generic_names)
@@ -92,7 +95,7 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", 
                                    sparse_as_dense=False, op=ReduceOp.AVERAGE, gradient_predivide_factor=1.0,
                                    num_groups=0, groups=None, process_set=global_process_set,
                                    local_layers=None, scale_local_gradients=True):
-    """A :class:`DistributedGradientTape` that keeps the gradients of ``local_layers`` (a Keras
+    """A ``DistributedGradientTape`` that keeps the gradients of ``local_layers`` (a Keras
     layer or a list of them) local to each rank.  Mirrors
     ``horovod.tensorflow.PartialDistributedGradientTape``.  Raises ``ValueError`` if an element of
     ``local_layers`` is not a Keras layer."""

@@ -5,7 +5,7 @@ Dense gradients are compressed, allreduced (fused by the engine) and decompresse
 (e.g. embedding gradients) are allgathered (values and indices), or made dense first with
 ``sparse_as_dense=True``; ``None`` stays ``None``; gradients of variables registered as local are
 not communicated.  The gradients of one call are handed to the engine bucket by bucket as the
-backward pass produces them, and one op waits for all of them (see :class:`sdp.tensorflow.ops.Batch`).
+backward pass produces them, and one op waits for all of them (see ``sdp.tensorflow.ops.Batch``).
 """
 import warnings
 
@@ -24,9 +24,9 @@ ADASUM_SPARSE = ("The Adasum reduction does not currently support sparse tensors
 
 
 def check_process_set(process_set) -> int:
-    """The engine id of ``process_set`` (a :class:`sdp.process_sets.ProcessSet`, an id, or None
+    """The engine id of ``process_set`` (a ``sdp.process_sets.ProcessSet``, an id, or None
     for the global set).  Raises ``ValueError`` for a set that is not registered (or was removed);
-    :class:`sdp.tensorflow.errors.InvalidCollectiveError` (``tf.errors.InvalidArgumentError``, a
+    ``sdp.tensorflow.errors.InvalidCollectiveError`` (``tf.errors.InvalidArgumentError``, a
     ``ValueError``, as Horovod) for a set that does not hold this rank, naming the set and the rank."""
     ps = api.process_set_id(process_set)
     if ps:
@@ -72,16 +72,16 @@ def _ref(v):
 class GradientReducer:
     """Reduces gradients across ranks with fixed settings.
 
-    ``name``: prefix of the collective names (made unique per graph, see :func:`ops.unique_name`).
+    ``name``: prefix of the collective names (made unique per graph, see ``ops.unique_name``).
     ``compression``: ``Compression.none``/``Compression.fp16``.  ``op``: ``ReduceOp`` (AVERAGE, SUM,
-    MIN, MAX, PRODUCT, ADASUM: :mod:`sdp.engine.adasum`, float gradients of the global set only;
+    MIN, MAX, PRODUCT, ADASUM: ``sdp.engine.adasum``, float gradients of the global set only;
     ``IndexedSlices`` raise Horovod's ``NotImplementedError`` unless ``sparse_as_dense``).
     ``gradient_predivide_factor`` (AVERAGE only, else ``ValueError``) scales by ``1/f`` before the
     sum and ``f/size`` after.
     ``scale_local_gradients``: divide gradients of local variables by ``size()``, as Horovod does.
     ``process_set``: the set whose ranks reduce together (an id or a ``ProcessSet``; checked on
-    every call, see :func:`check_process_set`); AVERAGE divides by its size.  On a rank outside the
-    set, :meth:`reduce` returns the gradients as they are (Horovod's tape and optimizers do so).
+    every call, see ``check_process_set``); AVERAGE divides by its size.  On a rank outside the
+    set, ``reduce`` returns the gradients as they are (Horovod's tape and optimizers do so).
     """
 
     def __init__(self, name, compression=Compression.none, sparse_as_dense=False, op=ReduceOp.AVERAGE,
@@ -109,7 +109,7 @@ class GradientReducer:
         return bool(self._local)
 
     def is_local(self, var) -> bool:
-        """Whether ``var`` was registered with :meth:`register_local`."""
+        """Whether ``var`` was registered with ``register_local``."""
         return _ref(var) in self._local
 
     def reduce(self, grads, variables=None):

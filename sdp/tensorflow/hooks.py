@@ -26,8 +26,10 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
         self.bcast_op = None
 
     def begin(self):
+        """Build the broadcast of every global variable in the session's graph (once per graph)."""
         if self.bcast_op is None or self.bcast_op.graph != tf.compat.v1.get_default_graph():
             self.bcast_op = broadcast_global_variables(self.root_rank)
 
     def after_create_session(self, session, coord):
+        """Run the broadcast: every rank starts from ``root_rank``'s variables."""
         session.run(self.bcast_op)

@@ -8,7 +8,7 @@ model records a plain ``Adam``).  It overrides one method through which every up
 * Keras 3: ``apply(grads, trainable_variables)`` (``apply_gradients`` and ``model.fit`` reach it);
 * tf_keras: ``apply_gradients(grads_and_vars, ...)`` (``minimize`` and ``model.fit`` reach it).
 
-There the gradients are reduced over all ranks (see :class:`sdp.tensorflow.gradients.GradientReducer`)
+There the gradients are reduced over all ranks (see ``sdp.tensorflow.gradients.GradientReducer``)
 before the base class applies them.  On tf_keras, Horovod's hooks are there too:
 ``_compute_gradients(loss, var_list, grad_loss=None, tape=None)`` returns the reduced (or, with
 ``backward_passes_per_step``, accumulated) gradients, which ``apply_gradients`` then applies as

@@ -1,8 +1,8 @@
 """Keras 3 optimizers under Horovod's spelling: ``opt.variables()``.
 
 Horovod/SageMaker scripts call ``hvd.broadcast_variables(opt.variables(), root_rank=0)``; in Keras 3
-``Optimizer.variables`` is a property returning a list.  :func:`patch_keras_optimizer_variables`
-(called by ``import sdp.tensorflow``, and again by :mod:`sdp.compat` when a Horovod/SMDDP alias of a
+``Optimizer.variables`` is a property returning a list.  ``patch_keras_optimizer_variables``
+(called by ``import sdp.tensorflow``, and again by ``sdp.compat`` when a Horovod/SMDDP alias of a
 TensorFlow face is imported, for optimizer classes defined since) makes that property return a list
 subclass that is also callable (calling it returns the list itself), so both spellings work.
 tf_keras already accepts both."""

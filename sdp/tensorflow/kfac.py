@@ -4,11 +4,11 @@ A TensorFlow 2 / Keras 3 successor of TensorFlow's TF1-only ``kfac`` library (``
 last released 2022), distributed with sdp's collectives in the two ways of its distributed guide:
 
 - ``strategy="chief"``: gradients and Kronecker factors are averaged over the ranks every step with
-  one fused :func:`sdp.tensorflow.grouped_allreduce`; rank 0 computes every inverse and broadcasts it.
-- ``strategy="split"``: the inversions are split into tasks (:func:`inverse_tasks`): one per
+  one fused ``sdp.tensorflow.grouped_allreduce``; rank 0 computes every inverse and broadcasts it.
+- ``strategy="split"``: the inversions are split into tasks (``inverse_tasks``): one per
   Kronecker factor (A and G of a layer apart), and a factor costing more than a rank's fair share is
   cut into column blocks of its inverse; each task belongs to one rank (balanced by cost,
-  :func:`assign_inverse_owners`), which computes it and broadcasts it.  Each rank keeps a moving
+  ``assign_inverse_owners``), which computes it and broadcasts it.  Each rank keeps a moving
   average of its *own* factors; these are averaged only on the steps that refresh the inverses.
   The average is linear, so this equals the moving average of averaged factors.
 
@@ -48,8 +48,11 @@ from sdp.common.reduce_ops import ReduceOp
 from sdp.tensorflow import collectives as _coll
 
 STRATEGIES = ("chief", "split")
+"""The distribution strategies ``KfacOptimizer`` takes (see the module docstring)."""
 TIMINGS = ("gradient", "factor", "inverse", "communication")
+"""The phases ``KfacOptimizer.timings`` reports seconds for."""
 ESTIMATION_MODES = ("empirical", "gradients")
+"""The ways ``KfacOptimizer`` estimates the output-gradient factors (see the module docstring)."""
 
 
 def dense_factors(inputs, output_grads, use_bias=True):
@@ -125,7 +128,7 @@ def damped_inverse(m, gamma):
 
 
 def damped_inverses(a, g, damping):
-    """``((A + γ_A I)⁻¹, (G + γ_G I)⁻¹)`` with the π-damping of :func:`pi_damping`; float32, shapes of
+    """``((A + γ_A I)⁻¹, (G + γ_G I)⁻¹)`` with the π-damping of ``pi_damping``; float32, shapes of
     A and G."""
     gamma_a, gamma_g = pi_damping(a, g, damping)
     return damped_inverse(a, gamma_a), damped_inverse(g, gamma_g)
@@ -134,7 +137,7 @@ def damped_inverses(a, g, damping):
 def assign_inverse_owners(costs, size):
     """Owner rank of each inversion task: the costliest first, each to the least loaded rank (ties:
     the lowest rank); returns a list of ints in ``[0, size)``, one per entry of ``costs``.
-    ``costs``: the tasks' costs (see :func:`inverse_tasks`).  Raises ``ValueError`` for size < 1."""
+    ``costs``: the tasks' costs (see ``inverse_tasks``).  Raises ``ValueError`` for size < 1."""
     if size < 1:
         raise ValueError(f"assign_inverse_owners: size must be >= 1, got {size}")
     load = [0.0] * size
@@ -156,11 +159,11 @@ def inverse_tasks(dims, size):
 
     A factor costing more than a rank's fair share (total / size) is split into column blocks,
     ceil(cost / share) of them (at most ``size``); each block's owner computes the factor's Cholesky
-    factor and those columns of the inverse (:func:`inverse_columns`).  So the one 785 x 785 factor
+    factor and those columns of the inverse (``inverse_columns``).  So the one 785 x 785 factor
     that dominates the example's convnet is no longer a floor under the busiest rank's time.
     Returns ``(tasks, owners)``: ``tasks`` a list of ``(j, lo, hi)``, whose blocks partition every
     factor's columns ``[0, n_j)`` exactly once; ``owners`` the rank of each task
-    (:func:`assign_inverse_owners`).  Raises ``ValueError`` for size < 1."""
+    (``assign_inverse_owners``).  Raises ``ValueError`` for size < 1."""
     if size < 1:
         raise ValueError(f"inverse_tasks: size must be >= 1, got {size}")
     share = sum(_task_cost(n, n) for n in dims) / size
@@ -247,7 +250,7 @@ class KfacOptimizer:
         estimates the true Fisher; ``"empirical"`` uses the gradients of ``loss_fn`` on the true
         labels (the empirical Fisher; no extra backward pass, any loss).
 
-    :meth:`step` runs one synchronous training step and must be called by every rank.  ``timings``
+    ``step`` runs one synchronous training step and must be called by every rank.  ``timings``
     holds cumulative seconds spent in ``gradient`` (forward, backward, preconditioning and the
     optimizer's update), ``factor`` (the batch's factors and their moving averages), ``inverse``
     (this rank's own inversions) and ``communication`` (allreduce and broadcast, including waiting
@@ -365,9 +368,9 @@ class KfacOptimizer:
         self.optimizer.apply_gradients(zip(self._precondition(grads, inverses), self.model.trainable_variables))
 
     def preconditioned_gradients(self, grads):
-        """``grads`` (one per ``model.trainable_variables``, same shapes) as :meth:`step` would apply
+        """``grads`` (one per ``model.trainable_variables``, same shapes) as ``step`` would apply
         them: preconditioned with the current inverses and scaled by the norm constraint.  Needs a
-        previous :meth:`step` (``RuntimeError`` otherwise)."""
+        previous ``step`` (``RuntimeError`` otherwise)."""
         if self.inverses is None:
             raise RuntimeError("preconditioned_gradients: no inverses yet; call step() first")
         return self._precondition(list(grads), self.inverses)

@@ -7,19 +7,19 @@ Horovod's *low-level* ops and their conventions, which differ from the top-level
   to ``op=Sum`` (the top-level ``allreduce``/``reducescatter`` default to Average) and take no
   compression.  ``allgather``, ``grouped_allgather``, ``broadcast``, ``broadcast_``,
   ``alltoall``, ``join``, ``barrier``, ``size_op``, ``rank_op``, ``local_size_op``,
-  ``local_rank_op``, ``process_set_included_op`` are :mod:`sdp.tensorflow`'s.
-- ``init()`` is :func:`sdp.tensorflow.init`, which follows Horovod: calling it again while
+  ``local_rank_op``, ``process_set_included_op`` are ``sdp.tensorflow``'s.
+- ``init()`` is ``sdp.tensorflow.init``, which follows Horovod: calling it again while
   initialized is a no-op (SMDDP's, ``smdistributed.dataparallel.tensorflow.init``, raises
-  :class:`~sdp.common.errors.AlreadyInitializedError`).  After ``shutdown()`` it initializes again.
+  ``AlreadyInitializedError``).  After ``shutdown()`` it initializes again.
 - ``handle_average_backwards_compatibility(op, average)``, ``check_num_rank_power_of_2(n)``,
   ``_normalize_name(name)`` (every character outside ``[a-zA-Z0-9_]`` becomes ``_``),
   ``_executing_eagerly()``; the reduce ops ``Average, Sum, Adasum, Min, Max, Product`` (sdp's
-  :class:`~sdp.common.reduce_ops.ReduceOp`, with Horovod's numeric values); the basics ``size``,
+  ``ReduceOp``, with Horovod's numeric values); the basics ``size``,
   ``rank``, ``local_size``, ``local_rank``, ``cross_size``, ``cross_rank``, ``is_initialized``,
   ``shutdown``, ``start_timeline``, ``stop_timeline``, ``is_homogeneous`` and the build queries
   (``mpi_built`` ... ``rocm_built``); ``global_process_set``.
 - Process sets: ``ProcessSet``, ``add_process_set``, ``remove_process_set``,
-  ``global_process_set`` (:mod:`sdp.process_sets`); ``init(process_sets=[...] or "dynamic")``
+  ``global_process_set`` (``sdp.process_sets``); ``init(process_sets=[...] or "dynamic")``
   registers static sets (every rank passes the same list).  ``MPI_LIB`` (Horovod's compiled op
   library) does not exist in sdp.
 """
@@ -78,7 +78,7 @@ def _reducescatter(tensor, name=None, op=Sum, ignore_name_scope=False, process_s
 
 
 def _grouped_reducescatter(tensors, name=None, op=Sum, ignore_name_scope=False, process_set=global_process_set):
-    """:func:`_reducescatter` of each tensor of ``tensors``.  Mirrors
+    """``_reducescatter`` of each tensor of ``tensors``.  Mirrors
     ``horovod.tensorflow.mpi_ops._grouped_reducescatter``."""
     return grouped_reducescatter(tensors, op=op, process_set=process_set)
 

@@ -2,13 +2,13 @@
 ``tf.compat.v1`` graphs, ops that never park one of TensorFlow's threads waiting for a peer while
 work that a peer waits for is queued behind it.
 
-**Eagerly** a collective hands read-only views of its inputs to :mod:`sdp.api` (no copy), waits
+**Eagerly** a collective hands read-only views of its inputs to ``sdp.api`` (no copy), waits
 on the Python thread that called it, and returns the engine's results as tensors through DLPack
 (no copy when the engine aligned them on 64 bytes, as it does).  No graph op round trip;
 gradients come from ``tf.custom_gradient``, set up only while a tape may record.
 
 **In graphs** the engine is called from ops that call Python: sdp's compiled ``SdpCall`` op
-where it is built (:func:`_checked_numpy_function`, :func:`_submit_op`; ~30 us less per op than
+where it is built (``_checked_numpy_function``, ``_submit_op``; ~30 us less per op than
 a ``numpy_function``, and its failures get TensorFlow's status classes), else a
 ``tf.numpy_function`` (followed by sdp's compiled ``SdpCheck`` for those classes; not
 ``tf.py_function``: inputs arrive as numpy views of TensorFlow's buffers and aligned numpy
@@ -22,7 +22,7 @@ asynchronous for this reason).  Inside a ``tf.function`` it would deadlock even 
 because automatic control dependencies run stateful ops without resource inputs in program order.
 The design:
 
-* A list of collectives (:class:`Batch`) becomes *submit* ops, one per bucket of at most the
+* A list of collectives (``Batch``) becomes *submit* ops, one per bucket of at most the
   fusion threshold: ops without outputs that hand input views to the engine and return at once
   (they never wait for a peer).  Inside a ``tf.function`` they are marked as independent side
   effects (``AutomaticControlDependencies.run_independently``): they still always run, but are
@@ -36,7 +36,7 @@ The design:
   picks, so every rank submits every collective whose inputs it has, and every wait ends.
   The iterator is made once per op (eagerly, when a ``tf.function`` is traced; a one-shot
   iterator in a ``tf.compat.v1`` graph), not per step.
-* Exception, the cheap path: the first :class:`Batch` built in an outermost ``tf.function``
+* Exception, the cheap path: the first ``Batch`` built in an outermost ``tf.function``
   graph gets the graph's one *blocking* op, which holds an inter-op thread while it waits.  If
   the batch is one bucket (a single collective, or a gradient list under the fusion threshold)
   it is ONE op that runs the bucket synchronously (``api.grouped_allreduce_named``, which the
@@ -64,11 +64,11 @@ The design:
 
 What a collective in a ``tf.function`` costs above the engine is bounded below by the call of a
 ``tf.function`` holding one ``numpy_function`` (no collective; ~0.13 ms here with TensorFlow's
-threads not spinning, see :mod:`sdp.tensorflow.threads`, of which ~0.09-0.13 ms is the call of an
+threads not spinning, see ``sdp.tensorflow.threads``, of which ~0.09-0.13 ms is the call of an
 empty ``tf.function``); ``benchmarks/allreduce.py --api`` measures these in the same run, and the
 ``floor`` of this design (a ``tf.function`` whose one ``numpy_function`` calls the engine), which
-the ops here match within noise.  Names identify a collective across ranks (see :func:`unique_name`).
-``numpy_function`` cannot be compiled by XLA: every op here raises :class:`XlaNotSupportedError`
+the ops here match within noise.  Names identify a collective across ranks (see ``unique_name``).
+``numpy_function`` cannot be compiled by XLA: every op here raises ``XlaNotSupportedError``
 when it is built inside a ``jit_compile=True`` function.
 """
 import collections
@@ -127,7 +127,7 @@ def _in_xla_context() -> bool:
 
 
 def check_not_xla(what: str) -> None:
-    """Raise :class:`XlaNotSupportedError` if the op being built would be compiled by XLA."""
+    """Raise ``XlaNotSupportedError`` if the op being built would be compiled by XLA."""
     if _in_xla_context():
         raise XlaNotSupportedError(
             f"sdp {what} cannot run inside an XLA-compiled function (jit_compile=True): sdp's "
@@ -168,7 +168,7 @@ def grad_name(name: str) -> str:
 
 def _base_name(kind: str, tensor=None, name=None) -> str:
     """Name of a user-level collective: ``name`` if given; in graphs, from the input's op name,
-    made unique in the graph (:func:`unique_name`); eagerly, ``"<kind>.eager"``, like Horovod's
+    made unique in the graph (``unique_name``); eagerly, ``"<kind>.eager"``, like Horovod's
     eager ops: eager collectives complete one after another, so every rank's n-th unnamed call
     meets the others' n-th call, and the engine's response cache hits on every step."""
     if name:
@@ -207,7 +207,7 @@ def eager_input(t):
 
 def _to_tensor(arr, dtype, np_dtype=None):
     """An engine result as an eager tensor of ``dtype`` (through DLPack without a copy when
-    :func:`as_output` can; a device result comes as a DLPack capsule).  ``np_dtype``: the numpy
+    ``as_output`` can; a device result comes as a DLPack capsule).  ``np_dtype``: the numpy
     dtype ``arr`` has if known (an allreduce's result has its input's)."""
     if type(arr) is not np.ndarray:
         if type(arr).__name__ == "PyCapsule":
@@ -224,8 +224,8 @@ def run_numpy(fn, tensors, out_dtypes, out_shapes, name, blocking=False):
 
     Inputs reach ``fn`` as read-only views (no copy); each output is cast to its entry of
     ``out_dtypes`` (TensorFlow dtypes), handed out without a copy when it is 64-byte aligned
-    (eagerly through :func:`as_output`), then given its entry of ``out_shapes``.  Eagerly ``fn``
-    is called at once (no graph op).  In graphs it is one op (:func:`_checked_numpy_function`), or with
+    (eagerly through ``as_output``), then given its entry of ``out_shapes``.  Eagerly ``fn``
+    is called at once (no graph op).  In graphs it is one op (``_checked_numpy_function``), or with
     ``blocking=True`` (``fn`` waits for peers) a submit op and
     an asynchronous wait op (see the module docstring), so it holds no inter-op thread.  With no
     ``out_dtypes`` (a side effect) returns ``[]`` eagerly, the operation in graphs."""
@@ -294,8 +294,8 @@ _PLAIN_DTYPES = set()  # TensorFlow dtypes whose numpy dtype is an integer or fl
 
 class Batch:
     """Several collectives built together: allreduces (fused together by the engine), allgathers
-    and broadcasts, started by submit ops and collected by one wait op (see :meth:`run`).
-    ``add_*`` returns the index of the result in :meth:`run`'s list."""
+    and broadcasts, started by submit ops and collected by one wait op (see ``run``).
+    ``add_*`` returns the index of the result in ``run``'s list."""
 
     def __init__(self, what: str = "collective", process_set: int = 0):
         self.what = what
@@ -531,8 +531,8 @@ def _may_block(graph) -> bool:
 
 def _wait_op(wait, dtypes, deps, name):
     """Tensors of ``dtypes`` returned by ``wait()`` (it may block for peers), computed after the
-    ops ``deps``: the graph's blocking op when :func:`_may_block` (:func:`_blocking_op`), else
-    asynchronous (:func:`_async_wait`).  Only for :class:`Batch`, whose submit ops hand the
+    ops ``deps``: the graph's blocking op when ``_may_block`` (``_blocking_op``), else
+    asynchronous (``_async_wait``).  Only for ``Batch``, whose submit ops hand the
     collectives to the engine (alltoall and reducescatter start theirs in the wait op: two ranks
     each blocked in one of those would wait for each other)."""
     if not _may_block(tf.compat.v1.get_default_graph()):
@@ -543,9 +543,9 @@ def _wait_op(wait, dtypes, deps, name):
 def _blocking_op(fn, tensors, dtypes, deps, name):
     """Tensors of ``dtypes`` returned by ``fn(*input arrays)``, a ``numpy_function`` that may block
     for peers and runs after the ops ``deps``: the one blocking op of the current (outermost
-    ``tf.function``) graph, see :func:`_may_block`.  It starts only after every submit op of the
+    ``tf.function``) graph, see ``_may_block``.  It starts only after every submit op of the
     graph that it does not feed (control inputs added when the trace ends, see
-    :func:`_order_submits_before_blocking`); the module docstring says why this cannot deadlock."""
+    ``_order_submits_before_blocking``); the module docstring says why this cannot deadlock."""
     graph = tf.compat.v1.get_default_graph()
     with tf.control_dependencies(deps):
         outs = _checked_numpy_function(fn, list(tensors), list(dtypes), name, independent=True,
@@ -560,7 +560,7 @@ _THROUGH_DATA = {}
 def _through_data(lib) -> bool:
     """Whether a placeholder returned inside a ``tf.data`` map (by ``SdpCall`` where built, else a
     ``numpy_function``) comes out of the iterator with its buffer (no copy): then an asynchronous
-    wait op's failure is checked after the iterator (:func:`_async_wait`).  Tried once per process."""
+    wait op's failure is checked after the iterator (``_async_wait``).  Tried once per process."""
     if "through_data" in _THROUGH_DATA:
         return _THROUGH_DATA["through_data"]
     held = []
@@ -635,26 +635,26 @@ def _failed_result(lib, dtype, status):
 def _checked_numpy_function(fn, inputs, dtypes, name, independent=False, on_op=None, deferred=False):
     """Tensors of ``dtypes`` returned by ``fn(*input arrays)`` (a list of arrays) run as a stateful
     op (passed to ``on_op``; ``independent``: marked as an independent side effect, see
-    :func:`_independent`).
+    ``_independent``).
 
-    With sdp's compiled ``SdpCall`` op (:mod:`sdp.tensorflow.build_ops`, for the dtypes it
+    With sdp's compiled ``SdpCall`` op (``sdp.tensorflow.build_ops``, for the dtypes it
     carries) that op calls ``fn``: ~30 us less than a ``numpy_function`` per call, and an error
-    of ``fn`` becomes the op's status (:func:`_call_status`: a mismatch across ranks
+    of ``fn`` becomes the op's status (``_call_status``: a mismatch across ranks
     ``FailedPreconditionError``, as Horovod's kernels fail it; otherwise the class a
     ``numpy_function`` would give).  Without it, a stateful ``numpy_function``: with sdp's
     compiled ``SdpCheck`` op, an error of ``fn`` that has a TensorFlow class
-    (:func:`sdp.tensorflow.errors.graph_status`) is not raised inside the ``numpy_function``, where
+    (``sdp.tensorflow.errors.graph_status``) is not raised inside the ``numpy_function``, where
     TensorFlow would make it an ``InvalidArgumentError``: the ``numpy_function`` returns a
-    registered placeholder (:func:`_failed_result`) and empty arrays, and the ``SdpCheck`` op fed
+    registered placeholder (``_failed_result``) and empty arrays, and the ``SdpCheck`` op fed
     every result fails with that status, or forwards the results without a copy.  Any other
     error is raised as before.  Without the library (``SDP_TF_OPS=0``, no compiler), the plain
     ``numpy_function``.
 
-    ``deferred`` (the library loaded and :func:`_through_data`): every error of ``fn`` becomes a
-    registered placeholder (:func:`_failing_into_placeholder`), and the outputs are returned
+    ``deferred`` (the library loaded and ``_through_data``): every error of ``fn`` becomes a
+    registered placeholder (``_failing_into_placeholder``), and the outputs are returned
     unchecked: the caller feeds them to ``lib.check`` outside the ``tf.data`` function they run in,
     so that TensorFlow's error starts with sdp's message, not "Error in user-defined function
-    passed to MapDataset ..." (:func:`_async_wait`)."""
+    passed to MapDataset ..." (``_async_wait``)."""
     dtypes = list(dtypes)
     op_name = _sanitize(name)[:100] if name else None
     from sdp.tensorflow import build_ops  # (here: `python -m sdp.tensorflow.build_ops` runs it as __main__)
@@ -699,7 +699,7 @@ def _checked_numpy_function(fn, inputs, dtypes, name, independent=False, on_op=N
 
 
 def _failing_into_placeholder(fn, lib, np_dtypes):
-    """``fn``, returning a placeholder registered with its error's status (:func:`_call_status`)
+    """``fn``, returning a placeholder registered with its error's status (``_call_status``)
     and empty arrays instead of raising."""
     def body(*arrays):
         try:
@@ -721,7 +721,7 @@ def _call_library(inputs, dtypes):
 
 def _call_body(fn, np_dtypes):
     """``SdpCall``'s function for ``fn``: its results as a list of C-contiguous arrays of
-    ``np_dtypes``, or, when it raises, ``(code, message)`` (:func:`_call_status`)."""
+    ``np_dtypes``, or, when it raises, ``(code, message)`` (``_call_status``)."""
     def call(*arrays):
         try:
             got = fn(*arrays)
@@ -740,7 +740,7 @@ def _call_body(fn, np_dtypes):
 
 def _call_status(e: BaseException) -> tuple:
     """``(absl status code, UTF-8 message)`` for an error of ``SdpCall``'s function: TensorFlow's
-    class where sdp's error has one (:func:`graph_status`: a mismatch across ranks
+    class where sdp's error has one (``graph_status``: a mismatch across ranks
     ``FAILED_PRECONDITION``), else the code a ``numpy_function``'s kernel gives the Python class
     (``ValueError``/``TypeError`` INVALID_ARGUMENT, ``StopIteration`` OUT_OF_RANGE,
     ``MemoryError`` RESOURCE_EXHAUSTED, ``NotImplementedError`` UNIMPLEMENTED, else UNKNOWN), with
@@ -779,10 +779,10 @@ _from_dlpack = tf.experimental.dlpack.from_dlpack
 
 
 def eager_allreduce(t, name: str, op: ReduceOp, prescale_factor, postscale_factor):
-    """:func:`allreduce_tensor` of one eager tensor of the global set, as Horovod's eager
+    """``allreduce_tensor`` of one eager tensor of the global set, as Horovod's eager
     ``allreduce`` is mostly called, without its layers (a list, a batch, the gradient's wrapper,
     the TF dtype's check), or None where that does not apply (not executing eagerly, a tape that
-    could record, an op that is not a :class:`ReduceOp` or is Adasum, a tensor whose numpy view
+    could record, an op that is not a ``ReduceOp`` or is Adasum, a tensor whose numpy view
     is not of an integer or float dtype, a GPU tensor where the device path is built): 1 KB
     13.9 -> ~6.7 us here, over a floor (numpy view, ``sdp.allreduce``, DLPack back) of 4.8."""
     if (not tf.executing_eagerly() or _could_record() or type(op) is not ReduceOp or op is ReduceOp.ADASUM

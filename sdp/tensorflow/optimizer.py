@@ -1,5 +1,5 @@
 """``DistributedOptimizer`` for every optimizer family: ``tf.compat.v1.train.Optimizer`` (TF1
-graphs), Keras 3 and tf_keras optimizers (see :mod:`sdp.tensorflow.keras_optimizer`).
+graphs), Keras 3 and tf_keras optimizers (see ``sdp.tensorflow.keras_optimizer``).
 
 Mirrors ``smdistributed.dataparallel.tensorflow.DistributedOptimizer`` and
 ``horovod.tensorflow.DistributedOptimizer``.
@@ -87,7 +87,7 @@ class _DistributedAdasumOptimizer(WrappedLegacyOptimizer):
     optimizer applies this rank's own gradients (``compute_gradients`` is not reduced); on every
     ``backward_passes_per_step``-th ``apply_gradients`` each variable's change since the last
     communication (its delta; the first call takes the variables' values then as the start) is
-    combined over all ranks with Adasum (``reducer``: a :class:`GradientReducer` of ``op=Adasum``,
+    combined over all ranks with Adasum (``reducer``: a ``GradientReducer`` of ``op=Adasum``,
     compression included), the start moves by the combined delta and every variable becomes the
     start.  No averaging: Horovod's guide sets the learning rate at 2-2.5x a single worker's, or,
     hierarchical (``SDP_HIERARCHICAL=1`` across hosts), a single worker's times the ranks per host.
@@ -161,16 +161,16 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     ``optimizer``: a ``tf.compat.v1.train.Optimizer`` (returns a wrapper whose
     ``compute_gradients`` reduces; use it in TF1 graphs), a Keras 3 optimizer or a tf_keras
     optimizer (returns an instance of a subclass of the optimizer's own class; see
-    :func:`sdp.tensorflow.keras.DistributedOptimizer`).  Anything else raises ``ValueError``.
+    ``sdp.tensorflow.keras.DistributedOptimizer``).  Anything else raises ``ValueError``.
 
     Positional arguments follow SMDDP: ``name`` (default ``"Distributed" + class name``),
     ``use_locking``, ``device_dense``/``device_sparse`` (not supported: a non-empty value raises
     ``NotImplementedError``), ``compression`` (``Compression.none``/``fp16``; the fp16 cast is
     skipped while no rank is across a network unless ``SDP_FP16_SKIP_LOCAL=0``, see
-    :func:`sdp.tensorflow.compression.gradient_compression`),
+    ``sdp.tensorflow.compression.gradient_compression``),
     ``sparse_as_dense`` (densify ``IndexedSlices`` instead of allgathering them), ``op``
     (``ReduceOp``; default AVERAGE; ``Adasum``: Horovod's delta optimizer for a
-    ``tf.compat.v1.train.Optimizer``, see :class:`_DistributedAdasumOptimizer`; for a Keras
+    ``tf.compat.v1.train.Optimizer``, see ``_DistributedAdasumOptimizer``; for a Keras
     optimizer, ``ValueError`` as in Horovod), ``bucket_cap_mb``
     (fusion buffer size in MiB for the whole job; ``ValueError`` unless ``bucket_cap_mb * 2**20``
     is a multiple of 128; every rank must pass the same value).

@@ -46,6 +46,7 @@ class SyncBatchNormalization(tf.keras.layers.BatchNormalization):
         return group_mean, group_mean_of_square - tf.square(group_mean)
 
     def get_config(self):
+        """The layer's Keras config, without ``fused`` (a synchronized layer is never fused)."""
         config = super().get_config()
         config.pop("fused", None)
         return config

@@ -10,7 +10,7 @@ about one run of five), 410-470 us without in most runs (the slow phase in 2 of 
 alternating pairs 470-493 against 427-444 us.  The call of a ``tf.function`` holding one
 ``numpy_function`` went from ~165 to ~125 us.
 
-:func:`configure` therefore turns spinning off (TensorFlow's own
+``configure`` therefore turns spinning off (TensorFlow's own
 ``ConfigProto.experimental.disable_thread_spinning``) when this host runs more than one rank.
 ``SDP_TF_THREAD_SPINNING=1`` keeps TensorFlow's default.  It only takes effect before TensorFlow
 creates its runtime (its first op or ``tf.function`` call): ``init()`` is usually called first,

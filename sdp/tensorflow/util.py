@@ -53,7 +53,7 @@ def vars_to_refs(vars):  # noqa: A002 (Horovod's parameter name)
 
 
 def refs_to_vars(refs):
-    """Inverse of :func:`vars_to_refs`: a ref -> ``ref.deref()``; a tuple (nested) of refs -> a
+    """Inverse of ``vars_to_refs``: a ref -> ``ref.deref()``; a tuple (nested) of refs -> a
     list (nested) of variables.  Mirrors ``horovod.tensorflow.util.refs_to_vars``."""
     if isinstance(refs, tuple):
         return [refs_to_vars(r) for r in refs]

@@ -1,2 +1,2 @@
-"""``kungfu.datasets`` on sdp: KungFu's dataset adaptor (:mod:`.adaptor`), the sharding helper its
+"""``kungfu.datasets`` on sdp: KungFu's dataset adaptor (``.adaptor``), the sharding helper its
 TF1 examples import beside ``kungfu.tensorflow.v1.helpers``."""

@@ -31,7 +31,7 @@ The variables belong to each worker (nothing is communicated): every worker buil
 adaptor with its own ``shard_id`` (``current_rank()``) and ``shard_count``
 (``current_cluster_size()``) and runs the same updates, as in KungFu.  They are global variables
 (``global_variables_initializer`` initialises them, as KungFu's examples expect), also in the
-collection ``PER_WORKER_VARIABLES`` of :mod:`sdp_kungfu_bridge.tensorflow.initializer`, which
+collection ``PER_WORKER_VARIABLES`` of ``sdp_kungfu_bridge.tensorflow.initializer``, which
 ``BroadcastGlobalVariablesOp`` leaves out (KungFu's broadcast would give every worker rank 0's
 shard id: all would read the same batches).
 """

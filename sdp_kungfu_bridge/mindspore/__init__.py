@@ -9,22 +9,22 @@ an unmodified MindSpore (2.10, CPU) and sdp's engine:
 ===========================================  =========================================
 fork's module                                sdp module
 ===========================================  =========================================
-``mindspore.ops.operations.kungfu_comm_ops``  :mod:`sdp_kungfu_bridge.mindspore.ops`
-``mindspore.nn.optim.kungfu``                 :mod:`sdp_kungfu_bridge.mindspore.optim`
-``mindspore.train.callback._kungfu``          :mod:`sdp_kungfu_bridge.mindspore.callback`
-``mindspore._c_expression.kungfu_*``          functions of :mod:`sdp_kungfu_bridge.mindspore.ops`
+``mindspore.ops.operations.kungfu_comm_ops``  ``sdp_kungfu_bridge.mindspore.ops``
+``mindspore.nn.optim.kungfu``                 ``sdp_kungfu_bridge.mindspore.optim``
+``mindspore.train.callback._kungfu``          ``sdp_kungfu_bridge.mindspore.callback``
+``mindspore._c_expression.kungfu_*``          functions of ``sdp_kungfu_bridge.mindspore.ops``
 ===========================================  =========================================
 
 The fork's names appear when the job runs with ``sdprun --compat kungfu`` (the shim
-``mindspore`` package of :mod:`sdp.compat` loads the real MindSpore and adds them), or after
-:func:`install`.  MindSpore's files are never changed: the names are served by sdp's import
+``mindspore`` package of ``sdp.compat`` loads the real MindSpore and adds them), or after
+``install``.  MindSpore's files are never changed: the names are served by sdp's import
 finder, and ``kungfu_*`` functions are added to the loaded ``mindspore._c_expression`` module
 object.  A real KungFu-built MindSpore (one that has ``kungfu_comm_ops``) is left alone, with a
-:class:`sdp.compat.CompatShadowWarning` (``SDP_COMPAT_FORCE=kungfu`` replaces it).
+``sdp.compat.CompatShadowWarning`` (``SDP_COMPAT_FORCE=kungfu`` replaces it).
 
 Needs MindSpore 2.10+ with numpy < 2 (``pip install sdp[mindspore]``: with numpy 2 a pyfunc
 operator fails with "Numpy init failed").  Two MindSpore 2.10 PYNATIVE bugs are worked around
-(see :mod:`~sdp_kungfu_bridge.mindspore.optim` and :mod:`~sdp_kungfu_bridge.mindspore.callback`).
+(see ``optim`` and ``callback``).
 Elastic jobs: ``sdprun -w`` (KungFu's flags ``-w -builtin-config-port P -config-server URL``).
 """
 import importlib
@@ -48,7 +48,7 @@ def add_c_expression_functions() -> bool:
 
 def install(force=None) -> bool:
     """Make the fork's module names import as sdp's in this process (what ``sdprun --compat
-    kungfu`` does in its workers); ``force`` as :func:`sdp.compat.install`.  Imports MindSpore.
+    kungfu`` does in its workers); ``force`` as ``sdp.compat.install``.  Imports MindSpore.
     Returns whether the names now resolve to sdp (``False``: a KungFu-built MindSpore is used,
     with a warning, or ``kungfu`` could not be mapped)."""
     from sdp import compat

@@ -1,6 +1,6 @@
 """Elastic MindSpore callbacks on sdp: mirrors the KungFu fork's ``mindspore.train.callback._kungfu``.
 
-Under ``sdprun --compat kungfu`` (or after :func:`sdp_kungfu_bridge.mindspore.install`) this module
+Under ``sdprun --compat kungfu`` (or after ``sdp_kungfu_bridge.mindspore.install``) this module
 *is* ``mindspore.train.callback._kungfu``.
 
 ``sync_net_parameters(network)``

@@ -1,9 +1,9 @@
 """MindSpore operators on sdp: mirrors the KungFu fork's ``mindspore.ops.operations.kungfu_comm_ops``.
 
-Under ``sdprun --compat kungfu`` (or after :func:`sdp_kungfu_bridge.mindspore.install`) this module
+Under ``sdprun --compat kungfu`` (or after ``sdp_kungfu_bridge.mindspore.install``) this module
 *is* ``mindspore.ops.operations.kungfu_comm_ops``.  Every operator is an
 ``ops.Custom(fn, out_shape, out_dtype, func_type="pyfunc")``: ``fn`` is Python that hands numpy
-arrays to :mod:`sdp.api`, and MindSpore runs it inside ``construct`` in GRAPH and PYNATIVE mode on
+arrays to ``sdp.api``, and MindSpore runs it inside ``construct`` in GRAPH and PYNATIVE mode on
 CPU, also inside ``C.Map`` in an optimizer inside ``Model.train``.  The fork's primitives ran
 KungFu's C++ peer; these run sdp's engine (numpy + ZeroMQ + shared memory).
 
@@ -18,9 +18,9 @@ Operators (shapes and dtypes as the fork's ``infer`` methods)
 ``KungFuBroadcast()``      ``x`` -> rank 0's ``x`` on every rank.
 ``KungFuResize()``         ``n`` (``uint32`` scalar, the new cluster size) -> ``(changed,
                            detached)`` booleans: a collective, see
-                           :func:`sdp_kungfu_bridge._cluster.resize`.  A bad size (0, more than
+                           ``sdp_kungfu_bridge._cluster.resize``.  A bad size (0, more than
                            ``sdprun -w``'s slots) raises on every rank (MindSpore wraps the
-                           :class:`~sdp_kungfu_bridge._cluster.ResizeError` in a ``RuntimeError``
+                           ``ResizeError`` in a ``RuntimeError``
                            that carries its message, raised where the result is read: PYNATIVE
                            ops run asynchronously).
 ``KungFuClusterSize()``    no input -> the cluster size (``int32``, shape ``(1,)``: MindSpore gives
@@ -28,7 +28,7 @@ Operators (shapes and dtypes as the fork's ``infer`` methods)
 ``KungFuLogTensor()``      ``x`` -> ``x``, printed with the rank.
 =========================  ====================================================================
 
-Dtypes: float16/32/64, int32/64 (and the others :mod:`sdp.api` supports).  A 0-d tensor reaches a
+Dtypes: float16/32/64, int32/64 (and the others ``sdp.api`` supports).  A 0-d tensor reaches a
 pyfunc as a Python scalar, so its collective runs in float64 / int64 and MindSpore casts the
 result back to the declared dtype.
 
@@ -53,7 +53,7 @@ some steps leaves credits behind that a later compiled run of the same op instan
 call the parent every step.
 
 Matching across ranks: collectives are named from the bridge's per-epoch counter
-(:func:`sdp_kungfu_bridge._cluster.next_name`), so every rank must run them in the same order.
+(``sdp_kungfu_bridge._cluster.next_name``), so every rank must run them in the same order.
 MindSpore 2.10 runs pyfunc kernels one at a time on one thread, but in a compiled graph it runs
 independent kernels in data-flow order, which varies from step to step (the gradients of
 ``C.Map(all_reduce, grads)`` came out in a different order on two workers after a resize: a
@@ -357,7 +357,7 @@ def kungfu_nccl_init():
 
 
 def kungfu_nccl_finalize():
-    """No-op (see :func:`kungfu_nccl_init`)."""
+    """No-op (see ``kungfu_nccl_init``)."""
 
 
 _DEVICES = ('CPU', 'GPU')

@@ -1,17 +1,17 @@
 """Distributed MindSpore optimizers on sdp: mirrors the KungFu fork's ``mindspore.nn.optim.kungfu``.
 
-Under ``sdprun --compat kungfu`` (or after :func:`sdp_kungfu_bridge.mindspore.install`) this module
+Under ``sdprun --compat kungfu`` (or after ``sdp_kungfu_bridge.mindspore.install``) this module
 *is* ``mindspore.nn.optim.kungfu``.
 
 ``KungFuMomentum(params, learning_rate, momentum, ...)`` and ``KungFuSGD(params, ...)`` take
 ``mindspore.nn.Momentum`` / ``SGD``'s arguments and are subclasses of them.  Their ``construct``
-allreduces every gradient with :class:`~sdp_kungfu_bridge.mindspore.ops.KungFuAllReduce` through
+allreduces every gradient with ``KungFuAllReduce`` through
 ``C.Map`` (one collective per gradient, as the fork) and then applies the parent's update: the
 gradients are **summed** over the workers, not averaged, as in the fork (scale the learning rate
 by ``1 / cluster size`` for the single-worker step size).
 
 ``KungFuGroupedMomentum`` / ``KungFuGroupedSGD``: the same update, but all gradients go to the
-engine as one request (:class:`~sdp_kungfu_bridge.mindspore.ops.KungFuGroupAllReduce`), which
+engine as one request (``KungFuGroupAllReduce``), which
 fuses the gradients of one dtype into one collective; fewer, larger messages (see
 ``benchmarks/mindspore_step.py``).
 
@@ -27,7 +27,7 @@ MindSpore 2.10 PYNATIVE workaround
     classes call the parent's undecorated ``construct`` (the same update, run op by op) instead;
     in GRAPH mode (the whole step compiled) ``super().construct`` is used as usual.  A
     hand-written subclass of ``nn.Momentum`` in the guide's style is re-run too; there the ops
-    skip the compiled re-run (see "PYNATIVE subclasses" in :mod:`sdp_kungfu_bridge.mindspore.ops`),
+    skip the compiled re-run (see "PYNATIVE subclasses" in ``sdp_kungfu_bridge.mindspore.ops``),
     so it also reduces once (tests/test_kungfu_mindspore.py counts the requests).
     The mode is read when the optimizer is built: build it after ``set_context(mode=...)``.
 """
@@ -47,8 +47,8 @@ def _pynative() -> bool:
 
 class _Distributed:
     """Mixin: gradients reduced before the parent optimizer's update (see the module docstring).
-    ``_grouped``: one :class:`KungFuGroupAllReduce` of all gradients instead of one
-    :class:`KungFuAllReduce` per gradient."""
+    ``_grouped``: one ``KungFuGroupAllReduce`` of all gradients instead of one
+    ``KungFuAllReduce`` per gradient."""
 
     _grouped = False
     _kungfu_no_rerun = True  # PYNATIVE: the parent's undecorated update, never a compiled re-run

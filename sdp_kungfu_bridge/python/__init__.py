@@ -3,11 +3,11 @@
 Like KungFu, importing this module joins the cluster (``init()``: reads the ``SDP_*`` topology that
 ``sdprun`` sets, or runs as a world of size 1) and leaving happens at exit.  Set
 ``KUNGFU_DISABLE_AUTO_LOAD=1`` (KungFu's switch) or ``SDP_KUNGFU_NO_AUTO_INIT=1`` to join later
-with an explicit :func:`init`.  ``init()`` is idempotent and adopts an engine started with
-``sdp.init()``; :func:`finalize` leaves (``sdp.shutdown()``).
+with an explicit ``init``.  ``init()`` is idempotent and adopts an engine started with
+``sdp.init()``; ``finalize`` leaves (``sdp.shutdown()``).
 
-Elastic training (``sdprun -w``): :func:`resize` and :func:`propose_new_size`; the protocol is
-described in :mod:`sdp_kungfu_bridge._cluster`.  After a worker is detached, :func:`detached`
+Elastic training (``sdprun -w``): ``resize`` and ``propose_new_size``; the protocol is
+described in ``sdp_kungfu_bridge._cluster``.  After a worker is detached, ``detached``
 is true, the ``current_*`` functions keep answering with the values of the cluster it left, and
 collectives raise ``DetachedError`` (or ``NotInitializedError`` from ``sdp.api``): the worker
 should exit.
@@ -72,7 +72,7 @@ def run_barrier():
 
 def propose_new_size(new_size):
     """Ask for a cluster of ``new_size`` peers: writes it to the config server.  Nothing changes
-    until the peers call :func:`resize` without a size.  Raises ``ElasticError`` when there is no
+    until the peers call ``resize`` without a size.  Raises ``ElasticError`` when there is no
     config server (launch with ``sdprun -w``)."""
     _cluster.propose_new_size(new_size)
 
@@ -100,10 +100,12 @@ def _get_cuda_index():
 
 
 def show_cuda_version():
+    """Print that NCCL is not enabled (sdp reduces on the host).  Mirrors KungFu's function."""
     print('NCCL is NOT enabled (sdp reduces on the host)')
 
 
 def show_nccl_version():
+    """Print that NCCL is not enabled (sdp reduces on the host).  Mirrors KungFu's function."""
     print('NCCL is NOT enabled (sdp reduces on the host)')
 
 

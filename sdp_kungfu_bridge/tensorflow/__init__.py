@@ -1,9 +1,9 @@
 """KungFu's TensorFlow API on sdp: mirrors ``kungfu.tensorflow``.
 
-Submodules: :mod:`.ops` (operators), :mod:`.optimizers` (distributed optimizers),
-:mod:`.initializer` (variable broadcast).  Importing this package joins the cluster, like
+Submodules: ``.ops`` (operators), ``.optimizers`` (distributed optimizers),
+``.initializer`` (variable broadcast).  Importing this package joins the cluster, like
 ``kungfu.python``; with several workers on this host it also turns TensorFlow's thread spinning
-off, as ``sdp.tensorflow.init()`` does (see :mod:`sdp.tensorflow.threads`).
+off, as ``sdp.tensorflow.init()`` does (see ``sdp.tensorflow.threads``).
 """
 from sdp_kungfu_bridge import python as _python  # noqa: F401  (joins the cluster)
 from sdp_kungfu_bridge.python import (current_cluster_size, current_local_rank,  # noqa: F401

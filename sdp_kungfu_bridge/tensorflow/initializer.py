@@ -36,15 +36,15 @@ def broadcast_variables(variables):
     return tf.group(*[a for a in assigns if isinstance(a, (tf.Operation, tf.Tensor))])
 
 
-#: Graph collection of global variables that differ per worker by design and are never
-#: broadcast (the shard id and shape of ``kungfu.datasets.adaptor``).
 PER_WORKER_VARIABLES = "sdp_kungfu_per_worker_variables"
+"""Graph collection of global variables that differ per worker by design and are never
+broadcast (the shard id and shape of ``kungfu.datasets.adaptor``)."""
 
 
 def BroadcastGlobalVariablesOp():
     """An operator that broadcasts ``tf.compat.v1.global_variables()`` from rank 0: run it once
     in a ``tf.compat.v1.Session`` after initialising the variables.  Leaves out the variables of
-    the collection :data:`PER_WORKER_VARIABLES` (a dataset adaptor's shard id: broadcast, every
+    the collection ``PER_WORKER_VARIABLES`` (a dataset adaptor's shard id: broadcast, every
     worker would read rank 0's shard)."""
     skip = {id(v) for v in tf.compat.v1.get_collection(PER_WORKER_VARIABLES)}
     return broadcast_variables([v for v in tf.compat.v1.global_variables() if id(v) not in skip])

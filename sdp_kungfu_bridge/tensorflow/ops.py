@@ -1,7 +1,7 @@
 """TensorFlow operators on sdp: mirrors ``kungfu.tensorflow.ops``.
 
-Every operator hands numpy arrays to :mod:`sdp.api` (collectives) or to the bridge's model store
-(``save_variable``/``request_variable``) through :func:`sdp.tensorflow.ops.run_numpy`, so they run
+Every operator hands numpy arrays to ``sdp.api`` (collectives) or to the bridge's model store
+(``save_variable``/``request_variable``) through ``sdp.tensorflow.ops.run_numpy``, so they run
 eagerly, inside ``tf.function`` and in ``tf.compat.v1`` graphs/sessions.  In graphs the
 collectives that return tensors (``all_reduce``, ``group_all_reduce``, ``broadcast``,
 ``all_gather``, ``consensus``) hold no inter-op thread while they wait for peers (a submit op
@@ -78,7 +78,7 @@ def _tensor(t):
 
 def py_op(fn, inputs, out_dtypes, out_shapes, name, blocking=False):
     """Run ``fn(*numpy arrays) -> list of arrays`` as a TensorFlow op on the current cluster
-    (see :func:`sdp.tensorflow.ops.run_numpy`; ``blocking=True`` when ``fn`` waits for peers)."""
+    (see ``sdp.tensorflow.ops.run_numpy``; ``blocking=True`` when ``fn`` waits for peers)."""
     def call(arrays):
         _cluster.ensure()
         return fn(*arrays)
@@ -184,7 +184,7 @@ def group_all_reduce(ts):
 
 
 def group_nccl_all_reduce(ts):
-    """:func:`group_all_reduce` (KungFu's NCCL variant; sdp reduces on the host)."""
+    """``group_all_reduce`` (KungFu's NCCL variant; sdp reduces on the host)."""
     return group_all_reduce(ts)
 
 
@@ -221,7 +221,7 @@ def cluster_size():
 
 def resize(n):
     """Resize the cluster to ``n`` (a scalar tensor or int).  Returns a bool scalar: whether the
-    cluster changed; :func:`sdp_kungfu_bridge.python.detached` tells whether this peer left."""
+    cluster changed; ``sdp_kungfu_bridge.python.detached`` tells whether this peer left."""
     n = tf.cast(_tensor(n), tf.int64)
     return py_op(lambda v: [np.array(_cluster.resize(int(v))[0])], [n], [tf.bool],
                  [tf.TensorShape([])], "kf_resize")[0]
@@ -269,6 +269,9 @@ def parse_schedule(config: str):
 
 
 def schedule_size(stages, step: int, default: int = 1) -> int:
+    """The cluster size that ``stages`` (``[((begin, end), size), ...]`` from ``parse_schedule``
+    of a schedule such as ``"2:100,4:200"``: 2 workers for steps 0-99, then 4) gives ``step``;
+    ``default`` outside every stage."""
     for (lo, hi), size in stages:
         if lo <= step < hi:
             return size
@@ -278,7 +281,7 @@ def schedule_size(stages, step: int, default: int = 1) -> int:
 def step_based_schedule(config, step=None):
     """The cluster size that ``config`` (``'size:steps,size:steps,...'``, e.g. ``'1:3,2:3'``:
     size 1 for steps 0-2, size 2 for steps 3-5) gives for ``step`` (default: a new
-    :func:`counter`), as an int32 scalar; 1 after the last stage."""
+    ``counter``), as an int32 scalar; 1 after the last stage."""
     stages = parse_schedule(config)
     if step is None:
         step = counter()
@@ -305,7 +308,7 @@ def _var_name(t, name):
 
 def save_variable(t, version=None, name=None):
     """Save ``t`` under ``name`` (default: the variable's name) in this peer's model store,
-    from which other peers can :func:`request_variable` it at any time.  ``version``: an int64
+    from which other peers can ``request_variable`` it at any time.  ``version``: an int64
     scalar; the last few versions are kept besides the latest."""
     name = _var_name(t, name)
     t = _tensor(t)
@@ -319,7 +322,7 @@ def save_variable(t, version=None, name=None):
 
 
 def save_variables(variables):
-    """Save each variable under its name (see :func:`save_variable`)."""
+    """Save each variable under its name (see ``save_variable``)."""
     ops = [save_variable(v) for v in variables]
     return None if tf.executing_eagerly() else tf.group(ops)
 
@@ -350,7 +353,7 @@ def request_variable(target, version=None, name=None, shape=None, dtype=None):
 
 
 def request_variable_with_template(target, template, version=None):
-    """:func:`request_variable` with name, shape and dtype taken from ``template``."""
+    """``request_variable`` with name, shape and dtype taken from ``template``."""
     return request_variable(target, version=version, name=_var_name(template, None),
                             shape=template.shape, dtype=template.dtype)
 
@@ -397,7 +400,7 @@ def global_noise_scale(batch_small, batch_big, tensor, avg_tensor, alpha=0.6):
     """A float32 scalar: the gradient noise scale estimated from ``tensor`` (a gradient over
     ``batch_small`` examples, e.g. this worker's) and ``avg_tensor`` (the gradient over
     ``batch_big`` examples, e.g. averaged over all workers), smoothed with ``alpha``; see
-    :class:`NoiseScaleEstimator`.  Each call creates an independent estimator."""
+    ``NoiseScaleEstimator``.  Each call creates an independent estimator."""
     est = NoiseScaleEstimator(alpha)
     ins = [tf.cast(_tensor(batch_small), tf.float64), tf.cast(_tensor(batch_big), tf.float64),
            _tensor(tensor), _tensor(avg_tensor)]
@@ -414,7 +417,7 @@ def fuse(ts):
 
 
 def defuse(y, shapes):
-    """Split a vector made by :func:`fuse` back into tensors of ``shapes``."""
+    """Split a vector made by ``fuse`` back into tensors of ``shapes``."""
     ts, off = [], 0
     for s in shapes:
         s = tf.TensorShape(s)

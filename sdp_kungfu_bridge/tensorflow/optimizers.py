@@ -352,7 +352,7 @@ def SynchronousAveragingOptimizer(optimizer, name=None, use_locking=False, with_
     """SynchronousAveragingOptimizer implements the SMA algorithm (CrossBow, VLDB 2019; after
     EA-SGD, NIPS 2015): every step, the models are averaged over all workers, then each worker
     applies its own gradients to the average.  It decouples the batch size from the number of
-    workers.  Arguments as :func:`SynchronousSGDOptimizer`."""
+    workers.  Arguments as ``SynchronousSGDOptimizer``."""
     _cluster.ensure()
     return _create(optimizer, _SynchronousAveraging(), name, use_locking)
 
@@ -369,7 +369,7 @@ def PairAveragingOptimizer(optimizer, fuse_requests=True, name=None, use_locking
     holds a model before anyone pulls).  ``fuse_requests``: pull the whole model in one request
     (default) rather than one per variable.  ``fused_model_name``: the name the model is stored
     under (default: the wrapped optimizer's name; must be the same on every worker).  Other
-    arguments as :func:`SynchronousSGDOptimizer`."""
+    arguments as ``SynchronousSGDOptimizer``."""
     _cluster.ensure()
     return _create(optimizer, _PairAveraging(fuse_requests, fused_model_name or _optimizer_name(optimizer)),
                    name, use_locking)

@@ -1,6 +1,6 @@
-"""``horovod.tensorflow.keras`` / ``horovod.keras`` on sdp: :mod:`sdp.tensorflow.keras` plus
+"""``horovod.tensorflow.keras`` / ``horovod.keras`` on sdp: ``sdp.tensorflow.keras`` plus
 Horovod's process-set names (``init()`` is sdp's: a second call is a no-op, as in Horovod).  Every
-other name is :mod:`sdp.tensorflow.keras`'s own object; ``horovod.tensorflow.keras.<sub>`` (e.g.
+other name is ``sdp.tensorflow.keras``'s own object; ``horovod.tensorflow.keras.<sub>`` (e.g.
 ``callbacks``) is ``sdp.tensorflow.keras.<sub>``."""
 import sdp.tensorflow.keras as _face
 from sdp.tensorflow.keras import *  # noqa: F401,F403

@@ -2,11 +2,11 @@
 
 ``run(func, args=(), kwargs=None, np=1, hosts=None, ...)`` is ``horovod.run``: it starts ``np``
 ranks running ``func(*args, **kwargs)`` and returns their results in rank order (see
-:func:`sdp.compat.run`, imported when first called, for the arguments it takes and what it raises).
+``sdp.compat.run``, imported when first called, for the arguments it takes and what it raises).
 """
 
 
 def run(*args, **kwargs):
-    """``horovod.runner.run`` / ``horovod.run``: see :func:`sdp.compat.run`."""
+    """``horovod.runner.run`` / ``horovod.run``: see ``sdp.compat.run``."""
     from sdp.compat import run as _run
     return _run(*args, **kwargs)

@@ -1,11 +1,11 @@
-"""``horovod.tensorflow`` on sdp: :mod:`sdp.tensorflow` plus Horovod's low-level names.
+"""``horovod.tensorflow`` on sdp: ``sdp.tensorflow`` plus Horovod's low-level names.
 
-``init()`` is :func:`sdp.tensorflow.init` (Horovod's rule: a second call is a no-op).  Process
+``init()`` is ``sdp.tensorflow.init`` (Horovod's rule: a second call is a no-op).  Process
 sets (``ProcessSet``, ``add_process_set``, ``remove_process_set``, ``global_process_set``) are
-:mod:`sdp.process_sets`'s.  Every other name is :mod:`sdp.tensorflow`'s own
-object, looked up there (names added to :mod:`sdp.tensorflow` later appear here too), then in
-:mod:`sdp.tensorflow.mpi_ops` (Horovod's low-level names; process sets).  This is a
-package only so that ``horovod.tensorflow.<sub>`` can be imported; :mod:`sdp.compat` maps those
+``sdp.process_sets``'s.  Every other name is ``sdp.tensorflow``'s own
+object, looked up there (names added to ``sdp.tensorflow`` later appear here too), then in
+``sdp.tensorflow.mpi_ops`` (Horovod's low-level names; process sets).  This is a
+package only so that ``horovod.tensorflow.<sub>`` can be imported; ``sdp.compat`` maps those
 submodules to ``sdp.tensorflow.<sub>``.
 """
 import sdp.tensorflow as _face

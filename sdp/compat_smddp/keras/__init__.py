@@ -1,6 +1,6 @@
-"""``smdistributed.dataparallel.tensorflow.keras`` on sdp: :mod:`sdp.tensorflow.keras` with SMDDP's
-``init()`` (a second call raises ``AlreadyInitializedError``; see :mod:`sdp.compat_smddp`).  Every
-other name is :mod:`sdp.tensorflow.keras`'s own object."""
+"""``smdistributed.dataparallel.tensorflow.keras`` on sdp: ``sdp.tensorflow.keras`` with SMDDP's
+``init()`` (a second call raises ``AlreadyInitializedError``; see ``sdp.compat_smddp``).  Every
+other name is ``sdp.tensorflow.keras``'s own object."""
 import sdp.tensorflow.keras as _face
 from sdp.compat_smddp import smddp_init as _smddp_init
 from sdp.tensorflow.keras import *  # noqa: F401,F403

@@ -1,6 +1,6 @@
-"""``smdistributed.dataparallel.tensorflow`` on sdp: :mod:`sdp.tensorflow` with SMDDP's ``init()``
-(a second call raises ``AlreadyInitializedError``; see :mod:`sdp.compat_smddp`).  Every other name
-is :mod:`sdp.tensorflow`'s own object, looked up there (names added later appear here too)."""
+"""``smdistributed.dataparallel.tensorflow`` on sdp: ``sdp.tensorflow`` with SMDDP's ``init()``
+(a second call raises ``AlreadyInitializedError``; see ``sdp.compat_smddp``).  Every other name
+is ``sdp.tensorflow``'s own object, looked up there (names added later appear here too)."""
 import sdp.tensorflow as _face
 from sdp.compat_smddp import smddp_init as _smddp_init
 from sdp.tensorflow import *  # noqa: F401,F403

@@ -36,9 +36,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     ``backward_passes_per_step``/``average_aggregated_gradients``: accumulate locally and reduce
     every N passes (the optimizer's iteration counter still advances every pass).
     ``gradient_predivide_factor``, ``num_groups``/``groups``, ``process_set``,
-    ``scale_local_gradients``: as in :func:`sdp.tensorflow.DistributedOptimizer`.  A
+    ``scale_local_gradients``: as in ``sdp.tensorflow.DistributedOptimizer``.  A
     non-Keras optimizer raises ``ValueError``.  Under XLA (``jit_compile=True``) applying raises
-    :class:`sdp.tensorflow.XlaNotSupportedError`.
+    ``sdp.tensorflow.XlaNotSupportedError``.
     Mirrors ``horovod.tensorflow.keras.DistributedOptimizer``."""
     if _keras_optimizer.flavor(optimizer) is None:
         raise ValueError(f"sdp.tensorflow.keras.DistributedOptimizer wraps Keras optimizers; got {optimizer!r} "
@@ -58,10 +58,10 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
                                 op=Average, backward_passes_per_step=1, average_aggregated_gradients=False,
                                 groups=None, process_set=global_process_set, local_layers=None,
                                 scale_local_gradients=True):
-    """:func:`DistributedOptimizer` that keeps the gradients of ``local_layers`` (a Keras layer or
+    """``DistributedOptimizer`` that keeps the gradients of ``local_layers`` (a Keras layer or
     a list of them; their ``trainable_weights`` when this is called) local to each rank, divided
     by the set's size if ``scale_local_gradients`` (Horovod's default).  The other arguments are
-    :func:`DistributedOptimizer`'s.  Raises ``ValueError`` if an element of ``local_layers`` is not
+    ``DistributedOptimizer``'s.  Raises ``ValueError`` if an element of ``local_layers`` is not
     a Keras layer.  Mirrors ``horovod.tensorflow.keras.PartialDistributedOptimizer``."""
     if local_layers is None:
         local_layers = []

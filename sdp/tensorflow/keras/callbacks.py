@@ -60,7 +60,7 @@ class BroadcastGlobalVariablesCallback(_keras.callbacks.Callback):
     non-empty value raises ``NotImplementedError``.  ``local_variables``: a variable or a list of
     variables kept as they are on each rank (not broadcast), e.g. a local layer's
     ``trainable_weights`` with ``PartialDistributedOptimizer``.  Also turns ``jit_compile`` off
-    (see :func:`disable_jit`).
+    (see ``disable_jit``).
     Mirrors ``horovod.tensorflow.keras.callbacks.BroadcastGlobalVariablesCallback``."""
 
     def __init__(self, root_rank, device="", local_variables=None):
@@ -114,7 +114,7 @@ class MetricAverageCallback(_keras.callbacks.Callback):
     ``ReduceLROnPlateau``, ``TensorBoard``, ``ModelCheckpoint`` and other metric-based callbacks.
 
     Every rank must have the same metric names.  ``device``: not supported (``NotImplementedError``
-    if non-empty).  Like every sdp callback, it turns ``jit_compile`` off (see :func:`disable_jit`).
+    if non-empty).  Like every sdp callback, it turns ``jit_compile`` off (see ``disable_jit``).
     Mirrors ``horovod.tensorflow.keras.callbacks.MetricAverageCallback``."""
 
     def __init__(self, device=""):

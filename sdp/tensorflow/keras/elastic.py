@@ -1,15 +1,15 @@
 """Horovod Elastic for Keras (``horovod.tensorflow.keras.elastic`` / ``horovod.keras.elastic``;
 the same module under ``sdprun --compat horovod``).
 
-:func:`run` and :class:`KerasState` (= :class:`sdp.tensorflow.elastic.TensorFlowKerasState`) as in
-:mod:`sdp.tensorflow.elastic`, plus Horovod's Keras callbacks for ``model.fit``:
+``run`` and ``KerasState`` (= ``sdp.tensorflow.elastic.TensorFlowKerasState``) as in
+``sdp.tensorflow.elastic``, plus Horovod's Keras callbacks for ``model.fit``:
 
-* :class:`CommitStateCallback` (``state``, ``batches_per_commit=1``): ``state.commit()`` after
+* ``CommitStateCallback`` (``state``, ``batches_per_commit=1``): ``state.commit()`` after
   every ``batches_per_commit`` batches and at the end of each epoch;
-* :class:`UpdateBatchStateCallback`: keeps ``state.batch`` (index of the last finished batch of
+* ``UpdateBatchStateCallback``: keeps ``state.batch`` (index of the last finished batch of
   the epoch; 0 after an epoch) and, when ``fit`` has ``steps_per_epoch``, shortens the epoch
   resumed after a reset by the batches already done;
-* :class:`UpdateEpochStateCallback`: keeps ``state.epoch``, the number of finished epochs over
+* ``UpdateEpochStateCallback``: keeps ``state.epoch``, the number of finished epochs over
   all ``fit`` calls (``fit(epochs=epochs - state.epoch)`` resumes where the job was).
 """
 import tensorflow as tf
@@ -18,6 +18,7 @@ from sdp.tensorflow.elastic import (HorovodInternalError, HostsUpdatedInterrupt,
                                     State, TensorFlowKerasState, run)
 
 KerasState = TensorFlowKerasState
+"""``horovod.tensorflow.keras.elastic.KerasState``: ``TensorFlowKerasState`` under Keras' name."""
 
 __all__ = ["run", "KerasState", "TensorFlowKerasState", "CommitStateCallback", "UpdateBatchStateCallback",
            "UpdateEpochStateCallback"]

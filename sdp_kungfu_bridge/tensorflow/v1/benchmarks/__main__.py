@@ -1,5 +1,5 @@
 """``python -m kungfu.tensorflow.v1.benchmarks [--model ResNet50|VGG16] [--method CPU|NCCL|HOROVOD]
-[--fuse]``: :func:`all_reduce_benchmark` over the model's gradient sizes (see the package)."""
+[--fuse]``: ``all_reduce_benchmark`` over the model's gradient sizes (see the package)."""
 import argparse
 
 import tensorflow as tf
