@@ -129,3 +129,25 @@ while not done.is_set():
     time.sleep(0.01 if kind != "unix" else 0.02)
 print("ports", len(held), "opened", opened, "dropped", dropped, flush=True)
 """
+
+
+# Two ranks on pretend hosts (their mesh over TCP on 127.0.0.1): rank 0 kills the connections to its
+# mesh port with ss -K at step 100 of 400; each rank prints its error.
+MESH_RESET = r"""
+import os, sys, time
+import numpy as np
+import sdp
+sdp.init()
+r = sdp.rank()
+port = int(sdp.api.runtime().mesh.endpoints["tcp"].rsplit(":", 1)[1])
+t0 = time.monotonic()
+try:
+    for i in range(400):
+        if i == 100 and r == 0:
+            os.system(f"ss -K dst 127.0.0.1 dport = :{port} >/dev/null 2>&1")
+        sdp.allreduce(np.full(50000, float(r + i)), name="big", op=sdp.Sum)
+        time.sleep(0.005)
+    print("done", flush=True)
+except Exception as e:
+    print("ERROR", type(e).__name__, str(e).replace("\n", " "), "after %.1f s" % (time.monotonic() - t0), flush=True)
+"""

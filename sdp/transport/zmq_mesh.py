@@ -216,7 +216,8 @@ class Mesh:
                 security.secure_client(d, self._secret)
             else:
                 security.secure_client(d, self._secret, str(self.rank), self._token_from(peer))
-            mon = d.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
+            mon = d.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+                                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             d.connect(addr)
             self.dealers[r] = d
             self.monitors[mon] = r
@@ -371,7 +372,9 @@ class Mesh:
                 if ev["event"] == zmq.EVENT_DISCONNECTED and r not in self.lost:
                     self._suspects.setdefault(r, time.monotonic())
                 elif r in self._suspects:  # the DEALER redials at once: what answers tells why
-                    if ev["event"] == zmq.EVENT_CONNECTED:
+                    if ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                        self._redial[r] = "refused at authentication"
+                    elif ev["event"] == zmq.EVENT_CONNECTED and self._redial.get(r) != "refused at authentication":
                         self._redial[r] = "accepted"
                     elif ev["event"] == zmq.EVENT_CONNECT_RETRIED:
                         self._redial.setdefault(r, "refused")
@@ -402,6 +405,10 @@ class Mesh:
         redial = self._redial.pop(r, None)  # (another host: what its kernel said to a new connection)
         if redial == "refused" and self._refused_by(r):  # (not refused, but unreachable: a cut link)
             return "its process died (its host refused a new connection)"
+        if redial == "refused at authentication":  # (its process runs: it answered, then refused the spent token)
+            return ("our connection to it dropped while its process runs (reset or closed on the way: a middlebox, "
+                    "a conntrack flush, ss -K), and the new connection was refused at authentication (a dropped mesh "
+                    "connection is not admitted again: its single-use token is spent)")
         if redial == "accepted":
             return (f"no message from rank {r} for {self.peer_timeout_s:g} s: stopped, hung or unreachable "
                     f"(its host still accepts connections; SDP_PEER_TIMEOUT={self.peer_timeout_s:g})")
