@@ -222,6 +222,19 @@ def test_with_repair_off_a_failed_connection_is_a_failure_naming_the_link_and_ho
         b.close()
 
 
+def test_a_leader_that_never_connects_is_a_timeout_naming_it():
+    links = {q: tcp_link.LeaderLink("127.0.0.1", q) for q in (0, 1)}
+    entries = {q: {"link_addr": l.address, "link_tokens": l.offer(2), "host": f"h{q}"} for q, l in links.items()}
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(errors.CollectiveTimeoutError, match=r"host leaders \[1\]"):
+            links[0].open([0, 1], entries, time.monotonic() + 0.5)  # (leader 1 never opens)
+        assert time.monotonic() - t0 < 3
+    finally:
+        for l in links.values():
+            l.close()
+
+
 def test_frames_split_across_reads_and_an_oversized_one_closes_the_connection(caplog):
     a, b = _pair()
     try:

@@ -233,7 +233,7 @@ class ConnectionGuard:
         self.refusals = refusals
         self._outcome = outcome or (lambda addr: None)
         self._slots = Slots(cap)
-        self._open: Dict[int, tuple] = {}  # fd -> (source address, accepted at)
+        self._open: Dict[int, tuple] = {}  # fd -> (source address, accepted at, the socket's inode)
         self._shut = set()  # fds shut down here (logged already)
         self.peak = 0  # most accepted connections open at once
         self.capped = 0  # connections shut down for the policy (dropped for a newer one, another user)
@@ -276,6 +276,13 @@ class ConnectionGuard:
             s.detach()
 
     def _shutdown(self, fd: int, addr: str, reason: str) -> None:
+        """Shut connection ``fd`` down, unless ZeroMQ closed it and the number is now another
+        connection's (this thread reads the events after the fact: compared by inode)."""
+        try:
+            if os.fstat(fd).st_ino != self._open.get(fd, (None, None, -1))[2]:
+                return
+        except OSError:
+            return
         s = _borrow(fd)
         if s is not None:
             try:
@@ -296,7 +303,11 @@ class ConnectionGuard:
             addr, stranger = _peer_address(s), foreign_user(s)
         finally:
             s.detach()
-        self._open[fd] = (addr, time.monotonic())
+        try:
+            ino = os.fstat(fd).st_ino
+        except OSError:
+            return
+        self._open[fd] = (addr, time.monotonic(), ino)
         self.peak = max(self.peak, len(self._open))
         where = endpoint.decode(errors="replace")
         if stranger is not None:
@@ -308,7 +319,7 @@ class ConnectionGuard:
                                         f"already waiting to authenticate (the oldest idle one goes)")
 
     def _disconnected(self, fd: int) -> None:
-        addr, since = self._open.pop(fd, ("", 0.0))
+        addr, since, _ = self._open.pop(fd, ("", 0.0, 0))
         self._slots.done(fd)
         if fd in self._shut:
             self._shut.discard(fd)
