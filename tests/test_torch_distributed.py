@@ -27,10 +27,10 @@ ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """One launch of 2 ranks for every 2-rank case (each makes and destroys its own default
-    group); SMDDP's and KungFu's names are enabled (--compat smdistributed,kungfu), which the
-    other cases ignore."""
+    group); SMDDP's and KungFu's names are enabled (--compat smddp,kungfu), which the other cases
+    ignore."""
     store = str(tmp_path_factory.mktemp("torch_store") / "store")
-    env = dict(ENV, SDP_COMPAT="smdistributed,kungfu",
+    env = dict(ENV, SDP_COMPAT="smddp,kungfu",  # (smddp: smdistributed's short name)
                PYTHONPATH=os.pathsep.join(p for p in (SHIM_DIR, os.environ.get("PYTHONPATH")) if p))
     return run_cases(2, [("collectives", "workers_torch_distributed:collectives", []),
                          ("mismatches", "workers_torch_distributed:mismatches", []),
@@ -125,3 +125,10 @@ def test_torch_benchmark_runs_and_prints_its_table(two_ranks):
     assert row and "n/a" not in row.group(1), out
     assert re.search(r"DDP step .*: sdp backend [0-9.]+ ms, Gloo [0-9.]+ ms", out), out
     assert "DDP step over sdp <= 1.0x over Gloo" in out, out
+
+
+def test_compat_smddp_is_smdistributed():
+    from sdp.common.compat_names import parse_families
+    from sdp.launcher.cli import _compat_list
+    assert parse_families("smddp,kungfu") == ("smdistributed", "kungfu")
+    assert _compat_list("smddp") == "smdistributed"

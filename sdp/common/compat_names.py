@@ -9,6 +9,8 @@ from typing import Iterable, Tuple, Union
 
 FAMILIES = ("horovod", "smdistributed", "kungfu")
 """The compatibility families, the values of ``sdprun --compat`` (a comma list, or ``all``)."""
+ALIASES = {"smddp": "smdistributed"}
+"""Other names a family goes by in ``--compat`` (``smddp``, SMDDP's own short name)."""
 COMPAT_ENV = "SDP_COMPAT"
 """The environment variable naming the families a worker maps (``sdprun --compat`` sets it)."""
 FORCE_ENV = "SDP_COMPAT_FORCE"
@@ -20,13 +22,15 @@ the workers' ``PYTHONPATH``; each activates ``SDP_COMPAT``'s mapping when import
 
 def parse_families(value: Union[str, Iterable[str], None]) -> Tuple[str, ...]:
     """``"horovod,kungfu"`` / ``["horovod"]`` / ``"all"`` -> a tuple of family names, in
-    ``FAMILIES`` order.  Raises ``ValueError`` naming an unknown family."""
+    ``FAMILIES`` order (``smddp`` is ``smdistributed``).  Raises ``ValueError`` naming an
+    unknown family."""
     if value is None:
         return ()
     items = value.split(",") if isinstance(value, str) else list(value)
     names = set()
     for item in items:
         item = str(item).strip().lower()
+        item = ALIASES.get(item, item)
         if not item:
             continue
         if item == "all":
