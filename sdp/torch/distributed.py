@@ -110,6 +110,7 @@ class _Completer:
         self._lock = threading.Lock()
 
     def put(self, work: "Work") -> None:
+        """Complete ``work``'s future once it is done (after those put before it)."""
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="sdp-torch-futures", daemon=True)
@@ -117,6 +118,7 @@ class _Completer:
         self._queue.put(work)
 
     def in_thread(self) -> bool:
+        """Whether the caller is the completing thread."""
         return threading.current_thread() is self._thread
 
     def _run(self) -> None:
@@ -202,21 +204,29 @@ class Work(dist._Work):
         return self._future
 
     def is_completed(self) -> bool:
-        return self._done or all(h.done() for h in list(self._handles))
+        """True once the collective is done (or failed) and its results are in the output
+        tensors; never blocks."""
+        if not self._done and all(h.done() for h in list(self._handles)):
+            self._complete()  # (done: the results are copied now, not waited for)
+        return self._done
 
     def is_success(self) -> bool:
+        """Whether the collective succeeded; ``RuntimeError`` before it completed."""
         if not self._done:
             raise RuntimeError("Work.is_success() before the collective completed")
         return self._error is None
 
     def exception(self):
+        """The collective's error, or None."""
         return self._error
 
     def result(self) -> list:
+        """Wait, then the output tensors (a list)."""
         self.wait()
         return self._outputs
 
     def source_rank(self) -> int:
+        """``RuntimeError``: only a ``recv`` from any source has one, and this backend has no ``recv``."""
         raise RuntimeError("source_rank() is for recv from any source, which sdp's backend does not have")
 
 
@@ -271,12 +281,15 @@ class ProcessGroupSDP(dist.ProcessGroup):
 
     # -- identity
     def getBackendName(self) -> str:
+        """``"sdp"``."""
         return BACKEND
 
     def getRank(self) -> int:
+        """This process's rank in the group."""
         return self._rank
 
     def getSize(self) -> int:
+        """The number of ranks in the group."""
         return self._size
 
     def __repr__(self) -> str:
@@ -311,6 +324,7 @@ class ProcessGroupSDP(dist.ProcessGroup):
         return _tensors.as_input(t.reshape(-1), what)
 
     def allreduce(self, tensors, opts=None):
+        """``dist.all_reduce``: reduce each tensor in place over the group's ranks (``opts.reduceOp``)."""
         op = self._op(opts)
         if len(tensors) == 1 and (opts is not None and not opts.asyncOp or self._now(tensors[0])):
             t = tensors[0]  # (in this thread: see the module docstring)
@@ -334,26 +348,31 @@ class ProcessGroupSDP(dist.ProcessGroup):
         return self._work(handles, finish, list(tensors), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
+        """``all_reduce_coalesced``: :meth:`allreduce` of each tensor."""
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors, opts=None):
+        """``dist.broadcast``: each tensor overwritten with group rank ``opts.rootRank``'s."""
         root = self._root(opts)
         handles = [api.broadcast_async(_tensors.as_input(t, "broadcast"), root, self._name(), self._process_set)
                    for t in tensors]
         return self._work(handles, _into(tensors) if root != api.rank() else _nothing, list(tensors), tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
+        """``dist.all_gather``: ``output_tensors[i][j]`` becomes group rank ``j``'s ``input_tensors[i]``."""
         handles = [api.allgather_async(self._flat(t, "all_gather"), self._name(), self._process_set)
                    for t in input_tensors]
         return self._work(handles, lambda results: _split_into(output_tensors, results), list(output_tensors),
                           list(input_tensors))
 
     def all_gather_single(self, output, input, opts=None):
+        """``dist.all_gather_into_tensor``: the group's inputs concatenated, in rank order, into ``output``."""
         return self.all_gather_single_coalesced([output], [input], opts)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        """Each pair of :meth:`all_gather_single`, in one ``Work``."""
         for o, i in zip(outputs, inputs):
             if o.numel() != i.numel() * self._size:
                 raise ValueError(f"all_gather_into_tensor: an output of {o.numel()} elements for {self._size} "
@@ -369,6 +388,7 @@ class ProcessGroupSDP(dist.ProcessGroup):
                                        self._name(), op, process_set=self._process_set)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """``dist.reduce_scatter``: rank ``r``'s output is the reduction of every rank's ``r``-th input."""
         op = self._op(opts)
         for o, ins in zip(output_tensors, input_tensors):
             if len(ins) != self._size or any(i.numel() != o.numel() for i in ins):
@@ -379,11 +399,14 @@ class ProcessGroupSDP(dist.ProcessGroup):
         return self._work(handles, _into(output_tensors), list(output_tensors), list(output_tensors))
 
     def reduce_scatter_single(self, output, input, opts=None):
+        """``dist.reduce_scatter_tensor``: the reduction of ``input``'s ``r``-th equal part into rank
+        ``r``'s ``output``."""
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        """Each pair of :meth:`reduce_scatter_single`, in one ``Work``."""
         op = self._op(opts)
         for o, i in zip(outputs, inputs):
             if i.numel() != o.numel() * self._size:
@@ -395,12 +418,14 @@ class ProcessGroupSDP(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def reduce(self, tensors, opts=None):
+        """``dist.reduce``: the reduction written into the root's tensors only."""
         root, op = self._root(opts), self._op(opts)
         handles = [api.allreduce_async(_tensors.as_input(t, "reduce"), self._name(), op,
                                        process_set=self._process_set) for t in tensors]
         return self._work(handles, _into(tensors) if root == api.rank() else _nothing, list(tensors), tensors)
 
     def gather(self, output_tensors, input_tensors, opts=None):
+        """``dist.gather``: every rank's input into the root's output list."""
         root = self._root(opts)
         handles = [api.allgather_async(self._flat(t, "gather"), self._name(), self._process_set)
                    for t in input_tensors]
@@ -408,6 +433,7 @@ class ProcessGroupSDP(dist.ProcessGroup):
         return self._work(handles, finish, list(output_tensors), list(input_tensors))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
+        """``dist.scatter``: the root's ``r``-th input into rank ``r``'s output."""
         root = self._root(opts)
         handles = []
         for i, o in enumerate(output_tensors):
@@ -422,6 +448,7 @@ class ProcessGroupSDP(dist.ProcessGroup):
                           list(output_tensors))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
+        """``dist.all_to_all``: ``input_tensors[j]`` to rank ``j``, rank ``j``'s into ``output_tensors[j]``."""
         flat = torch.cat([x.reshape(-1) for x in input_tensors])
         handle = api.alltoall_async(_tensors.as_input(flat, "all_to_all"), [x.numel() for x in input_tensors],
                                     self._name(), self._process_set)
@@ -429,6 +456,8 @@ class ProcessGroupSDP(dist.ProcessGroup):
                           list(output_tensors), list(input_tensors))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """``dist.all_to_all_single``: rows of ``input`` by ``input_split_sizes`` (equal parts if
+        empty) to each rank, theirs into ``output``."""
         splits = list(input_split_sizes) or None  # (None: equal parts of the first dimension)
         handle = api.alltoall_async(_tensors.as_input(input, "all_to_all_single"), splits, self._name(),
                                     self._process_set)
@@ -437,17 +466,21 @@ class ProcessGroupSDP(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def barrier(self, opts=None):
+        """``dist.barrier``: done once every rank of the group reached it."""
         handle = api.allreduce_async(np.zeros(1, np.int32), self._name(), ReduceOp.SUM,
                                      process_set=self._process_set)
         return self._work([handle], _nothing, [], [])
 
     def send(self, tensors, dst, tag=0):
+        """``NotImplementedError``: sdp's engine has collectives only."""
         raise NotImplementedError(_NO_P2P)
 
     def recv(self, tensors, src, tag=0):
+        """``NotImplementedError``: sdp's engine has collectives only."""
         raise NotImplementedError(_NO_P2P)
 
     def recv_anysource(self, tensors, tag=0):
+        """``NotImplementedError``: sdp's engine has collectives only."""
         raise NotImplementedError(_NO_P2P)
 
 
@@ -540,22 +573,26 @@ class LocalStore(dist.Store):
                             "backend needs none); set MASTER_ADDR and MASTER_PORT (sdprun -x) for a Gloo or NCCL group")
 
     def set(self, key, value) -> None:
+        """Store ``value`` (bytes or str) under ``key``."""
         with self._lock:
             self._data[key] = value.encode() if isinstance(value, str) else bytes(value)
 
     def get(self, key) -> bytes:
+        """The value of ``key``; ``RuntimeError`` where no one here set it (see the class)."""
         with self._lock:
             if key not in self._data:
                 raise self._missing(key)
             return self._data[key]
 
     def add(self, key, value: int) -> int:
+        """Add ``value`` to the integer under ``key`` (0 if unset); return the sum."""
         with self._lock:
             n = int(self._data.get(key, b"0")) + int(value)
             self._data[key] = str(n).encode()
             return n
 
     def compare_set(self, key, expected, desired) -> bytes:
+        """Set ``key`` to ``desired`` if its value is ``expected``; return its value."""
         with self._lock:
             expected = expected.encode() if isinstance(expected, str) else bytes(expected)
             if self._data.get(key, b"") == expected:
@@ -563,20 +600,24 @@ class LocalStore(dist.Store):
             return self._data.get(key, expected)
 
     def wait(self, keys, timeout=None) -> None:
+        """Return if every key is set here, else ``RuntimeError`` (see the class)."""
         with self._lock:
             missing = [k for k in keys if k not in self._data]
         if missing:
             raise self._missing(missing[0])
 
     def check(self, keys) -> bool:
+        """Whether every key is set here."""
         with self._lock:
             return all(k in self._data for k in keys)
 
     def delete_key(self, key) -> bool:
+        """Remove ``key``; whether it was there."""
         with self._lock:
             return self._data.pop(key, None) is not None
 
     def num_keys(self) -> int:
+        """The number of keys set here."""
         with self._lock:
             return len(self._data)
 
