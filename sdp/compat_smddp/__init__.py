@@ -23,3 +23,18 @@ def smddp_init(face_init):
             raise AlreadyInitializedError()
         face_init(*args, **kwargs)
     return init
+
+
+def forwarding(face, alias: str, namespace: dict):
+    """``(__getattr__, __dir__)`` of a module ``alias`` whose names are ``namespace`` (its
+    globals) and then ``face``'s (names added to ``face`` later appear too)."""
+    def __getattr__(name):
+        try:
+            return getattr(face, name)
+        except AttributeError:
+            raise AttributeError(f"module {alias!r} (sdp) has no attribute {name!r}") from None
+
+    def __dir__():
+        return sorted(set(namespace) | set(dir(face)))
+
+    return __getattr__, __dir__
