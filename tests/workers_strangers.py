@@ -2,8 +2,9 @@
 attack it (run as their own processes: another namespace for TCP, another user for Unix sockets)."""
 
 # A 2 x 2 job's script: small allreduces (the leaders' link), larger ones (the engine), a checksum
-# per rank; argv: steps, [a file whose existence makes the leaders' link sockets be shut down at
-# steps 1/4, 2/4 and 3/4 of the run, from a test hook], [repair: 1/0]
+# per rank; argv: steps, [how host 1's leader cuts its leaders' link connections at steps 1/4, 2/4
+# and 3/4 of the run: "ss" (ss -K: reset, what a middlebox's RST does) or "hook" (shutdown(2) under
+# the link)], [repair: 1/0]
 JOB = r"""
 import os, sys, time
 import numpy as np
@@ -21,7 +22,9 @@ try:
     for i in range(steps):
         if cut and i in (steps // 4, steps // 2, 3 * steps // 4):
             link = sdp.api.runtime().mesh.link
-            if link is not None and r == 0:  # (host 1's leader closes its sockets under the link)
+            if link is not None and r == 0 and cut == "ss":  # (its connections in, to its port, and out)
+                os.system(f"ss -K '( sport = :{link.address[1]} or dport = :{link._addr[2][1]} )' >/dev/null")
+            elif link is not None and r == 0:  # (host 1's leader shuts its sockets down under the link)
                 import socket
                 with link._lock:
                     for s in list(link._out.values()) + [c.sock for c in link._in.values()]:
