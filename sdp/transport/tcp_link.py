@@ -107,7 +107,11 @@ class LeaderLink:
         self._addr: Dict[int, tuple] = {}
         self._hosts: Dict[int, str] = {}
         self._lock = threading.Lock()  # held for each use of a socket, and to close them
-        self._joined = threading.Condition(self._lock)
+        #: authenticated connections (source, socket) from the acceptor thread, taken in by the
+        #: link's users (:meth:`_take_arrived`): the acceptor never waits for the link's lock,
+        #: which a caller waiting in recv() takes again at once
+        self._arrived: List[tuple] = []
+        self._arrival = threading.Condition()
         self._out: Dict[int, socket.socket] = {}
         self._in: Dict[int, _Incoming] = {}  # by descriptor
         self._poll = select.poll()
@@ -131,7 +135,7 @@ class LeaderLink:
     def offer(self, size: int) -> Dict[str, str]:
         """The tokens (hex) this rank issues, one for each other rank of a job of ``size``, for
         its rendezvous entry."""
-        with self._lock:
+        with self._arrival:
             self._tokens = {r: secrets.token_bytes(TOKEN_BYTES) for r in range(size) if r != self.rank}
         return {str(r): t.hex() for r, t in self._tokens.items()}
 
@@ -150,16 +154,21 @@ class LeaderLink:
             s = self._connect(q, max(0.1, deadline - time.monotonic()))
             with self._lock:
                 self._add_out(q, s)
-        with self._joined:
-            while not all(self._has_in(q) for q in others):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise errors.CollectiveTimeoutError(
-                        f"rank {self.rank}: host leaders {[q for q in others if not self._has_in(q)]} did not "
-                        f"join the leaders' link")
-                self._joined.wait(min(left, 0.1))
-            self._leaders = list(leaders)
-            self._set_direct()
+        while True:
+            with self._lock:
+                self._take_arrived()
+                missing = [q for q in others if not self._has_in(q)]
+                if not missing:
+                    self._leaders = list(leaders)
+                    self._set_direct()
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.CollectiveTimeoutError(
+                    f"rank {self.rank}: host leaders {missing} did not join the leaders' link")
+            with self._arrival:
+                if not self._arrived:
+                    self._arrival.wait(min(left, 0.1))
 
     def _connect(self, q: int, timeout_s: float) -> socket.socket:
         """A new connection to leader ``q``, its next proof presented."""
@@ -231,7 +240,9 @@ class LeaderLink:
                     sel.unregister(conn)
                     slots.done(conn)
                     del pending[conn]
-                    self._adopt(_HELLO.unpack(p[0])[1], conn)
+                    with self._arrival:
+                        self._arrived.append((_HELLO.unpack(p[0])[1], conn))
+                        self._arrival.notify_all()
                 self._refusals.flush()
         finally:
             for conn in list(pending):
@@ -241,7 +252,7 @@ class LeaderLink:
 
     def _authentic(self, hello: bytes) -> bool:
         magic, src, n, proof = _HELLO.unpack(hello)
-        with self._lock:
+        with self._arrival:  # (not the link's lock, which callers hold in turn)
             token = self._tokens.get(src) if magic == MAGIC else None
             if token is None or n <= self._seen.get(src, -1):
                 return False
@@ -250,14 +261,17 @@ class LeaderLink:
             self._seen[src] = n  # (single use: this proof and every earlier one are spent)
             return True
 
-    def _adopt(self, src: int, conn: socket.socket) -> None:
-        """An authenticated connection from leader ``src``: it replaces any before it."""
-        conn.setblocking(True)
-        _tune(conn)
-        with self._joined:
+    def _take_arrived(self) -> None:
+        """(Holding the lock.) The connections the acceptor authenticated, each replacing any from
+        its leader before it."""
+        with self._arrival:
+            arrived, self._arrived = self._arrived, []
+        for src, conn in arrived:
+            conn.setblocking(True)
+            _tune(conn)
             if self._stop.is_set():
                 conn.close()
-                return
+                continue
             for fd in [fd for fd, c in self._in.items() if c.src == src]:
                 self._drop(fd)
             self._in[conn.fileno()] = _Incoming(src, conn)
@@ -267,7 +281,6 @@ class LeaderLink:
                 self._repaired(src, "from", broken)
             if self._leaders:
                 self._set_direct()
-            self._joined.notify_all()
 
     # -- use ----------------------------------------------------------------------------------
     def send(self, dst: int, body) -> None:
@@ -297,6 +310,8 @@ class LeaderLink:
                 self._repair_all()
             if self._stop.is_set():
                 return out
+            if self._arrived:
+                self._take_arrived()
             for fd, _ in self._poll.poll(timeout_ms):
                 q = self._out_fds.get(fd)
                 if q is not None:  # (a connection this rank writes: readable only at its end)
@@ -370,7 +385,9 @@ class LeaderLink:
             self._poll.unregister(s.fileno())
             s.close()
             self.direct = None
-        self._broken.setdefault(("out", q), (time.monotonic(), cause))
+        if ("out", q) not in self._broken:  # (a new failure: tried at once)
+            self._next_try.pop(q, None)
+            self._broken[("out", q)] = (time.monotonic(), cause)
 
     def _lose_in(self, fd: int, cause: str) -> None:
         src = self._in[fd].src
@@ -442,8 +459,8 @@ class LeaderLink:
                 self._listener = None
             for fd in list(self._in):
                 self._drop(fd)
-            for s in self._out.values():
+            for s in list(self._out.values()) + [conn for _, conn in self._arrived]:
                 s.close()
-            self._out, self._out_fds, self._broken = {}, {}, {}
+            self._out, self._out_fds, self._broken, self._arrived = {}, {}, {}, []
             self._tokens = {}
             self.direct = None
