@@ -62,6 +62,7 @@ Mirrors ``torch.distributed``'s ``ProcessGroup``/``Work`` contract (c10d) as PyT
 """
 import datetime
 import itertools
+import logging
 import os
 import queue
 import sys
@@ -77,6 +78,7 @@ import sdp.api as api
 from sdp.torch import tensors as _tensors
 from sdp.common.reduce_ops import ReduceOp
 
+log = logging.getLogger("sdp.torch.distributed")
 BACKEND = "sdp"
 #: an asynchronous allreduce of a CPU tensor of at most this many bytes x (ranks - 1) runs in the
 #: caller when every rank is on this host (the fast lane's limit for a synchronous allreduce)
@@ -124,7 +126,10 @@ class _Completer:
     def _run(self) -> None:
         while True:
             work = self._queue.get()
-            work._settle()
+            try:
+                work._settle()
+            except Exception:  # (a then() callback's own error is its future's; anything else: logged, go on)
+                log.exception("completing the future of a torch.distributed collective on sdp")
 
 
 _completer = _Completer()
