@@ -100,8 +100,8 @@ def init(config: Optional[Config] = None) -> None:
     """Start sdp in this process: read the topology, rendezvous with all ranks, start the engine.
 
     Mirrors ``smdistributed.dataparallel.tensorflow.init`` / ``horovod.tensorflow.init``.
-    Raises ``AlreadyInitializedError`` if called twice (as SMDDP documents; the Horovod face
-    under Horovod's names, ``sdp.tensorflow.mpi_ops.init``, turns that into a no-op),
+    Raises ``AlreadyInitializedError`` if called twice (as SMDDP documents; ``sdp.tensorflow.init``
+    checks ``is_initialized()`` first and returns, Horovod's rule, and only SMDDP's names raise),
     ``TopologyError`` for a bad environment, one ``ValueError`` naming every
     ``SDP_*``/``HOROVOD_*`` setting whose value is not allowed (``sdp.common.config.check_env``), ``RendezvousError`` if the other ranks do
     not show up within ``SDP_START_TIMEOUT`` seconds."""
