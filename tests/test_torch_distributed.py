@@ -132,3 +132,34 @@ def test_compat_smddp_is_smdistributed():
     from sdp.launcher.cli import _compat_list
     assert parse_families("smddp,kungfu") == ("smdistributed", "kungfu")
     assert _compat_list("smddp") == "smdistributed"
+
+
+def _two_free_ports() -> int:
+    """A port p on 127.0.0.1 with p + 1 free too (PyTorch's store and sdp's rendezvous)."""
+    import socket
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            try:
+                with socket.socket() as b:
+                    b.bind(("127.0.0.1", p + 1))
+                    return p
+            except OSError:
+                continue
+    raise RuntimeError("no two adjacent free ports")
+
+
+def test_env_init_beside_pytorchs_store():
+    """Launched as Kubeflow's PyTorchJob launches (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; no
+    sdprun): PyTorch's TCPStore serves MASTER_PORT, sdp's rendezvous takes the next port."""
+    port = _two_free_ports()
+    sdp_vars = ("SDP_RANK", "SDP_SIZE", "SDP_LOCAL_RANK", "SDP_LOCAL_SIZE", "SDP_CROSS_RANK", "SDP_CROSS_SIZE",
+                "SDP_RENDEZVOUS_ADDR")
+
+    def launcher_env(rank):
+        return dict({v: None for v in sdp_vars}, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                    LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    values = check_ok(run_workers(2, "workers_torch_distributed:launched_like_kubeflow", [], env=ENV, init=False,
+                                  per_rank_env=launcher_env))
+    assert values == [["TORCHRUN", [3.0, 3.0]]] * 2, values

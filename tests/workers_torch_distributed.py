@@ -307,3 +307,16 @@ def benchmark_table():
     with contextlib.redirect_stdout(buf):
         rc = torch_allreduce.main(["--sizes", "1K", "--rounds", "1", "--ddp-steps", "2"])
     return [rc, buf.getvalue()]
+
+
+def launched_like_kubeflow():
+    """``init_process_group(backend="sdp")`` with a launcher's ``RANK``/``WORLD_SIZE``/
+    ``MASTER_ADDR``/``MASTER_PORT`` and no sdprun: PyTorch's TCPStore holds ``MASTER_PORT``,
+    sdp meets beside it.  Returns [sdp's topology source, an allreduce's result]."""
+    import sdp
+    r, n = _init()
+    t = torch.full((2,), float(r + 1))
+    dist.all_reduce(t)
+    out = [sdp.api.runtime().topology.source, t.tolist()]
+    dist.destroy_process_group()
+    return out

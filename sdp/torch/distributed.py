@@ -20,7 +20,9 @@ explicitly.  A Gloo or NCCL group beside the sdp one (``dist.new_group(backend="
 store shared between the ranks: set ``MASTER_ADDR``/``MASTER_PORT`` (``sdprun -x``; ``env://``
 then builds PyTorch's ``TCPStore`` as usual) or give ``init_method="file://..."``; without one
 it raises ``RuntimeError`` saying so.  ``rank``/``world_size`` given to ``init_process_group`` must
-be sdp's, else ``ValueError``.
+be sdp's, else ``ValueError``.  Launched by ``torchrun``, or with ``RANK``/``WORLD_SIZE``/
+``MASTER_ADDR``/``MASTER_PORT`` (Kubeflow's PyTorchJob), ``env://`` is PyTorch's ``TCPStore`` and
+sdp meets at ``MASTER_ADDR:MASTER_PORT + 1`` beside it.
 
 **Collectives.**  :class:`ProcessGroupSDP` is a Python ``torch.distributed.ProcessGroup`` (the
 kind PyTorch's own tests subclass).  Each collective is submitted to :mod:`sdp.api`
@@ -536,16 +538,48 @@ def _process_set(ranks: List[int]) -> int:
     return _sets[key]
 
 
+def _tcp_store(store):
+    """The ``TCPStore`` under ``store``'s prefixes, or None."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store if isinstance(store, dist.TCPStore) else None
+
+
+def _init_beside(store) -> None:
+    """``sdp.init()`` where PyTorch's ``TCPStore`` may hold ``MASTER_PORT`` already: sdp's rank 0
+    serves its rendezvous at ``MASTER_ADDR:MASTER_PORT`` when nothing else names one (env:// with
+    ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` from a launcher that is not sdprun, as
+    Kubeflow's PyTorchJob sets them), so it takes ``MASTER_PORT + 1`` then, as under torchrun's
+    agent store (:mod:`sdp.common.topology`)."""
+    tcp = _tcp_store(store)
+    env = os.environ
+    beside = (tcp is not None and "SDP_RENDEZVOUS_ADDR" not in env and env.get("MASTER_PORT")
+              and str(tcp.port) == env["MASTER_PORT"] and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
+    if not beside:
+        api.init()
+        return
+    before = env.get("TORCHELASTIC_USE_AGENT_STORE")
+    env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # (read by sdp's topology at init only; put back at once)
+    try:
+        api.init()
+    finally:
+        if before is None:
+            del env["TORCHELASTIC_USE_AGENT_STORE"]
+        else:
+            env["TORCHELASTIC_USE_AGENT_STORE"] = before
+
+
 def create_process_group(options, backend_options=None) -> ProcessGroupSDP:
     """The backend's creator (``register_backend``'s extended form): ``options`` is PyTorch's
     ``_DistributedBackendOptions`` (``store``, ``group_rank``, ``group_size``, ``timeout``,
-    ``group_id``, ``global_ranks_in_group``).  Starts sdp (``sdp.init()``) if it is not running.
+    ``group_id``, ``global_ranks_in_group``).  Starts sdp (``sdp.init()``) if it is not running
+    (:func:`_init_beside`).
     Raises ``ValueError`` when PyTorch's rank or world size is not sdp's, ``NotImplementedError``
     for a group over a strict subset of the ranks made without the default group's hook
     (``new_group(..., use_local_synchronization=True)``, or next to a default group of another
     backend: only its members call the creator, and sdp registers process sets on every rank)."""
     if not api.is_initialized():
-        api.init()
+        _init_beside(options.store)
     rank, size = options.group_rank, options.group_size
     ranks = list(options.global_ranks_in_group) or list(range(api.size()))
     if not options.global_ranks_in_group and (rank, size) != (api.rank(), api.size()):
