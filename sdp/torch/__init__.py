@@ -10,17 +10,17 @@ this package's).  Names, arguments and defaults are Horovod's:
   ``start_timeline``/``stop_timeline``, the build queries, process sets (``ProcessSet``,
   ``global_process_set``, ``add_process_set``, ``remove_process_set``, ``init(process_sets=...)``);
 - collectives on tensors (CPU or CUDA; results on the input's device), with autograd and int
-  handles: :mod:`sdp.torch.mpi_ops`;
-- ``DistributedOptimizer`` (:mod:`sdp.torch.optimizer`), ``broadcast_parameters``,
+  handles: ``sdp.torch.mpi_ops``;
+- ``DistributedOptimizer`` (``sdp.torch.optimizer``), ``broadcast_parameters``,
   ``broadcast_optimizer_state``, ``broadcast_object``, ``allgather_object``
-  (:mod:`sdp.torch.functions`), ``SyncBatchNorm`` (:mod:`sdp.torch.sync_batch_norm`),
-  ``Compression`` (:mod:`sdp.torch.compression`), ``elastic`` (:mod:`sdp.torch.elastic`).
+  (``sdp.torch.functions``), ``SyncBatchNorm`` (``sdp.torch.sync_batch_norm``),
+  ``Compression`` (``sdp.torch.compression``), ``elastic`` (``sdp.torch.elastic``).
 
-Tensors reach the engine through :mod:`sdp.torch.tensors` (CPU tensors as numpy views, CUDA
+Tensors reach the engine through ``sdp.torch.tensors`` (CPU tensors as numpy views, CUDA
 tensors through the device path, no copies).  Errors: collectives whose ranks disagree raise
-:class:`TensorMismatchError` on every rank, a lost peer :class:`PeerLostError`; both are
+``TensorMismatchError`` on every rank, a lost peer ``PeerLostError``; both are
 ``HorovodInternalError`` (a ``RuntimeError``), as Horovod's ``synchronize`` raises.  ``op=Adasum``
-is sdp's engine's (:mod:`sdp.engine.adasum`); ``DistributedOptimizer(op=Adasum)`` is Horovod's
+is sdp's engine's (``sdp.engine.adasum``); ``DistributedOptimizer(op=Adasum)`` is Horovod's
 Adasum optimizer.
 """
 from sdp.common.errors import PeerLostError, SdpError, TensorMismatchError  # noqa: F401

@@ -4,9 +4,9 @@
 ``Compression.fp16`` keeps Horovod's contract: ``compress(t)`` returns ``(t as float16, t.dtype)``
 for every floating ``t`` and ``(t, t.dtype)`` otherwise; ``decompress(t, ctx)`` casts back to a
 floating ``ctx``.  Explicit collectives (``hvd.allreduce(t, compression=Compression.fp16)``)
-always cast; :class:`~sdp.torch.optimizer.DistributedOptimizer` skips the cast where no bytes
+always cast; ``DistributedOptimizer`` skips the cast where no bytes
 cross a network (as the TensorFlow face does, ``SDP_FP16_SKIP_LOCAL``, see
-:mod:`sdp.tensorflow.compression`): :func:`gradient_compression`.
+``sdp.tensorflow.compression``): ``gradient_compression``.
 """
 import torch
 
@@ -28,7 +28,7 @@ class FP16Compressor(Compressor):
 
 
 class _WireFP16Compressor(Compressor):
-    """:class:`FP16Compressor` when collectives cross a network (``sdp.api.has_wire()``), else
+    """``FP16Compressor`` when collectives cross a network (``sdp.api.has_wire()``), else
     tensors unchanged (``ctx`` None)."""
 
     @staticmethod

@@ -13,9 +13,9 @@ ranks ``sdprun`` starts::
 **Rendezvous.**  sdp's ranks find each other through ``sdprun``'s own rendezvous (``sdp.init()``,
 which the backend calls if nothing did yet), so the backend needs no torch store.  When
 ``MASTER_ADDR`` is not set, ``init_method="env://"`` (the default) is answered from sdp's
-environment (:mod:`sdp.common.topology`: ``sdprun``, ``mpirun``, Slurm, ..., or one process
+environment (``sdp.common.topology``: ``sdprun``, ``mpirun``, Slurm, ..., or one process
 without a launcher) instead of failing: rank and world size are sdp's and the store is a
-:class:`LocalStore` (nothing listens on a port); ``init_method="sdp://"`` asks for that
+``LocalStore`` (nothing listens on a port); ``init_method="sdp://"`` asks for that
 explicitly.  A Gloo or NCCL group beside the sdp one (``dist.new_group(backend="gloo")``) needs a
 store shared between the ranks: set ``MASTER_ADDR``/``MASTER_PORT`` (``sdprun -x``; ``env://``
 then builds PyTorch's ``TCPStore`` as usual) or give ``init_method="file://..."``; without one
@@ -24,12 +24,12 @@ be sdp's, else ``ValueError``.  Launched by ``torchrun``, or with ``RANK``/``WOR
 ``MASTER_ADDR``/``MASTER_PORT`` (Kubeflow's PyTorchJob), ``env://`` is PyTorch's ``TCPStore`` and
 sdp meets at ``MASTER_ADDR:MASTER_PORT + 1`` beside it.
 
-**Collectives.**  :class:`ProcessGroupSDP` is a Python ``torch.distributed.ProcessGroup`` (the
-kind PyTorch's own tests subclass).  Each collective is submitted to :mod:`sdp.api`
+**Collectives.**  ``ProcessGroupSDP`` is a Python ``torch.distributed.ProcessGroup`` (the
+kind PyTorch's own tests subclass).  Each collective is submitted to ``sdp.api``
 asynchronously under the name ``torch.<group>.<n>``, ``n`` counting the group's collectives
-modulo :data:`sdp.api.AUTO_NAMES`: ranks issue a group's collectives in the same order (PyTorch's
+modulo ``sdp.api.AUTO_NAMES``: ranks issue a group's collectives in the same order (PyTorch's
 rule), so the n-th collective of every rank pairs up, and a rank whose n-th collective differs
-(another kind, shape, dtype, op or root) gets :class:`~sdp.common.errors.TensorMismatchError`, as
+(another kind, shape, dtype, op or root) gets ``TensorMismatchError``, as
 does every other rank, raised from ``Work.wait()`` (and set on its future).  CPU tensors are
 reduced in place through views of their memory (the in-place result is the caller's tensor);
 CUDA tensors through sdp's device path.  Supported: ``allreduce`` (``ReduceOp`` SUM, AVG, MIN,
@@ -40,12 +40,12 @@ coalesced form, ``reduce``, ``gather``, ``scatter``, ``alltoall``, ``all_to_all_
 ``barrier``.  Point-to-point ``send``/``recv`` raise ``NotImplementedError`` (sdp's engine has
 collectives only).
 
-**Work and futures.**  Every collective returns a :class:`Work` at once.  An allreduce that is
+**Work and futures.**  Every collective returns a ``Work`` at once.  An allreduce that is
 waited on at once (``async_op=False``), and, when every rank is on this host, one of a CPU tensor
-of at most :data:`NOW_BYTES` x (ranks - 1) (DDP's first bucket, a small model's only one) runs
+of at most ``NOW_BYTES`` x (ranks - 1) (DDP's first bucket, a small model's only one) runs
 whole in the calling thread through sdp's fast lane (no hand-over to the engine's thread), and
 its ``Work`` is done when returned.  ``Work.wait()`` waits
-(at most the group's ``timeout``, then :class:`~sdp.common.errors.CollectiveTimeoutError`);
+(at most the group's ``timeout``, then ``CollectiveTimeoutError``);
 ``Work.get_future()`` (what DDP's reducer and comm hooks use) returns a ``torch.futures.Future``
 that one background thread per process completes, in submission order, with the output tensors
 (or the error).  A ``then()`` callback runs on that thread: a collective it starts is completed
@@ -53,7 +53,7 @@ there when the callback asks for its future (PowerSGD's hook waits on it at once
 block on the future of a collective started outside the callback.
 
 **Subgroups.**  ``dist.new_group(ranks)`` with the default group on this backend is an sdp
-process set of ``ranks`` (:func:`sdp.api.add_process_sets`, on every rank: PyTorch's rule that
+process set of ``ranks`` (``sdp.api.add_process_sets``, on every rank: PyTorch's rule that
 every rank calls ``new_group`` makes that possible through the default group's ``new_group``
 hook); over every rank it is a group of its own on the whole job.  Made on its members only
 (``use_local_synchronization=True``, or beside a default group of another backend), a strict
@@ -82,11 +82,16 @@ from sdp.common.reduce_ops import ReduceOp
 
 log = logging.getLogger("sdp.torch.distributed")
 BACKEND = "sdp"
-#: an asynchronous allreduce of a CPU tensor of at most this many bytes x (ranks - 1) runs in the
-#: caller when every rank is on this host (the fast lane's limit for a synchronous allreduce)
+"""The backend name this module registers with ``torch.distributed.Backend.register_backend``
+(``init_process_group(backend="sdp")``, CPU and CUDA tensors)."""
 NOW_BYTES = 1 << 20
-#: the schemes of init_method answered from sdp's environment (see the module docstring)
+"""Bytes (1 MiB): when every rank is on this host, an asynchronous allreduce of a CPU tensor of
+at most this many bytes x (ranks - 1) runs whole in the calling thread (the fast lane's limit for
+a synchronous allreduce) and its ``Work`` is done when returned; other asynchronous collectives
+are handed to the engine's thread."""
 SCHEME = "sdp"
+"""The ``init_method`` scheme (``init_method="sdp://"``) answered from sdp's environment rather
+than a URL (see the module docstring)."""
 
 _OPS = {int(theirs): ours for theirs, ours in (  # (by the value of ReduceOp.RedOpType, a ReduceOp's .op)
     (dist.ReduceOp.SUM, ReduceOp.SUM), (dist.ReduceOp.AVG, ReduceOp.AVERAGE), (dist.ReduceOp.MIN, ReduceOp.MIN),
@@ -105,7 +110,7 @@ def _reduce_op(op) -> ReduceOp:
 # ---------------------------------------------------------------- Work
 
 class _Completer:
-    """One daemon thread per process that completes the futures of :class:`Work` objects whose
+    """One daemon thread per process that completes the futures of ``Work`` objects whose
     future was asked for, in submission order."""
 
     def __init__(self):
@@ -138,7 +143,7 @@ _completer = _Completer()
 
 
 class Work(dist._Work):
-    """The pending result of one collective of :class:`ProcessGroupSDP` (``torch.distributed``'s
+    """The pending result of one collective of ``ProcessGroupSDP`` (``torch.distributed``'s
     ``Work``): ``wait()``, ``get_future()``, ``is_completed()``, ``is_success()``,
     ``exception()``, ``result()``."""
 
@@ -181,7 +186,7 @@ class Work(dist._Work):
     def wait(self, timeout=None) -> bool:
         """Block until the collective is done; raise its error (e.g. ``TensorMismatchError``).
         ``timeout`` (a ``timedelta`` or seconds; 0 or None: the group's) bounds the wait: then
-        :class:`~sdp.common.errors.CollectiveTimeoutError`."""
+        ``CollectiveTimeoutError``."""
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
         if seconds:
             self._timeout = float(seconds)
@@ -273,9 +278,9 @@ class ProcessGroupSDP(dist.ProcessGroup):
         return self._new_group
 
     def _new_group(self, ranks, timeout=None, pg_options=None, group_name=None, group_desc=None):
-        """The group of job ``ranks`` (ascending), on every rank (see :attr:`new_group`): an sdp
-        process set registered on every rank (:func:`sdp.api.add_process_sets`, once per set of
-        ranks); the members' :class:`ProcessGroupSDP`, None elsewhere."""
+        """The group of job ``ranks`` (ascending), on every rank (see ``new_group``): an sdp
+        process set registered on every rank (``sdp.api.add_process_sets``, once per set of
+        ranks); the members' ``ProcessGroupSDP``, None elsewhere."""
         ranks = list(range(api.size())) if ranks is None else [int(r) for r in ranks]
         if ranks != sorted(ranks):
             raise NotImplementedError(f"torch.distributed backend 'sdp': a group of ranks {ranks} in another order "
@@ -355,7 +360,7 @@ class ProcessGroupSDP(dist.ProcessGroup):
         return self._work(handles, finish, list(tensors), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        """``all_reduce_coalesced``: :meth:`allreduce` of each tensor."""
+        """``all_reduce_coalesced``: ``allreduce`` of each tensor."""
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors, opts=None):
@@ -379,7 +384,7 @@ class ProcessGroupSDP(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        """Each pair of :meth:`all_gather_single`, in one ``Work``."""
+        """Each pair of ``all_gather_single``, in one ``Work``."""
         for o, i in zip(outputs, inputs):
             if o.numel() != i.numel() * self._size:
                 raise ValueError(f"all_gather_into_tensor: an output of {o.numel()} elements for {self._size} "
@@ -413,7 +418,7 @@ class ProcessGroupSDP(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        """Each pair of :meth:`reduce_scatter_single`, in one ``Work``."""
+        """Each pair of ``reduce_scatter_single``, in one ``Work``."""
         op = self._op(opts)
         for o, i in zip(outputs, inputs):
             if i.numel() != o.numel() * self._size:
@@ -550,7 +555,7 @@ def _init_beside(store) -> None:
     serves its rendezvous at ``MASTER_ADDR:MASTER_PORT`` when nothing else names one (env:// with
     ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` from a launcher that is not sdprun, as
     Kubeflow's PyTorchJob sets them), so it takes ``MASTER_PORT + 1`` then, as under torchrun's
-    agent store (:mod:`sdp.common.topology`)."""
+    agent store (``sdp.common.topology``)."""
     tcp = _tcp_store(store)
     env = os.environ
     beside = (tcp is not None and "SDP_RENDEZVOUS_ADDR" not in env and env.get("MASTER_PORT")
@@ -573,7 +578,7 @@ def create_process_group(options, backend_options=None) -> ProcessGroupSDP:
     """The backend's creator (``register_backend``'s extended form): ``options`` is PyTorch's
     ``_DistributedBackendOptions`` (``store``, ``group_rank``, ``group_size``, ``timeout``,
     ``group_id``, ``global_ranks_in_group``).  Starts sdp (``sdp.init()``) if it is not running
-    (:func:`_init_beside`).
+    (``_init_beside``).
     Raises ``ValueError`` when PyTorch's rank or world size is not sdp's, ``NotImplementedError``
     for a group over a strict subset of the ranks made without the default group's hook
     (``new_group(..., use_local_synchronization=True)``, or next to a default group of another
@@ -663,7 +668,7 @@ class LocalStore(dist.Store):
 
 def _sdp_rendezvous(url: str, rank: int = -1, world_size: int = -1, **kwargs):
     """``init_method`` ``sdp://`` (and ``env://`` without ``MASTER_ADDR``): rank and world size
-    from sdp's environment unless given, and a :class:`LocalStore`."""
+    from sdp's environment unless given, and a ``LocalStore``."""
     from sdp.common import topology
     topo = topology.from_env()
     rank = topo.rank if rank is None or rank < 0 else rank
@@ -693,7 +698,7 @@ def _wrap_env_handler():
 
 
 def register(name: str = BACKEND) -> None:
-    """Register sdp's backend under ``name`` (``"sdp"``; :mod:`sdp.compat_smddp.torch.torch_smddp` adds
+    """Register sdp's backend under ``name`` (``"sdp"``; ``sdp.compat_smddp.torch.torch_smddp`` adds
     ``"smddp"``) and the ``sdp://`` init method with ``torch.distributed`` (idempotent; ``"sdp"``
     is registered when this module is imported)."""
     _NAMES.add(name.lower())

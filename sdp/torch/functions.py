@@ -29,7 +29,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
     """Give every rank ``root_rank``'s optimizer state: tensors of the state (momentum buffers,
     Adam's moments and ``step``) are broadcast in place, scalars of the state and the param
     groups' options (``lr``, ``betas``...) as one pickled object.  An optimizer without state yet
-    takes one step on zero gradients first (a :func:`DistributedOptimizer` steps without
+    takes one step on zero gradients first (a ``DistributedOptimizer`` steps without
     allreducing), as Horovod does.  ``model`` names sparse embeddings (their zero gradients are
     sparse).  Mirrors ``horovod.torch.broadcast_optimizer_state``; ``ValueError`` for
     ``torch.optim.LBFGS``."""

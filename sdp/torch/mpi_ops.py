@@ -4,7 +4,7 @@ their gradients (no MPI involved; under ``sdprun --compat horovod`` this module 
 
 Tensors: CPU tensors go to the engine as numpy views of their memory, CUDA tensors through its
 device path (the caller's current stream is waited on), results come back on the input's device
-without copies (:mod:`sdp.torch.tensors`).  Every dtype sdp carries: bool, uint8, int8-int64,
+without copies (``sdp.torch.tensors``).  Every dtype sdp carries: bool, uint8, int8-int64,
 float16, bfloat16, float32, float64 (others: ``ValueError``, as Horovod's "Tensor type ... is not
 supported").  Names key a collective across ranks; without one, a per-kind counter names it (the
 same on every rank that makes the same calls in the same order).
@@ -16,7 +16,7 @@ Functions (Horovod's names, arguments and defaults):
   (default op: Average); ``allreduce_`` (in place: returns the caller's tensor);
   ``allreduce_async`` / ``allreduce_async_`` -> an int handle; ``grouped_allreduce(_)(_async)``
   of a list (one fused submission).  ``op``: ``Average``, ``Sum``, ``Min``, ``Max``, ``Product``,
-  ``Adasum`` (float tensors, a power-of-two number of ranks: see :mod:`sdp.api`); ``average`` is
+  ``Adasum`` (float tensors, a power-of-two number of ranks: see ``sdp.api``); ``average`` is
   Horovod's deprecated spelling.
 - ``allgather(tensor, name=None, process_set=...)`` (first dimensions may differ), ``_async``,
   ``grouped_allgather(_async)``; ``broadcast(tensor, root_rank, ...)``, ``broadcast_`` (in
@@ -32,7 +32,7 @@ Functions (Horovod's names, arguments and defaults):
   ``shutdown``, ``is_initialized``, ``size``/``rank``/``local_*``/``cross_*``,
   ``is_homogeneous``, ``start_timeline``/``stop_timeline``, the build queries (``mpi_built``...:
   sdp has no MPI, Gloo or NCCL), ``ProcessSet``/``global_process_set``/``add_process_set``/
-  ``remove_process_set`` (:mod:`sdp.process_sets`), ``HorovodInternalError``.
+  ``remove_process_set`` (``sdp.process_sets``), ``HorovodInternalError``.
 
 Gradients (``torch.autograd.Function``s, as Horovod's ``mpi_ops.py`` defines them): allreduce's
 is an allreduce of the gradient with the same op and scale factors; allgather's is an Average
@@ -42,8 +42,8 @@ reducescatter's is an allgather of the gradient (times the set's size for Sum, t
 factors).  Tensors that do not require a gradient skip the autograd layer.
 
 Errors: ranks that disagree on a collective (shape, dtype, op, root...) get
-:class:`~sdp.common.errors.TensorMismatchError` on every rank, a lost peer
-:class:`~sdp.common.errors.PeerLostError`: both are ``HorovodInternalError`` (a
+``TensorMismatchError`` on every rank, a lost peer
+``PeerLostError``: both are ``HorovodInternalError`` (a
 ``RuntimeError``), the class Horovod's ``synchronize`` raises.
 """
 import torch
@@ -66,14 +66,22 @@ from sdp.api import (cross_rank, cross_size, is_initialized, local_rank, local_s
                      start_timeline, stop_timeline)
 
 handle_average_backwards_compatibility = _average_compat(_reduce_ops)
+"""``handle_average_backwards_compatibility(op, average)`` -> the ``ReduceOp`` to run, from
+Horovod's legacy ``average=`` argument: ``op`` when given (``ValueError`` when ``average`` is
+given too), else ``Average`` for ``average=True`` and ``Sum`` for ``average=False`` (with a
+``DeprecationWarning``), else ``Average``.  Mirrors
+``horovod.torch.mpi_ops.handle_average_backwards_compatibility``."""
 check_num_rank_power_of_2 = _power_of_2
+"""``check_num_rank_power_of_2(num_rank)`` -> bool: True if ``num_rank`` (an int, a number of
+ranks) is a power of two (1, 2, 4, ...; 0 is not), the condition of ``op=Adasum``.  Mirrors
+``horovod.torch.mpi_ops.check_num_rank_power_of_2``."""
 
 
 def init(comm=None, process_sets=None) -> None:
     """Initialize sdp, or do nothing if it already is (Horovod's rule).  ``comm``: None or ``[]``
     (anything else raises ``NotImplementedError``: sdp has no MPI).  ``process_sets``: a list of
-    :class:`ProcessSet` registered as static sets (the same list on every rank), or
-    ``"dynamic"``.  Mirrors ``horovod.torch.init``; raises what :func:`sdp.api.init` raises."""
+    ``ProcessSet`` registered as static sets (the same list on every rank), or
+    ``"dynamic"``.  Mirrors ``horovod.torch.init``; raises what ``sdp.api.init`` raises."""
     if comm not in (None, []):
         raise NotImplementedError(f"init(comm={comm!r}): sdp does not use MPI; pass no communicator")
     if _api.is_initialized():
@@ -99,7 +107,16 @@ def mpi_enabled() -> bool:
     return False
 
 
-mpi_threads_supported = gloo_enabled = rocm_built = mpi_enabled
+mpi_threads_supported = mpi_enabled
+"""``mpi_threads_supported()`` -> False: sdp does not use MPI, so there is no MPI
+multi-threading to mix with ``mpi4py``.  Mirrors
+``horovod.torch.mpi_threads_supported``."""
+gloo_enabled = mpi_enabled
+"""``gloo_enabled()`` -> False: sdp runs on its own engine, not Gloo.  Mirrors
+``horovod.torch.gloo_enabled``."""
+rocm_built = mpi_enabled
+"""``rocm_built()`` -> False: sdp's device path is CUDA only (no ROCm).  Mirrors
+``horovod.torch.rocm_built``."""
 
 
 def _needs_grad(*tensors) -> bool:
@@ -110,14 +127,14 @@ def _needs_grad(*tensors) -> bool:
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set) -> int:
     """Start an allreduce of ``tensor`` (not modified) and return an int handle for
-    :func:`synchronize` (a new tensor).  Mirrors ``horovod.torch.allreduce_async``."""
+    ``synchronize`` (a new tensor).  Mirrors ``horovod.torch.allreduce_async``."""
     op = handle_average_backwards_compatibility(op, average)
     return _ops.allreduce_async(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set) -> int:
-    """Start an in-place allreduce of ``tensor``; :func:`synchronize` returns ``tensor``.
+    """Start an in-place allreduce of ``tensor``; ``synchronize`` returns ``tensor``.
     Mirrors ``horovod.torch.allreduce_async_``."""
     op = handle_average_backwards_compatibility(op, average)
     return _ops.allreduce_async(tensor, name, op, prescale_factor, postscale_factor, process_set, inplace=True)
@@ -166,7 +183,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set) -> int:
-    """Start one fused allreduce of a list of tensors; :func:`synchronize` returns a tuple of new
+    """Start one fused allreduce of a list of tensors; ``synchronize`` returns a tuple of new
     tensors.  Mirrors ``horovod.torch.grouped_allreduce_async``."""
     op = handle_average_backwards_compatibility(op, average)
     return _ops.grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor, process_set)
@@ -174,7 +191,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> int:
-    """In-place :func:`grouped_allreduce_async`: :func:`synchronize` returns the tensors
+    """In-place ``grouped_allreduce_async``: ``synchronize`` returns the tensors
     themselves.  Mirrors ``horovod.torch.grouped_allreduce_async_``."""
     op = handle_average_backwards_compatibility(op, average)
     return _ops.grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor, process_set,
@@ -264,13 +281,13 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
-    """Start an allgather of each tensor of a list; :func:`synchronize` returns a tuple.
+    """Start an allgather of each tensor of a list; ``synchronize`` returns a tuple.
     Mirrors ``horovod.torch.grouped_allgather_async``."""
     return _ops.grouped_allgather_async(tensors, name, process_set)
 
 
 class HorovodGroupedAllgather(torch.autograd.Function):
-    """Grouped allgather with Horovod's gradient (as :class:`HorovodAllgather`'s, per tensor)."""
+    """Grouped allgather with Horovod's gradient (as ``HorovodAllgather``'s, per tensor)."""
 
     @staticmethod
     def forward(ctx, name, process_set, *tensors):
@@ -293,13 +310,13 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 # ---------------------------------------------------------------- broadcast
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
-    """Start a broadcast of ``root_rank``'s ``tensor`` (not modified); :func:`synchronize` returns
+    """Start a broadcast of ``root_rank``'s ``tensor`` (not modified); ``synchronize`` returns
     a new tensor.  Mirrors ``horovod.torch.broadcast_async``."""
     return _ops.broadcast_async(tensor, root_rank, name, process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
-    """Start an in-place broadcast into ``tensor``; :func:`synchronize` returns ``tensor``.
+    """Start an in-place broadcast into ``tensor``; ``synchronize`` returns ``tensor``.
     Mirrors ``horovod.torch.broadcast_async_``."""
     return _ops.broadcast_async(tensor, root_rank, name, process_set, inplace=True)
 
@@ -366,7 +383,7 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 # ---------------------------------------------------------------- reducescatter
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0) -> int:
-    """Start a reducescatter; :func:`synchronize` returns this rank's block.  Mirrors
+    """Start a reducescatter; ``synchronize`` returns this rank's block.  Mirrors
     ``horovod.torch.reducescatter_async``."""
     return _ops.reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
 
@@ -409,13 +426,13 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
-    """Start a reducescatter of each tensor of a list; :func:`synchronize` returns a tuple.
+    """Start a reducescatter of each tensor of a list; ``synchronize`` returns a tuple.
     Mirrors ``horovod.torch.grouped_reducescatter_async``."""
     return _ops.grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor)
 
 
 class HorovodGroupedReducescatter(torch.autograd.Function):
-    """Grouped reducescatter with Horovod's gradient (as :class:`HorovodReducescatter`'s, per tensor)."""
+    """Grouped reducescatter with Horovod's gradient (as ``HorovodReducescatter``'s, per tensor)."""
 
     @staticmethod
     def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):

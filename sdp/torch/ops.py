@@ -1,15 +1,15 @@
 """The collectives of ``horovod.torch`` on torch tensors, without autograd: submissions to
-:mod:`sdp.api` and Horovod's integer handles.
+``sdp.api`` and Horovod's integer handles.
 
 Every ``*_async`` function here submits to the engine and returns an ``int`` handle (as Horovod's
-do); :func:`poll` says whether it completed, :func:`synchronize` waits and returns its output
+do); ``poll`` says whether it completed, ``synchronize`` waits and returns its output
 (a tensor on the input's device; the caller's own tensor for the in-place ``*_async_`` forms; a
 tuple for grouped handles; ``(output, received_splits)`` for alltoall).  Errors (ranks that
-disagree, a lost peer) are raised by :func:`synchronize` on every rank, as sdp's classes, which
-derive from ``HorovodInternalError`` (:class:`sdp.common.errors.SdpError`) as Horovod's are;
+disagree, a lost peer) are raised by ``synchronize`` on every rank, as sdp's classes, which
+derive from ``HorovodInternalError`` (``sdp.common.errors.SdpError``) as Horovod's are;
 bad arguments (an unsupported dtype, a rank outside the process set) raise ``ValueError`` at
-submission.  :func:`allreduce_now` & co. are the synchronous forms (the fast lane runs small ones
-whole in the caller).  The autograd layer over these is :mod:`sdp.torch.mpi_ops`.
+submission.  ``allreduce_now`` & co. are the synchronous forms (the fast lane runs small ones
+whole in the caller).  The autograd layer over these is ``sdp.torch.mpi_ops``.
 """
 import itertools
 from typing import Callable, List, Optional
@@ -48,7 +48,7 @@ def clear() -> None:
 
 
 def poll(handle: int) -> bool:
-    """Whether the operation of ``handle`` completed (:func:`synchronize` will not block).
+    """Whether the operation of ``handle`` completed (``synchronize`` will not block).
     Mirrors ``horovod.torch.poll``; ``ValueError`` for an unknown handle."""
     pending = _handles.get(handle)
     if pending is None:
@@ -99,7 +99,7 @@ def allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=None, p
 def allreduce_now(tensor: torch.Tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0, process_set=global_process_set,
                   inplace: bool = False) -> torch.Tensor:
-    """:func:`allreduce_async` waited at once (small host tensors may take the fast lane whole)."""
+    """``allreduce_async`` waited at once (small host tensors may take the fast lane whole)."""
     arr = _t.as_input(tensor, "allreduce")
     out = _t.in_place(tensor, arr) if inplace else None
     result = api.allreduce(arr, name, op if type(op) is ReduceOp else resolve_op(op), prescale_factor,
@@ -133,7 +133,7 @@ def grouped_allreduce_async(tensors, name: Optional[str] = None, op=None, presca
 def grouped_allreduce_now(tensors, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0, process_set=global_process_set,
                           inplace: bool = False) -> list:
-    """:func:`grouped_allreduce_async` waited at once (a list)."""
+    """``grouped_allreduce_async`` waited at once (a list)."""
     tensors = list(tensors)
     if not tensors:
         return []

@@ -9,14 +9,14 @@ optimizer of the wrapped optimizer's class (a subclass made on the fly, sharing 
   its gradient is accumulated during ``backward()``; after ``backward_passes_per_step`` such
   passes (gradients accumulate locally in ``.grad`` meanwhile) it starts the gradient's in-place
   allreduce asynchronously (name: its ``named_parameters`` name), so communication overlaps the
-  rest of the backward pass.  ``step()`` waits for all of them (:meth:`synchronize`) and then runs
+  rest of the backward pass.  ``step()`` waits for all of them (``synchronize``) and then runs
   the wrapped optimizer's ``step``; parameters whose hook did not fire are allreduced there.
 - ``groups``: an int (the parameters, in rank 0's order, split into that many groups) or a list
   of lists of parameters (the rest one group each): a group's gradients go as one grouped
   allreduce once all of them are ready.
 - ``op`` (Average, Sum, ...); ``gradient_predivide_factor`` (Average only: gradients are scaled
   by ``1/f`` before the sum and by ``f/size`` after); ``compression`` (``Compression.fp16``
-  casts gradients, only where they cross a network: :func:`sdp.torch.compression.gradient_compression`);
+  casts gradients, only where they cross a network: ``sdp.torch.compression.gradient_compression``);
   sparse gradients (``nn.Embedding(sparse=True)``) go as allgathers of indices and values, or
   dense with ``sparse_as_dense=True``; ``process_set``.
 - ``synchronize()`` (e.g. before clipping) then ``with optimizer.skip_synchronize(): step()``;
@@ -29,7 +29,7 @@ names, parameters left unnamed, bad ``groups``, ``backward_passes_per_step <= 0`
 
 ``op=Adasum`` on more than one rank is Horovod's Adasum optimizer: each parameter's hook runs the
 wrapped optimizer's step for that parameter and starts an Adasum allreduce (sdp's engine,
-:mod:`sdp.engine.adasum`: a power-of-two number of ranks, float tensors) of the change it made;
+``sdp.engine.adasum``: a power-of-two number of ranks, float tensors) of the change it made;
 ``step()`` applies the combined changes.  ``synchronize()`` does nothing there and
 ``skip_synchronize()`` raises ``AssertionError``, as in Horovod.
 """
@@ -49,7 +49,7 @@ from sdp.torch.compression import Compression, gradient_compression
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
-    """The methods a :func:`DistributedOptimizer` adds to the wrapped optimizer's class."""
+    """The methods a ``DistributedOptimizer`` adds to the wrapped optimizer's class."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step=1, op=ReduceOp.AVERAGE,
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
@@ -212,7 +212,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     @contextmanager
     def skip_synchronize(self):
         """A context in which ``step()`` does not synchronize (after an explicit
-        :meth:`synchronize`).  Mirrors Horovod's."""
+        ``synchronize``).  Mirrors Horovod's."""
         self._should_synchronize = False
         try:
             yield

@@ -1,20 +1,20 @@
-"""torch tensors in and out of :mod:`sdp.api` without copies: what both PyTorch faces share.
+"""torch tensors in and out of ``sdp.api`` without copies: what both PyTorch faces share.
 
 ``sdp.api`` takes numpy arrays (host memory) and ``__cuda_array_interface__`` / DLPack objects
-(device memory, see :mod:`sdp.engine.device_arrays`); this module turns a ``torch.Tensor`` into
+(device memory, see ``sdp.engine.device_arrays``); this module turns a ``torch.Tensor`` into
 that and the engine's results back into tensors on the input's device:
 
-- :func:`as_input`: a CPU tensor becomes a numpy view of its memory (``Tensor.numpy()`` of the
+- ``as_input``: a CPU tensor becomes a numpy view of its memory (``Tensor.numpy()`` of the
   detached tensor; bfloat16, which numpy lacks, as its bits viewed as ``ml_dtypes.bfloat16``, the
-  name the engine reduces); a CUDA tensor becomes a :class:`CudaTensor`, which names the caller's
+  name the engine reduces); a CUDA tensor becomes a ``CudaTensor``, which names the caller's
   *current* stream (``__cuda_array_interface__`` v3, so the engine waits on it before reading)
   and gives bfloat16 through DLPack.  A non-contiguous tensor is made contiguous first (a copy).
-- :func:`as_tensor`: a result (numpy array, or a tensor the engine made through
+- ``as_tensor``: a result (numpy array, or a tensor the engine made through
   ``torch.from_dlpack``) as a ``torch.Tensor`` sharing its memory (bfloat16 bits viewed back).
-- :func:`out_array`: the numpy array an in-place host collective writes into (the caller's own
-  memory), or None where the result must be copied in (:func:`copy_into`: CUDA, non-contiguous).
+- ``out_array``: the numpy array an in-place host collective writes into (the caller's own
+  memory), or None where the result must be copied in (``copy_into``: CUDA, non-contiguous).
 
-Dtypes: bool, uint8, int8-64, float16, bfloat16, float32, float64 (as :mod:`sdp.api` carries them;
+Dtypes: bool, uint8, int8-64, float16, bfloat16, float32, float64 (as ``sdp.api`` carries them;
 reductions do not take bool with Average).  Other dtypes (complex, quantized, float8) raise
 ``ValueError`` naming the dtype (Horovod's class for "Tensor type ... is not supported").  The
 engine never imports torch; this module is a face's.
@@ -74,8 +74,8 @@ class CudaTensor:
 
 
 def as_input(tensor: torch.Tensor, what: str = "collective"):
-    """``tensor`` as :mod:`sdp.api` takes it, without a copy where it is contiguous: a numpy view
-    (CPU) or a :class:`CudaTensor` (CUDA).  ``ValueError`` for a dtype sdp does not carry;
+    """``tensor`` as ``sdp.api`` takes it, without a copy where it is contiguous: a numpy view
+    (CPU) or a ``CudaTensor`` (CUDA).  ``ValueError`` for a dtype sdp does not carry;
     ``TypeError`` for a tensor neither on the CPU nor on a CUDA device, or a non-tensor."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
@@ -95,14 +95,14 @@ def as_input(tensor: torch.Tensor, what: str = "collective"):
 
 
 def in_place(tensor: torch.Tensor, arr) -> Optional[np.ndarray]:
-    """:func:`out_array` of ``tensor`` given ``arr = as_input(tensor)``, without making it again:
+    """``out_array`` of ``tensor`` given ``arr = as_input(tensor)``, without making it again:
     ``arr`` where it is ``tensor``'s own memory (a contiguous CPU tensor), else None."""
     return arr if type(arr) is np.ndarray and tensor.is_contiguous() and arr.flags.writeable else None
 
 
 def out_array(tensor: torch.Tensor) -> Optional[np.ndarray]:
     """The numpy view an in-place host collective may write its result into: ``tensor``'s own
-    memory (CPU, contiguous), else None (the result is copied in with :func:`copy_into`)."""
+    memory (CPU, contiguous), else None (the result is copied in with ``copy_into``)."""
     if tensor.is_cuda or not tensor.is_contiguous() or tensor.device.type != "cpu":
         return None
     arr = as_input(tensor)
@@ -110,7 +110,7 @@ def out_array(tensor: torch.Tensor) -> Optional[np.ndarray]:
 
 
 def as_tensor(result, device: Optional[torch.device] = None) -> torch.Tensor:
-    """A result of :mod:`sdp.api` as a ``torch.Tensor`` sharing its memory: a numpy array through
+    """A result of ``sdp.api`` as a ``torch.Tensor`` sharing its memory: a numpy array through
     ``torch.from_numpy`` (bfloat16 through its bits; a read-only result is copied, as PyTorch
     cannot mark a tensor read-only), a tensor as it is, any other DLPack object through
     ``torch.from_dlpack``.  ``device``: where a host result must go (a CUDA tensor's

@@ -2,8 +2,8 @@
 
 ``op`` is KungFu's name of a reduction: ``'sum'`` (the default), ``'min'``, ``'max'``, ``'prod'``
 (``'avg'``/``'mean'`` are sdp's extensions); another raises ``ValueError``.  Tensors of any shape,
-the dtypes :mod:`sdp.torch.tensors` carries (others raise ``TypeError``); every rank passes the
-same shape and dtype in the same order, else :class:`~sdp.common.errors.TensorMismatchError` on
+the dtypes ``sdp.torch.tensors`` carries (others raise ``TypeError``); every rank passes the
+same shape and dtype in the same order, else ``TensorMismatchError`` on
 every rank.
 """
 import torch
@@ -52,7 +52,7 @@ class _Handle:
 
 def inplace_all_reduce_async_op(x: torch.Tensor, name: str, op=None) -> _Handle:
     """Start reducing ``x`` into itself under ``name`` (the same on every worker); returns a
-    handle for :func:`wait_handle`."""
+    handle for ``wait_handle``."""
     _cluster.ensure()
     out = _tensors.out_array(x)
     h = api.allreduce_async(_tensors.as_input(x, "inplace_all_reduce_async_op") if out is None else out,
@@ -61,7 +61,7 @@ def inplace_all_reduce_async_op(x: torch.Tensor, name: str, op=None) -> _Handle:
 
 
 def wait_handle(handle: _Handle) -> None:
-    """Wait for an :func:`inplace_all_reduce_async_op`; raises its error on every worker."""
+    """Wait for an ``inplace_all_reduce_async_op``; raises its error on every worker."""
     result = handle.handle.wait()
     if handle.copy:
         _tensors.copy_into(handle.tensor, result)

@@ -3,13 +3,13 @@
 Under ``sdprun --compat smdistributed`` (or ``sdp.compat.install("smdistributed")``)
 ``smdistributed.dataparallel.torch`` is this package:
 
-- :mod:`.distributed` (``import smdistributed.dataparallel.torch.distributed as dist``): SMDDP's
+- ``.distributed`` (``import smdistributed.dataparallel.torch.distributed as dist``): SMDDP's
   functions before v1.4 (``init_process_group``, ``get_rank``, ``get_world_size``,
   ``get_local_rank``, ``all_reduce``, ``broadcast``, ``all_gather``, ``all_to_all_single``,
   ``barrier``, ``ReduceOp``, ``group``), on ``torch.distributed`` with sdp's backend;
-- :mod:`.parallel` (and ``.parallel.distributed``): its ``DistributedDataParallel``, PyTorch's
+- ``.parallel`` (and ``.parallel.distributed``): its ``DistributedDataParallel``, PyTorch's
   DDP on the ``sdp`` process group;
-- :mod:`.torch_smddp`: importing it registers the backend name ``"smddp"`` (SMDDP v1.4 and
+- ``.torch_smddp``: importing it registers the backend name ``"smddp"`` (SMDDP v1.4 and
   later: ``torch.distributed.init_process_group(backend="smddp")``), which is sdp's backend
-  (:mod:`sdp.torch.distributed`).
+  (``sdp.torch.distributed``).
 """

@@ -1,6 +1,6 @@
 """``smdistributed.dataparallel.torch.distributed`` on sdp: SMDDP's PyTorch functions (before
 v1.4, which deprecated them for ``torch.distributed`` with ``backend="smddp"``), each on
-``torch.distributed`` over sdp's backend (:mod:`sdp.torch.distributed`).
+``torch.distributed`` over sdp's backend (``sdp.torch.distributed``).
 
 Process groups are not supported, as in SMDDP: ``group`` is ``group.WORLD`` (or None), else
 ``ValueError``.  ``async_op=True`` returns the collective's ``Work``, else None.  Mirrors
@@ -12,8 +12,10 @@ import sdp.api as _api
 from sdp.common import topology as _topology
 from sdp.torch import distributed as _backend
 
-#: ``group.WORLD``: the default process group (``torch.distributed.group``)
 group = _dist.group
+"""``torch.distributed.group`` itself: ``group.WORLD`` is the default process group, the
+default and the only group this module's functions take (as SMDDP's ``group=group.WORLD``; any
+other group raises ``ValueError``)."""
 
 
 class ReduceOp:

@@ -1,6 +1,6 @@
 """``smdistributed.dataparallel.torch.torch_smddp``: importing it registers the
 ``torch.distributed`` backend name ``"smddp"`` (SMDDP v1.4 and later), which is sdp's backend
-(:mod:`sdp.torch.distributed`): ``torch.distributed.init_process_group(backend="smddp")`` under
+(``sdp.torch.distributed``): ``torch.distributed.init_process_group(backend="smddp")`` under
 ``sdprun``.  Like SageMaker's launcher, it also fills in ``LOCAL_RANK``, ``RANK`` and
 ``WORLD_SIZE`` (and ``SMDATAPARALLEL_LOCAL_RANK``) from sdp's environment where they are not set,
 since SMDDP's scripts read them."""

@@ -1,7 +1,7 @@
 """Horovod Elastic for PyTorch on sdp (``horovod.torch.elastic`` under ``sdprun --compat horovod``).
 
 Launch with ``sdprun -np N --min-np A --max-np B --host-discovery-script SCRIPT python train.py``
-(:class:`sdp.launcher.elastic.HorovodElasticDriver`).  Horovod's pattern::
+(``sdp.launcher.elastic.HorovodElasticDriver``).  Horovod's pattern::
 
     state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
 
@@ -15,14 +15,14 @@ Launch with ``sdprun -np N --min-np A --max-np B --host-discovery-script SCRIPT 
 
     train(state)
 
-* :func:`run`: calls ``train(state)`` after ``state.sync()``; when a collective fails because a
+* ``run``: calls ``train(state)`` after ``state.sync()``; when a collective fails because a
   peer died (``HorovodInternalError``) the state goes back to its last ``commit()``, the job
   re-forms from the survivors (new ranks, new engine) and ``train`` is called again after a
   ``sync()`` from the new rank 0; a ``HostsUpdatedInterrupt`` re-forms without rollback.  The
-  loop is :func:`sdp.elastic.run_fn` (as the TensorFlow face's, :mod:`sdp.tensorflow.elastic`).
-* :class:`TorchState` (models, optimizers, :class:`ElasticSampler` objects and plain attributes,
-  see :mod:`sdp.torch.elastic.state`), :class:`ElasticSampler`
-  (:mod:`sdp.torch.elastic.sampler`).
+  loop is ``sdp.elastic.run_fn`` (as the TensorFlow face's, ``sdp.tensorflow.elastic``).
+* ``TorchState`` (models, optimizers, ``ElasticSampler`` objects and plain attributes,
+  see ``sdp.torch.elastic.state``), ``ElasticSampler``
+  (``sdp.torch.elastic.sampler``).
 """
 from sdp import elastic as _elastic
 from sdp.common.errors import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401  (Horovod's names)
@@ -35,7 +35,7 @@ __all__ = ["TorchState", "ElasticSampler", "run"]
 
 
 def _reset() -> None:
-    """Re-form the job (:func:`sdp.elastic.reset`), forgetting the handles of the old one."""
+    """Re-form the job (``sdp.elastic.reset``), forgetting the handles of the old one."""
     _ops.clear()
     _elastic.reset()
 

@@ -13,9 +13,9 @@ class ElasticSampler(torch.utils.data.Sampler):
     """Indices of ``dataset`` for this rank: the epoch's order (shuffled with ``seed + epoch``
     when ``shuffle``, the same on every rank), less the first ``processed_num`` already processed
     by the whole job, padded to a multiple of the ranks and taken every ``size()``-th from this
-    rank's place.  Call :meth:`record_batch` after each batch (it counts ``batch_size x size()``
-    samples), and :meth:`set_epoch` at the end of an epoch.  Kept in a
-    :class:`~sdp.torch.elastic.TorchState`, it is saved, restored and synchronized with it.
+    rank's place.  Call ``record_batch`` after each batch (it counts ``batch_size x size()``
+    samples), and ``set_epoch`` at the end of an epoch.  Kept in a
+    ``TorchState``, it is saved, restored and synchronized with it.
     Mirrors ``horovod.torch.elastic.ElasticSampler`` (its arguments and defaults)."""
 
     def __init__(self, dataset, shuffle: bool = True, seed: int = 0):

@@ -1,13 +1,13 @@
 """Horovod's ``TorchState`` (``horovod.torch.elastic.state``): the elastic state of PyTorch models,
-optimizers and :class:`~sdp.torch.elastic.sampler.ElasticSampler` objects plus plain attributes.
+optimizers and ``ElasticSampler`` objects plus plain attributes.
 
 Every keyword argument becomes an attribute.  Values of a known type get a handler (the registry,
-:func:`get_handler_registry` / :func:`set_handler_registry`): ``torch.nn.Module`` (``save`` keeps
+``get_handler_registry`` / ``set_handler_registry``): ``torch.nn.Module`` (``save`` keeps
 a deep copy of its ``state_dict``, ``sync`` broadcasts rank 0's parameters and buffers in place),
 ``torch.optim.Optimizer`` (its ``state_dict``; ``sync`` is
-:func:`~sdp.torch.functions.broadcast_optimizer_state`), ``ElasticSampler`` (its position;
+``broadcast_optimizer_state``), ``ElasticSampler`` (its position;
 ``sync`` takes rank 0's); anything else is saved, restored and synchronized as an object
-(:class:`sdp.elastic.ObjectState`).  Assigning a new value to a handled attribute saves it.
+(``sdp.elastic.ObjectState``).  Assigning a new value to a handled attribute saves it.
 """
 import copy
 
@@ -52,7 +52,7 @@ class TorchState(ObjectState):
 
 
 class StateHandler:
-    """Saves, restores and synchronizes one value of a :class:`TorchState`."""
+    """Saves, restores and synchronizes one value of a ``TorchState``."""
 
     def __init__(self, value):
         self.value = value
@@ -99,7 +99,7 @@ class OptimizerStateHandler(_StateDictHandler):
 
 
 class SamplerStateHandler(_StateDictHandler):
-    """An :class:`ElasticSampler`: its epoch and processed count; ``sync`` takes rank 0's."""
+    """An ``ElasticSampler``: its epoch and processed count; ``sync`` takes rank 0's."""
 
     def sync(self):
         self.value.load_state_dict(broadcast_object(self.value.state_dict()))

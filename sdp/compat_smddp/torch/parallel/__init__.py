@@ -5,7 +5,7 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 class DistributedDataParallel(_TorchDDP):
     """SMDDP's ``DistributedDataParallel``: PyTorch's DDP over the default process group, which
-    :func:`smdistributed.dataparallel.torch.distributed.init_process_group` put on sdp's backend
+    ``smdistributed.dataparallel.torch.distributed.init_process_group`` put on sdp's backend
     (gradients averaged over ranks in buckets of ``bucket_cap_mb`` MB, default 25, started as
     they are ready in ``backward()``; ``no_sync()`` accumulates locally).  ``process_group``
     must be None or ``group.WORLD`` (SMDDP supports no other), else ``ValueError``.  Raises
