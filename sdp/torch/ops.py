@@ -100,6 +100,11 @@ def allreduce_now(tensor: torch.Tensor, name: Optional[str] = None, op=None, pre
                   postscale_factor: float = 1.0, process_set=global_process_set,
                   inplace: bool = False) -> torch.Tensor:
     """``allreduce_async`` waited at once (small host tensors may take the fast lane whole)."""
+    if not inplace and tensor.dtype in _t.NUMPY_VIEWS and not tensor.requires_grad and tensor.is_cpu \
+            and tensor.is_contiguous():  # (the common case: one view in, one view out, no more calls)
+        result = api.allreduce(tensor.numpy(), name, op if type(op) is ReduceOp else resolve_op(op),
+                               prescale_factor, postscale_factor, None, process_set)
+        return torch.from_numpy(result) if result.flags.writeable else _t.as_tensor(result)
     arr = _t.as_input(tensor, "allreduce")
     out = _t.in_place(tensor, arr) if inplace else None
     result = api.allreduce(arr, name, op if type(op) is ReduceOp else resolve_op(op), prescale_factor,
