@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 _BF16 = None  # np.dtype(ml_dtypes.bfloat16), read at the first bfloat16 tensor
-#: the dtypes whose CPU tensors ``Tensor.numpy()`` views as they are (all carried ones but bfloat16)
 NUMPY_VIEWS = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                          torch.float16, torch.float32, torch.float64})
+"""The dtypes whose contiguous CPU tensors ``Tensor.numpy()`` views as they are, without a copy:
+every dtype sdp carries but bfloat16 (which numpy lacks)."""
 _CARRIED = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
             torch.bfloat16, torch.float32, torch.float64}
 
