@@ -104,7 +104,11 @@ def foreign_message(_):
         s.send(b"x")
     except zmq.Again:
         pass
-    time.sleep(0.2)
+    # wait (bounded) until this rank's guard has logged the refusal: on a busy machine its thread
+    # may read the monitor's events after the job would otherwise have ended
+    refusals, deadline = rt.mesh._gate.refusals, time.monotonic() + 30
+    while refusals.total == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     s.close(linger=0)
     return float(sdp.allreduce(np.ones(2), name="after_garbage", op=sdp.Sum)[0])
 

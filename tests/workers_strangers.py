@@ -103,7 +103,7 @@ def connect(t):
         return None
     return s
 
-held, opened, dropped, next_scan = {}, 0, 0, 0.0
+held, opened, dropped, next_scan, ready = {}, 0, 0, 0.0, False
 while not done.is_set():
     now = time.monotonic()
     if now >= next_scan:
@@ -129,6 +129,8 @@ while not done.is_set():
             keep.append(s)
             opened += 1
         held[t] = keep
+    if not ready:  # (the first scan is done)
+        ready = print("scanning", flush=True) or True
     time.sleep(0.01 if kind != "unix" else 0.02)
 print("ports", len(held), "opened", opened, "dropped", dropped, flush=True)
 """

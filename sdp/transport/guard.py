@@ -297,7 +297,8 @@ class ConnectionGuard:
 
     def _accepted(self, fd: int, endpoint: bytes) -> None:
         s = _borrow(fd)
-        if s is None:
+        if s is None:  # ZeroMQ closed it already (its DISCONNECTED event follows): logged as unknown
+            self._open[fd] = (UNKNOWN, time.monotonic(), -1)
             return
         try:
             addr, stranger = _peer_address(s), foreign_user(s)
@@ -306,8 +307,10 @@ class ConnectionGuard:
         try:
             ino = os.fstat(fd).st_ino
         except OSError:
-            return
+            addr, ino = UNKNOWN, -1
         self._open[fd] = (addr, time.monotonic(), ino)
+        if ino == -1:
+            return
         self.peak = max(self.peak, len(self._open))
         where = endpoint.decode(errors="replace")
         if stranger is not None:
