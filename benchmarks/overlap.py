@@ -29,7 +29,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import sdp  # noqa: E402
-from allreduce import parse_size  # noqa: E402  (this folder: the benchmarks' shared helpers)
+from sdpbench.common import parse_size  # noqa: E402  (benchmarks/sdpbench/: the benchmarks' shared helpers)
 
 
 def main(argv=None) -> int:

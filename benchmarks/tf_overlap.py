@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 import sdp.tensorflow as sdp
-from allreduce import max_over_ranks, parse_size  # this folder: the benchmarks' shared helpers
+from sdpbench.common import max_over_ranks, parse_size  # benchmarks/sdpbench/: the benchmarks' shared helpers
 from sdp import api
 
 

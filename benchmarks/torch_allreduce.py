@@ -41,7 +41,7 @@ import sdp.torch
 import sdp.torch.distributed  # noqa: F401  (registers "sdp")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import fmt_size, parse_size  # noqa: E402  (benchmarks/allreduce.py, beside this script)
+from sdpbench.common import fmt_size, parse_size  # noqa: E402  (benchmarks/sdpbench/, beside this script)
 
 # ---- targets (issue 52; 2 ranks, one host, float32) ------------------------------------------------
 TARGET_TORCH_1K_VS_NUMPY = 1.5      # sdp.torch 1 KB time <= 1.5 x the numpy API's
