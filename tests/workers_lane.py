@@ -64,8 +64,8 @@ def _never_escalate():
     rank late on a busy machine is waited for.  Every rank sets it before a barrier, so a rank
     slow to get here (importing, descheduled) cannot have its engine thread escalate a position
     its peers posted before it did (rank 0's thread decides with ``ESCALATE_S`` as it then was)."""
-    import sdp.engine.lane
-    sdp.engine.lane.ESCALATE_S = 3600.0
+    import sdp.engine.lane_decide
+    sdp.engine.lane_decide.ESCALATE_S = 3600.0
     sdp.barrier()  # (itself in the lane, where it may be escalated: not counted below)
     counts = sdp.api.runtime().lane.counts
     counts.update({k: 0 for k in counts})

@@ -1,10 +1,10 @@
 /* sdp's compiled fast-lane step (issue 30): a synchronous allreduce of the fast lane
- * (sdp/engine/lane.py, Lane.allreduce_now) posted, polled for and reduced in one call; also
+ * (sdp/engine/lane_now.py, Lane.allreduce_now) posted, polled for and reduced in one call; also
  * Lane.burst whole (Context.burst: an allreduce_async into the batch being gathered), a learnt
  * flattened group's sdp.grouped_allreduce whole (Context.front_group) and rank 0's decision of a
  * batch's positions (Context.decide).
  *
- * The protocol is the lane's (see lane.py's module docstring); this file runs only its common
+ * The protocol is the lane's (see lane.py's and lane_*.py's docstrings); this file runs only its common
  * case and hands everything else back to the Python code, which stays the reference:
  *   post:    copy the input into this rank's data ring at the offset Python allocated (through
  *            the caches, see copy_in), write the record (signature, offset, bytes), then LATEST
@@ -42,12 +42,12 @@
 #define SMALL 4096           /* results of at most this many bytes are carved out of a chunk (fusion.SMALL_BYTES) */
 #define CHUNK (64 << 10)     /* bytes of such a chunk */
 
-/* codes returned to Python (lane.py NATIVE_*) */
+/* codes returned to Python (lane_ring.py _NATIVE_*) */
 #define R_FAST 1      /* consumed FAST and reduced into the result */
 #define R_TIMEOUT 0   /* not consumed within the spin: Python holds the request */
 #define R_PYTHON (-1) /* posted; Python polls (rings the mask first): anything but the common case */
 #define R_RECORD (-2) /* consumed FAST, a peer's record is malformed: Python raises */
-/* 2 (SLOW), 3 (OFF): rank 0's decision, as lane.py's constants */
+/* 2 (SLOW), 3 (OFF): rank 0's decision, as lane_ring.py's constants */
 
 static PyTypeObject CtxType;
 
@@ -68,14 +68,14 @@ typedef struct {
     PyObject *gcache; /* front_group(): the groups learnt (learn_group), by first name */
     PyObject *bcache, *finish_b; /* flush(): the batches learnt (learn_batch), by first name; Lane._finish_batch */
     Py_ssize_t chunk_used;
-    /* burst(): the PartHandle class, and lane.py's _BATCH_MAX, READ_BYTES, GRACE_S (attach); the
+    /* burst(): the PartHandle class, and lane_ring.py's _BATCH_MAX, READ_BYTES, GRACE_S (attach); the
      * batch it last added to and that batch's lists, dict, handle, dtype and op (batch_fields) */
     PyObject *part_handle, *batch, *b_arrays, *b_names, *b_order, *b_handle, *b_dtype, *b_op;
     Py_ssize_t part_slots[3]; /* PartHandle's slots name, _group, _index (offsets), or 0: call the class */
     double b_postscale, b_until; /* (b_until: the last _active_until burst() set for this batch) */
     int64_t batch_max, read_bytes;
     double grace_s;
-    int64_t part_sig, slow, off; /* lane.py's PART_SIG, SLOW and OFF (attach) */
+    int64_t part_sig, slow, off; /* lane_ring.py's PART_SIG, SLOW and OFF (attach) */
     /* Lane._alloc's state: data ring bytes written and freed, (position, written) extents */
     int64_t w, tail, floor;
     int64_t *ext_p, *ext_end, ext_head, ext_len, ext_cap;
@@ -694,7 +694,7 @@ static PyObject *learn_into(PyObject **cache, PyObject *args) {
     PyObject *refs[7] = {names, metas, group, layout, spans, descr, op}, **to[7] = {&g->names, &g->metas, &g->group,
                                                                             &g->layout, &g->spans, &g->descr, &g->op};
     for (int k = 0; k < 7; k++) Py_INCREF(refs[k]), *to[k] = refs[k];
-    if (*cache && PyDict_GET_SIZE(*cache) >= 4096) PyDict_Clear(*cache); /* (lane.py's _SIGS_MAX) */
+    if (*cache && PyDict_GET_SIZE(*cache) >= 4096) PyDict_Clear(*cache); /* (lane_ring.py's _SIGS_MAX) */
     if ((!*cache && !(*cache = PyDict_New())) || PyDict_SetItem(*cache, PyTuple_GET_ITEM(names, 0), cap) < 0) {
         Py_DECREF(cap);
         return NULL;
