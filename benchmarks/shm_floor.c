@@ -4,7 +4,7 @@
  *   shm_floor NBYTES ITERS [NBYTES ITERS ...]
  *
  * Forks once; the two processes, pinned to the first two CPUs of their affinity where there are
- * two, each do per iteration what the fast lane's data path does (sdp/engine/cc/lane_now.c):
+ * two, each do per iteration what the fast lane's data path does (sdp/engine/cc/lane_step.c, lane_reduce.c):
  * copy a private float32 input of NBYTES into their own shared-memory buffer (as the lane copies),
  * raise a flag, wait for the peer's flag, and reduce (sum) their private input with the peer's
  * shared copy into a private result.  Buffers alternate between two, so an iteration waits only for the peer to have

@@ -94,7 +94,7 @@ class PartHandle:
 
     __slots__ = ("name", "_group", "_index")
 
-    def __init__(self, name: str, group: Handle, index: int):  # (cc/lane_now.c sets these slots itself,
+    def __init__(self, name: str, group: Handle, index: int):  # (cc/lane_learn.c sets these slots itself,
         self.name, self._group, self._index = name, group, index  # without a call: keep it to that)
 
     def done(self) -> bool:

@@ -64,7 +64,7 @@ class Lane(LaneNow, LaneBatching, LaneDecisions, LaneReductions, LaneRing):
     while the engine thread has no work (``engine``'s ``_pending`` and ``_queue`` empty; None:
     never).  ``device_reduce(req)``: the result of a device allreduce every rank posted alike
     (:meth:`device_now`).  ``front``: the compiled step's entry for :meth:`allreduce_now` (``front(name, a,
-    op, postscale, out)``, see ``cc/lane_now.c``), or None; ``front_group``: its entry for a
+    op, postscale, out)``, see ``cc/lane_front.c``), or None; ``front_group``: its entry for a
     flattened group (``front_group(names, arrays, op, postscale, fusion threshold)``), or None."""
 
     def __init__(self, mesh, to_engine, wake_engine, result_array, float_scale, int_scale, timeout_s: float,

@@ -35,7 +35,7 @@ class LaneBatching:
         gathered if :meth:`_Batch.takes` it (and ``a`` is C-contiguous, ``postscale`` a float);
         returns a :class:`PartHandle` of the batch's handle, or None (nothing done: submit it
         as usual).  (A Request and a Handle each cost ~0.7 us of a burst's ~2.5 us per call.)
-        :attr:`burst_front` is this, compiled (``cc/lane_now.c``) where the extension is loaded."""
+        :attr:`burst_front` is this, compiled (``cc/lane_batch.c``) where the extension is loaded."""
         if (self._batch is None or type(postscale) is not float or type(name) is not str
                 or type(a) is not np.ndarray or not a.flags.c_contiguous):
             return None

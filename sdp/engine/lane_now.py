@@ -14,7 +14,7 @@ with a record that carries no data: its caller first packs its input where every
 (:mod:`sdp.engine.device_path`'s lane windows), and once every rank posted the same signature each
 reduces every rank's copy there.
 Where :mod:`sdp.engine.native` builds, its common case (post, poll, reduce) is one compiled call
-(``cc/lane_now.c``) that hands everything else back to this code; ``sdp.allreduce`` calls its
+(``cc/lane_step.c``) that hands everything else back to this code; ``sdp.allreduce`` calls its
 entry (:attr:`Lane.front`) first, which runs a learnt name's call whole, checks, allocation and
 result included, and goes on in :meth:`Lane._finish_now` where the common case ends;
 ``sdp.grouped_allreduce`` calls :attr:`Lane.front_group` the same way for a learnt group

@@ -7,7 +7,11 @@ its common case (post, poll, reduce) is one call of this C extension instead, an
 result array too, for a name the Python path has run once).  The Python code stays the reference
 and runs everything else, and all of it when the extension is missing.  The same extension holds
 the host leaders' link's compiled step across hosts (``cc/link_now.c``, included by
-``lane_now.c``: ``LinkFront``, :mod:`sdp.engine.hostlink`).
+``lane_now.c``: ``LinkFront``, :mod:`sdp.engine.hostlink`).  ``lane_now.c`` is one translation
+unit in parts that it includes (``cc/lane_ring.c``: the context and its memory; ``lane_decide.c``:
+the poll's look and rank 0's decisions; ``lane_reduce.c``: the reductions; ``lane_step.c``: post,
+poll, reduce; ``lane_learn.c``, ``lane_front.c``, ``lane_batch.c``: the entries;
+``lane_layout.c``: fusion.Layout's helpers); ``INCLUDED`` lists them for the build's hash.
 
 * Built at the first lane or host leaders' link of a process (every rank at once: under a file lock, so one process
   per cache directory compiles it, ~1 s with gcc) into ``$SDP_CACHE_DIR/native/`` (default
@@ -33,7 +37,9 @@ from sdp.common.native_build import BuildError
 log = logging.getLogger("sdp.engine")
 
 SOURCE = Path(__file__).resolve().parent / "cc" / "lane_now.c"
-INCLUDED = (Path(__file__).resolve().parent / "cc" / "link_now.c",)  # (#included by SOURCE)
+#: the parts SOURCE #includes (every other ``.c``/``.h`` in its folder: lane_*.c, link_now.c), hashed
+#: with it so that a change to any part rebuilds
+INCLUDED = tuple(sorted(p for p in SOURCE.parent.iterdir() if p.suffix in (".c", ".h") and p != SOURCE))
 SWITCH = "SDP_NATIVE"  # 0: never build or load the extension (the lane runs in Python)
 MODULE = "_sdp_lane"
 

@@ -17,8 +17,9 @@
  *                 (FIONREAD), so no frame is ever left half read; when every frame is the same
  *                 position and signature, it reduces the partials in host order, scales, and
  *                 publishes the result, DECISION and RES for its host.
- * The reductions are reduce()'s: the same operations in the same order as hostlink.py's numpy
- * ufuncs (collectives.reduce_copies), so the bits are the same on every rank whichever path it took. */
+ * The reductions are reduce()'s (lane_reduce.c): the same operations in the same order as
+ * hostlink.py's numpy ufuncs (collectives.reduce_copies), so the bits are the same on every rank
+ * whichever path it took. */
 #include <errno.h>
 #include <poll.h>
 #include <sys/ioctl.h>
