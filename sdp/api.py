@@ -51,7 +51,6 @@ import itertools
 import logging
 import pickle
 import threading
-import zlib
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -61,18 +60,18 @@ from sdp.common import topology as _topology
 from sdp.common.config import Config
 from sdp.common.errors import AlreadyInitializedError, NotInitializedError
 from sdp.common.reduce_ops import ReduceOp, resolve_op
-from sdp.engine import fusion
-from sdp.engine.device_arrays import DeviceTensor, device_tensor, device_tensors, host_array, host_result
+from sdp.engine.device_arrays import host_result
 from sdp.engine.process_sets import MAX_SET_ID
-from sdp.engine.handles import DoneHandle, Handle, PartHandle
-from sdp.engine.runtime import Request, Runtime
+from sdp.engine.handles import Handle
+from sdp.engine.dispatch import as_input
+from sdp.engine.request import Request
+from sdp.engine.runtime import Runtime
 from sdp.transport import lifeline
 
 _lock = threading.Lock()
 _runtime: Optional[Runtime] = None
 _counters = {}
 _counter_lock = threading.Lock()
-GROUP_MEAN_BYTES = 64 << 10
 """Mean bytes per array up to which ``grouped_allreduce_async`` flattens host arrays into one
 request (packing them costs the caller a copy the engine would make anyway; above it, the
 engine's own fusion packs straight into shared memory, which saves a pass over the bytes)."""
@@ -267,14 +266,6 @@ def _check_set(rt: Runtime, kind: str, name: Optional[str], process_set) -> int:
     return ps
 
 
-def as_input(tensor):
-    """``tensor`` as the engine takes it: a ``DeviceTensor`` for
-    CUDA memory (see the module docstring), else a numpy array."""
-    if type(tensor) is np.ndarray:  # (the common case, ~0.3 us instead of ~1.2 per tensor)
-        return tensor
-    return device_tensor(tensor) or host_array(tensor)
-
-
 def device_counters() -> dict:
     """What the device path did in this process: bytes copied device-to-host (``d2h``),
     host-to-device (``h2d``), device-to-device (``d2d``), kernels launched, whether the CUDA IPC
@@ -286,7 +277,7 @@ def device_counters() -> dict:
 
 def _submit(kind, tensor, name, process_set=0, **kw) -> Handle:
     rt, name, ps = _engine_and_name(kind, name, process_set)
-    return rt.submit(Request(name, kind, as_input(tensor), ps=ps, **kw))
+    return rt.dispatch.submit(Request(name, kind, as_input(tensor), ps=ps, **kw))
 
 
 def _engine_and_name(kind: str, name: Optional[str], process_set) -> tuple:
@@ -313,15 +304,7 @@ def allreduce_async(tensor, name: Optional[str] = None, op=None, prescale_factor
     if rt is None or name is None or not (process_set is None or type(process_set) is int and not process_set):
         rt, name, ps = _engine_and_name("allreduce", name, process_set)  # (else inline: ~0.1 us less a call)
     op = op if type(op) is ReduceOp else resolve_op(op)
-    burst = rt.burst  # (a burst's next small allreduce: into the fast lane's batch)
-    if burst is not None and not ps and out is None and prescale_factor == 1.0 and op is not ReduceOp.ADASUM:
-        handle = burst(name, tensor, op, postscale_factor)
-        if handle is not None:
-            return handle
-    if op is ReduceOp.ADASUM:
-        rt.check_adasum(ps)
-    return rt.submit(Request(name, "allreduce", as_input(tensor), op, None, prescale_factor, postscale_factor,
-                             None, out, ps))
+    return rt.dispatch.allreduce_async(name, tensor, op, prescale_factor, postscale_factor, out, ps)
 
 
 def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: float = 1.0,
@@ -333,37 +316,9 @@ def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: floa
     ``TensorMismatchError``.  Mirrors ``horovod.tensorflow.allreduce`` on numpy arrays."""
     rt, name, ps = _engine_and_name("allreduce", name, process_set)
     op = op if type(op) is ReduceOp else resolve_op(op)
-    if op is ReduceOp.ADASUM:  # (not elementwise: the engine's, see sdp.engine.adasum)
-        return host_result(tensor, _adasum_now(rt, name, tensor, prescale_factor, postscale_factor, out, ps))
-    if not ps and type(tensor) is np.ndarray and prescale_factor == 1.0:  # (the fast lane, whole, in this thread)
-        front = rt.front  # (the compiled step's common case, else the lane's Python)
-        if front is not None:
-            result = front(name, tensor, op, postscale_factor, out)
-            if result is not None:
-                return result
-        result = rt.allreduce_now(name, tensor, op, postscale_factor if type(postscale_factor) is float
-                                  else float(postscale_factor), out)
-        if result is not None:
-            return result
-    elif not ps and rt.link is not None:  # (across hosts every synchronous global allreduce posts there)
-        rt.link.skip()
-    req = Request(name, "allreduce", as_input(tensor), op, None, prescale_factor, postscale_factor, None, out, ps)
-    if req.device is not None:  # (device memory: the fast lane may run it whole here too)
-        result = rt.device_now(req)
-        if result is not None:
-            return result
-        return rt.submit(req).wait()
-    return host_result(tensor, rt.submit(req).wait())  # (a host DLPack producer gets its own kind back)
-
-
-def _adasum_now(rt, name, tensor, prescale_factor, postscale_factor, out, ps) -> np.ndarray:
-    """A synchronous Adasum allreduce: always the engine's (no fast path combines per tensor)."""
-    rt.check_adasum(ps)
-    req = Request(name, "allreduce", as_input(tensor), ReduceOp.ADASUM, None, prescale_factor, postscale_factor,
-                  None, out, ps)
-    if not ps and rt.link is not None:  # (across hosts every synchronous global allreduce posts there)
-        rt.link.skip()
-    return rt.submit(req).wait()
+    result = rt.dispatch.allreduce(name, tensor, op, prescale_factor, postscale_factor, out, ps)
+    return result if type(tensor) is np.ndarray else host_result(tensor, result)  # (a host DLPack producer
+    # gets its own kind back)
 
 
 def check_adasum(process_set=0) -> None:
@@ -382,7 +337,7 @@ def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = 
     """Submit allreduces of several arrays in one batch (scheduled and fused together);
     ``names`` defaults to ``<auto>.0``, ``<auto>.1``, ...  Returns one handle per array.
 
-    Host arrays of at most ``GROUP_MEAN_BYTES`` bytes on average go to the engine as one
+    Host arrays of at most ``sdp.engine.grouped.GROUP_MEAN_BYTES`` (64 KB) bytes on average go to the engine as one
     request per dtype (a flattened group, ``Request.group``): one negotiation, one cache
     entry and one handle for the lot, where per-array requests cost ~10 us each.  Every rank must
     then pass the same shapes in the same order (else ``TensorMismatchError`` naming the
@@ -393,144 +348,23 @@ def grouped_allreduce_async(tensors: Sequence, names: Optional[Sequence[str]] = 
     every array runs in the calling thread while the fast lane is idle, as
     ``grouped_allreduce`` does, for up to the lane's spin (200 us) if a peer has not
     submitted it yet; then it is posted and the handles are returned as usual."""
-    got = _front_group(_runtime, tensors, names, op, prescale_factor, postscale_factor, process_set, True)
-    if got is not None:
-        return _part_handles(names, got)
-    return _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, process_set, True)
+    return _grouped(tensors, names, op, prescale_factor, postscale_factor, process_set, False)
 
 
-def _front_group(rt, tensors, names, op, prescale_factor, postscale_factor, process_set, hold: bool = False):
-    """The compiled group entry's answer (``Runtime.front_group``: a learnt group run whole in
-    this thread; ``hold``: a held group's ``Handle`` where it is not consumed at once), or
-    None where it does not run (no runtime or entry, a process set, a prescale, not learnt)."""
-    front = rt.front_group if rt is not None else None
-    if front is None or type(process_set) is not int or process_set or prescale_factor != 1.0:
-        return None
-    op = op if type(op) is ReduceOp else resolve_op(op)
-    return None if op is ReduceOp.ADASUM else front(names, tensors, op, postscale_factor, rt.fusion_threshold, hold)
-
-
-def _part_handles(names: List[str], got) -> List[PartHandle]:
-    """Each array's handle of a group the fast lane ran in the caller: ``got``, the group's held
-    ``Handle``, or the list of its results."""
-    whole = got
-    if type(got) is not Handle:
-        whole = Handle(names[0])
-        whole._set(result=got)
-    step = fusion.compiled()
-    return (step.part_handles(PartHandle, names, whole) if step is not None  # (~20 us less for 100)
-            else [PartHandle(name, whole, j) for j, name in enumerate(names)])
-
-
-def _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, process_set, parts: bool):
-    """``grouped_allreduce_async``'s work: returns one handle per array, or, where not
-    ``parts`` and every array went in one group, in order, that group's handle alone (its
-    result is the list of the arrays' results)."""
+def _grouped(tensors, names, op, prescale_factor, postscale_factor, process_set, wait: bool):
+    """The grouped entry of the engine (``Dispatch.grouped_allreduce``) with the names resolved:
+    ``<auto>.<i>`` where None, ``<name>@ps<id>`` in a process set."""
     rt = runtime("grouped_allreduce()")
     ps = _check_set(rt, "grouped_allreduce", None, process_set)
     if names is None:
         base = auto_name("grouped_allreduce", ps)
         names = [f"{base}.{i}" for i in range(len(tensors))]
-    names = [f"{n}@ps{ps}" for n in names] if ps else list(names)
-    op = resolve_op(op)
-    fast = op is not ReduceOp.ADASUM  # (Adasum: the engine's, see sdp.engine.adasum)
-    if not fast:
-        rt.check_adasum(ps)
-    kw = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, ps=ps)
-    arrays = list(tensors)
-    key = (tuple(names), rt.fusion_threshold)
-    known = _group_plans.get(key) if len(arrays) >= 2 else None
-    step = fusion.compiled()
-    if known is not None and step is not None and step.same_metas(arrays, known[0]):  # (100 arrays: ~1 us in C,
-        plan = known[1]  # ~17 us as below)
-    else:
-        plan = None
-        metas = [(a.dtype, a.shape) for a in arrays if type(a) is np.ndarray]  # (one pass: the plan's key)
-        if len(metas) < len(arrays):
-            arrays = [t if t is not None else host_array(a) for a, t in zip(arrays, device_tensors(arrays))]
-            metas = [(a.dtype, a.shape) for a in arrays if type(a) is np.ndarray]
-        device = not metas and len(arrays) >= 2 and all(isinstance(a, DeviceTensor) for a in arrays)
-        if device:  # (every array in device memory: groups of one dtype, device and kind)
-            metas = [(a.dtype, a.shape, a.device_id, a.kind, type(a.source)) for a in arrays]
-        if len(arrays) >= 2 and len(metas) == len(arrays):
-            if known is not None and known[0] == metas:  # (a list compared: ~3x cheaper than hashed as a tuple)
-                plan = known[1]
-            else:
-                plan = _group_plan(names, arrays, rt.fusion_threshold, [m[:1] + m[2:] for m in metas]
-                                   if device else None)
-                if len(_group_plans) >= _GROUP_PLANS_MAX:
-                    _group_plans.clear()
-                _group_plans[key] = (metas, plan)
-    if (fast and plan is not None and len(plan) == 1 and plan[0][2] is not None and not ps
-            and prescale_factor == 1.0 and type(arrays[0]) is np.ndarray):  # (one host group of every
-        # array: the fast lane may run it whole here; asynchronous, held after its spin)
-        result = rt.allreduce_now(plan[0][1], arrays, op, float(postscale_factor), None, plan[0][2], parts)
-        if result is not None:
-            learnt = _group_plans.get(key)
-            if rt.front_group is not None and learnt is not None and learnt[1] is plan:  # (its next calls:
-                rt.lane.learn_group(names, rt.fusion_threshold, learnt[0], plan[0][1], plan[0][2], op,  # whole in
-                                    float(postscale_factor))  # the compiled entry)
-            return _part_handles(names, result) if parts else DoneHandle(result)
-    if (not parts and plan is not None and len(plan) == 1 and plan[0][2] is not None and not ps
-            and prescale_factor == 1.0 and isinstance(arrays[0], DeviceTensor)):  # (one device group of
-        # every array, waited at once: the fast lane may run it whole here)
-        req = Request.group(plan[0][1], arrays, plan[0][2], **kw)
-        result = rt.device_now(req) if fast else None
-        if result is not None:
-            return DoneHandle(result)
-        rt.submit_many([req])
-        return req.handle
-    if plan is None:  # (large host arrays, or mixed host and device: a request each, fused by the engine)
-        reqs = [Request(n, "allreduce", a, **kw) for a, n in zip(arrays, names)]
-        return rt.submit_many(reqs) if reqs else []
-    handles, reqs = [None] * len(arrays), []
-    for idx, group, layout in plan:
-        if layout is None:
-            reqs.append(Request(names[idx[0]], "allreduce", arrays[idx[0]], **kw))
-            handles[idx[0]] = reqs[-1].handle
-            continue
-        reqs.append(Request.group(group, arrays if len(idx) == len(arrays) else [arrays[i] for i in idx],
-                                  layout, **kw))
-        whole = reqs[-1].handle
-        if len(idx) == len(arrays):  # (one group of every array, in order)
-            if not parts:
-                rt.submit_many(reqs)
-                return whole
-            handles = _part_handles(names, whole)
-            continue
-        for j, i in enumerate(idx):
-            handles[i] = PartHandle(names[i], whole, j)
-    rt.submit_many(reqs)
-    return handles
-
-
-_GROUP_PLANS_MAX = 1024  # group plans remembered (a training step's groups are the same every step)
-_group_plans = {}  # (names, fusion threshold) -> (dtypes and shapes, a plan: see _group_plan)
-
-
-def _group_plan(names: List[str], arrays: List[np.ndarray], threshold: int, device: Optional[list] = None):
-    """How ``grouped_allreduce_async`` submits ``arrays``: None (host arrays whose mean size
-    is over ``GROUP_MEAN_BYTES``: a request each), else ``[(indices, group name, layout)]``,
-    one entry per request: a run of one dtype cut at the fusion ``threshold`` (layout None: one
-    array alone).  ``device``: for ``DeviceTensor`` objects, what each array's group must share
-    (dtype, device, kind), at any size: the device path gathers a group with one launch where a
-    request each cost ~19 us of Python on the H200 machine (issue 27)."""
-    if device is None and sum(a.nbytes for a in arrays) > GROUP_MEAN_BYTES * len(arrays):
-        return None
-    by_dtype = {}
-    for i, a in enumerate(arrays):
-        by_dtype.setdefault(a.dtype if device is None else device[i], []).append(i)
-    plan = []
-    for same in by_dtype.values():
-        for idx in fusion.runs(same, [arrays[i].nbytes for i in same], threshold):
-            if len(idx) == 1:
-                plan.append((idx, None, None))
-                continue
-            group = [names[i] for i in idx]
-            digest = zlib.crc32("\0".join(group).encode())
-            plan.append((idx, f"{group[0]} (+{len(idx) - 1}) #{digest:08x}",
-                         fusion.Layout([arrays[i] for i in idx])))
-    return plan
+    if ps:
+        names = [f"{n}@ps{ps}" for n in names]
+    elif type(names) is not list:
+        names = list(names)
+    op = op if type(op) is ReduceOp else resolve_op(op)
+    return rt.dispatch.grouped_allreduce(names, tensors, op, prescale_factor, postscale_factor, ps, wait)
 
 
 def grouped_allreduce(tensors: Sequence, name: Optional[str] = None, op=None,
@@ -543,7 +377,7 @@ def grouped_allreduce(tensors: Sequence, name: Optional[str] = None, op=None,
     if name is not None:
         names = _member_names.get((name, len(tensors)))
         if names is None:
-            if len(_member_names) >= _GROUP_PLANS_MAX:
+            if len(_member_names) >= _MEMBER_NAMES_MAX:
                 _member_names.clear()
             names = _member_names[(name, len(tensors))] = [f"{name}.{i}" for i in range(len(tensors))]
     return grouped_allreduce_named(tensors, names, op, prescale_factor, postscale_factor, process_set)
@@ -556,16 +390,10 @@ def grouped_allreduce_named(tensors: Sequence, names: Optional[Sequence[str]], o
     a group of small arrays may run whole in the calling thread (the fast lane)."""
     if len(tensors) == 1 and names is not None:
         return [allreduce(tensors[0], names[0], op, prescale_factor, postscale_factor, None, process_set)]
-    result = _front_group(runtime("grouped_allreduce()"), tensors, names, op, prescale_factor, postscale_factor,
-                          process_set)
-    if result is not None:
-        return result
-    handles = _grouped_submit(tensors, names, op, prescale_factor, postscale_factor, process_set, False)
-    if type(handles) is not list:  # (one group of every array, in order: its result is the list)
-        return handles.wait()
-    return [h.wait() for h in handles]
+    return _grouped(tensors, names, op, prescale_factor, postscale_factor, process_set, True)
 
 
+_MEMBER_NAMES_MAX = 1024
 _member_names = {}  # (name, count) -> the names grouped_allreduce gives the arrays
 
 
@@ -576,7 +404,7 @@ def grouped_broadcast_async(tensors: Sequence, root_rank: int, names: Sequence[s
     ps = _check_set(rt, "broadcast", names[0] if names else None, process_set)
     reqs = [Request(f"{n}@ps{ps}" if ps else n, "broadcast", as_input(t), root=int(root_rank), ps=ps)
             for t, n in zip(tensors, names)]
-    return rt.submit_many(reqs) if reqs else []
+    return rt.dispatch.submit_many(reqs) if reqs else []
 
 
 def allgather_async(tensor, name: Optional[str] = None, process_set=0) -> Handle:
