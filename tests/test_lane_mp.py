@@ -18,7 +18,7 @@ def test_every_op_dtype_and_postscale_exact_and_identical(n):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_broadcasts(n):
-    for ok, counts in check_ok(run_workers(n, "workers_lane:broadcasts", [])):
+    for ok, counts in check_ok(run_workers(n, "workers_lane_flow:broadcasts", [])):
         assert ok and counts["fast"] > 0, counts
 
 
@@ -29,7 +29,7 @@ def test_off_takes_the_engine():
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_random_orders_mixed_with_engine_collectives(n):
-    values = check_ok(run_workers(n, "workers_lane:orders", [6], timeout=180))
+    values = check_ok(run_workers(n, "workers_lane_flow:orders", [6], timeout=180))
     for ok, counts in values:
         assert ok, counts
         # (a rank holding a lane request sends the next ones to the engine: a burst)
@@ -37,7 +37,7 @@ def test_random_orders_mixed_with_engine_collectives(n):
 
 
 def test_a_rank_far_ahead_and_a_full_data_ring():
-    values = check_ok(run_workers(2, "workers_lane:far_ahead", [700, 0.3], timeout=180))
+    values = check_ok(run_workers(2, "workers_lane_flow:far_ahead", [700, 0.3], timeout=180))
     for rank, (ok, counts) in enumerate(values):
         assert ok, counts
         # rank 0's data ring holds 8 of 256 KB while rank 1 is late: what found it full took the
@@ -46,7 +46,7 @@ def test_a_rank_far_ahead_and_a_full_data_ring():
 
 
 def test_join_turns_the_lane_off_and_zeros_still_count():
-    values = check_ok(run_workers(3, "workers_lane:joined", [4]))
+    values = check_ok(run_workers(3, "workers_lane_flow:joined", [4]))
     for rank, (got, last, after, off) in enumerate(values):
         if rank != 2:
             assert got == [2 * (1.0 + i) for i in range(4)], got
@@ -54,13 +54,13 @@ def test_join_turns_the_lane_off_and_zeros_still_count():
 
 
 def test_mismatch_goes_to_the_engine_and_names_every_rank():
-    for msg, counts in check_ok(run_workers(2, "workers_lane:mismatch", [])):
+    for msg, counts in check_ok(run_workers(2, "workers_lane_flow:mismatch", [])):
         assert "shape mismatch" in msg and "rank 0 has [2], rank 1 has [3]" in msg, msg
         assert counts == {"fast": 0, "slow": 1, "batches": 0}, counts
 
 
 def test_a_peer_killed_while_a_rank_waits_in_the_lane():
-    results = run_workers(2, "workers_lane:killed_while_waiting", [], timeout=60)
+    results = run_workers(2, "workers_lane_flow:killed_while_waiting", [], timeout=60)
     assert results[1].returncode == 3
     kind, msg, took = results[0].value
     assert kind == "PeerLostError" and "rank 1" in msg, (kind, msg)
@@ -68,7 +68,7 @@ def test_a_peer_killed_while_a_rank_waits_in_the_lane():
 
 
 def test_a_burst_is_gathered_into_one_batch_and_its_first_name_is_learnt():
-    values = check_ok(run_workers(2, "workers_lane:bursts", [6], timeout=180))
+    values = check_ok(run_workers(2, "workers_lane_flow:bursts", [6], timeout=180))
     for rank, (ok, after_bursts, end, joined, bad) in enumerate(values):
         assert ok, (rank, after_bursts, end)
         # (bad input while a batch is open: Request's errors, naming the collective; the burst goes on)
@@ -86,14 +86,14 @@ def test_a_burst_is_gathered_into_one_batch_and_its_first_name_is_learnt():
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_join_after_a_burst(n):
-    for rank, (ok, more, after, off) in enumerate(check_ok(run_workers(n, "workers_lane:join_after_burst", [60]))):
+    for rank, (ok, more, after, off) in enumerate(check_ok(run_workers(n, "workers_lane_flow:join_after_burst", [60]))):
         assert ok and after == n and off, (rank, ok, after, off)
         assert more == ([] if rank == n - 1 else [float(n - 1)] * 3), (rank, more)
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_flattened_groups_through_the_lane_and_the_engine(n):
-    for rank, (ok, msg, counts) in enumerate(check_ok(run_workers(n, "workers_lane:groups", [5]))):
+    for rank, (ok, msg, counts) in enumerate(check_ok(run_workers(n, "workers_lane_flow:groups", [5]))):
         assert ok, (rank, counts)
         assert "shapes of the grouped tensors" in msg and "[[2, 3], [4]]" in msg and "[[3, 2], [4]]" in msg, msg
         # float32 alone: FAST, unless this rank's engine was still busy (then the engine runs it);
@@ -104,34 +104,34 @@ def test_flattened_groups_through_the_lane_and_the_engine(n):
 def test_a_grouped_allreduce_waited_each_step_stays_in_the_lane():
     # (its first part finds the group done, as rank 0 often reduces it while posting: that is a
     # wait all the same, so the name is not learnt as the start of a burst and sent to the engine)
-    for rank, (ok, counts) in enumerate(check_ok(run_workers(2, "workers_lane:grouped_steps", [200]))):
+    for rank, (ok, counts) in enumerate(check_ok(run_workers(2, "workers_lane_flow:grouped_steps", [200]))):
         assert ok and counts == {"fast": 200, "slow": 0, "batches": 0}, (rank, counts)
 
 
 @pytest.mark.parametrize("n, count", [(2, 6), (3, 6), (2, 20)])  # (20: rank 0 decides the batch's positions at once)
 def test_a_shape_mismatch_in_a_batch_raises_on_every_rank_and_spares_the_rest(n, count):
-    for rank, (msg, ok) in enumerate(check_ok(run_workers(n, "workers_lane:burst_mismatch", [count], timeout=60))):
+    for rank, (msg, ok) in enumerate(check_ok(run_workers(n, "workers_lane_flow:burst_mismatch", [count], timeout=60))):
         assert "shape mismatch" in msg and "'m3'" in msg and f"rank {n - 1} has [5]" in msg, (rank, msg)
         assert ok, rank
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_batches_of_several_kinds_exact_and_batches_cut_otherwise_go_to_the_engine(n):
-    for rank, (ok, same_out, before, end) in enumerate(check_ok(run_workers(n, "workers_lane:batches", [5]))):
+    for rank, (ok, same_out, before, end) in enumerate(check_ok(run_workers(n, "workers_lane_flow:batches", [5]))):
         assert ok and same_out, (rank, before, end)
         assert before["slow"] > 0, before  # (the odd steps: rank 0 cut its float32 batch early)
         assert end["batches"] > before["batches"] and end["fast"] > before["fast"], (before, end)
 
 
 def test_a_batch_nobody_waits_for_is_posted_by_the_engine_thread():
-    values = check_ok(run_workers(2, "workers_lane:unwaited_batch", [3.0], timeout=60))
+    values = check_ok(run_workers(2, "workers_lane_flow:unwaited_batch", [3.0], timeout=60))
     assert all(ok for ok, _ in values), values
     assert values[1][1] < 1.5, values  # (rank 0 sleeps 3 s before it waits; ~0.2 s measured)
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_ranks_that_see_every_record_equal_consume_fast_without_rank0(n, tmp_path):
-    values = check_ok(run_workers(n, "workers_lane:without_rank0", [20.0, str(tmp_path / "held")], timeout=60))
+    values = check_ok(run_workers(n, "workers_lane_flow:without_rank0", [20.0, str(tmp_path / "held")], timeout=60))
     assert all(ok for ok, _, _ in values), values
     assert values[0][1], values  # (every other rank was done while rank 0 held its lane and decided nothing)
     for _, _, counts in values:
@@ -184,14 +184,14 @@ def test_synchronous_allreduces_and_groups_run_whole_in_the_caller(n, worker, st
 def test_a_synchronous_allreduce_runs_in_the_lane_up_to_its_own_limit(n):
     from sdp.engine import lane
     at = lane.NOW_READ_BYTES // (n - 1) // 4 * 4
-    for rank, (ok, fast) in enumerate(check_ok(run_workers(n, "workers_lane:sync_large", [6], timeout=120))):
+    for rank, (ok, fast) in enumerate(check_ok(run_workers(n, "workers_lane_flow:sync_large", [6], timeout=120))):
         assert ok, (rank, fast)
         # (a call that finds the ring or the engine busy goes to the engine; the first learns the name)
         assert fast[str(at)] >= 4 and fast[str(at + 64)] == 0 and fast["async"] == 0, (rank, fast)
 
 
 def test_a_synchronous_allreduce_beside_the_engines_work_stays_itself():
-    for ok, counts in check_ok(run_workers(2, "workers_lane:sync_beside_engine", [30], timeout=120)):
+    for ok, counts in check_ok(run_workers(2, "workers_lane_flow:sync_beside_engine", [30], timeout=120)):
         assert ok, counts
         # (posted as itself on every rank: no batch of one, whose signature would differ from a
         # peer's single one and send the step to the engine)
@@ -201,7 +201,8 @@ def test_a_synchronous_allreduce_beside_the_engines_work_stays_itself():
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_compiled_group_entry_runs_a_learnt_group_and_hands_the_rest_on(n):
     rounds = 8
-    for rank, seen in enumerate(check_ok(run_workers(n, "workers_lane:front_group_paths", [rounds], timeout=120))):
+    for rank, seen in enumerate(check_ok(run_workers(n, "workers_lane_front:front_group_paths", [rounds],
+                                                     timeout=120))):
         assert all(seen[k][0] for k in seen if k != "mismatch"), (rank, seen)
         assert "shapes of the grouped tensors mismatch" in (seen["mismatch"] or ""), (rank, seen)
         # (each case: [exact, calls the entry answered, calls Python's lane ran, barriers included])
@@ -223,7 +224,7 @@ def test_the_compiled_group_entry_runs_a_learnt_group_and_hands_the_rest_on(n):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_compiled_entry_holds_escalates_and_raises_as_the_lane_does(n):
-    for rank, seen in enumerate(check_ok(run_workers(n, "workers_lane:front_paths", [6], timeout=120))):
+    for rank, seen in enumerate(check_ok(run_workers(n, "workers_lane_front:front_paths", [6], timeout=120))):
         assert seen["exact"] and seen["apart"] and seen["aligned"] and seen["out"], (rank, seen)
         assert seen["in place"] == [True] * 3, (rank, seen)
         assert seen["big"] == [[64, 64], float(n), float(n), 0], (rank, seen)
@@ -237,7 +238,7 @@ def test_the_compiled_entry_holds_escalates_and_raises_as_the_lane_does(n):
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_compiled_flush_runs_a_learnt_burst_and_hands_the_rest_back(n):
     rounds = 5
-    for rank, seen in enumerate(check_ok(run_workers(n, "workers_lane:flush_paths", [rounds], timeout=120))):
+    for rank, seen in enumerate(check_ok(run_workers(n, "workers_lane_front:flush_paths", [rounds], timeout=120))):
         # (each case: [exact, flushes run whole by the compiled call, held after it, declined])
         assert all(seen[k][0] for k in seen if k != "mismatch"), (rank, seen)
         assert "fl.4" in seen["mismatch"] and "shape" in seen["mismatch"], (rank, seen)
@@ -258,5 +259,6 @@ def test_the_compiled_flush_runs_a_learnt_burst_and_hands_the_rest_back(n):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_groups_submitted_asynchronously_from_two_threads_complete_exactly(n):
-    for rank, (ok, counts) in enumerate(check_ok(run_workers(n, "workers_lane:threaded_groups", [40], timeout=120))):
+    for rank, (ok, counts) in enumerate(check_ok(run_workers(n, "workers_lane_flow:threaded_groups", [40],
+                                                             timeout=120))):
         assert ok, (rank, counts)  # (in the caller, held, SLOW or the engine's: each exact, none left waiting)

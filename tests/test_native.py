@@ -53,10 +53,10 @@ def test_the_lane_runs_in_python_without_the_compiled_step(tmp_path, how):
         path.write_bytes(b"not a shared library")
     for bad, _, calls, entered, counts in check_ok(run_workers(2, "workers_lane:edges", [3], env=env, timeout=120)):
         assert not bad and calls == 0 and entered == 0 and counts["fast"] == 200, (bad, calls, entered, counts)
-    for ok, after_bursts, _, joined, bad in check_ok(run_workers(2, "workers_lane:bursts", [4], env=env,
+    for ok, after_bursts, _, joined, bad in check_ok(run_workers(2, "workers_lane_flow:bursts", [4], env=env,
                                                                  timeout=120)):
         assert ok and joined >= 2 * 39 and len(bad) == 2, (after_bursts, joined, bad)  # (Lane.burst in Python)
-    for msg, ok in check_ok(run_workers(2, "workers_lane:burst_mismatch", [20], env=env, timeout=60)):
+    for msg, ok in check_ok(run_workers(2, "workers_lane_flow:burst_mismatch", [20], env=env, timeout=60)):
         assert ok and "'m3'" in msg, msg  # (rank 0 decides the batch's positions at once, in Python)
 
 
