@@ -1,7 +1,8 @@
 """The import graph of ``sdp`` and ``sdp_kungfu_bridge`` (grimp, import-linter's graph builder;
 imports inside functions count, and so do ``importlib.import_module("literal")`` calls): no module
 reaches itself through imports, the launcher never imports the faces, and no arrow points up from a
-framework face to :mod:`sdp.compat` (the layer above the faces)."""
+framework face to :mod:`sdp.compat` (the layer above the faces).  And no source file is over 800
+lines (issue 55: split along responsibilities instead)."""
 import ast
 import pathlib
 
@@ -111,3 +112,18 @@ def test_engine_and_api_import_no_framework():
                 continue
             chain = graph.find_shortest_chain(importer=mod, imported=framework)
             assert chain is None, f"{mod} imports {framework}: {' -> '.join(chain)}"
+
+
+MAX_LINES = 800  # per source file (issue 55)
+
+
+def test_no_source_file_is_over_800_lines():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    over = {}
+    for top in ("sdp", "sdp_kungfu_bridge", "benchmarks", "examples", "tests"):
+        for path in sorted((root / top).rglob("*")):
+            if path.suffix in (".py", ".c", ".h", ".cc") and path.is_file():
+                lines = path.read_text(errors="replace").count("\n")
+                if lines > MAX_LINES:
+                    over[str(path.relative_to(root))] = lines
+    assert not over, over
