@@ -20,9 +20,11 @@ entry (``Dispatch.``)                   paths, in order
 ``submit`` (every other kind)           :class:`Engine`
 ======================================  ==========================================================
 
-Which path can take what is in each class's docstring and in DESIGN.md's table.  The compiled
-front (the first path of ``allreduce``) is checked in ``Dispatch.allreduce`` itself before a
-:class:`Call` is made, so the common case costs one C call, as it did before the table.
+Which path can take what is in each class's docstring and in DESIGN.md's table.  The first
+path of ``allreduce`` (the compiled front) and of ``allreduce_async`` (the burst) is checked in
+the entry itself before a :class:`Call` is made, so the common case costs one C call, as it did
+before the table (a Call and a walk from the first path cost a burst's allreduces a quarter
+more: benchmarks/README.md).
 Whichever path runs a call, every rank gets the same bits (the paths reduce with the same
 kernels in the same order: DESIGN.md, "Invariants").
 """
@@ -348,7 +350,13 @@ class Dispatch:
 
     def allreduce_async(self, name: str, tensor, op: ReduceOp, prescale, postscale, out, ps: int) -> Handle:
         """``sdp.allreduce_async``: its handle."""
-        return self._walk(self.allreduce_async_paths, Call(name, tensor, op, prescale, postscale, out, ps))
+        if not ps and out is None and prescale == 1.0 and op is not _ADASUM:
+            burst = self.rt.burst  # (the first path, Burst, checked here: no Call made)
+            if burst is not None:
+                handle = burst(name, tensor, op, postscale)
+                if handle is not None:
+                    return handle
+        return self._walk(self.allreduce_async_paths[1:], Call(name, tensor, op, prescale, postscale, out, ps))
 
     def grouped_allreduce(self, names: List[str], arrays: Sequence, op: ReduceOp, prescale, postscale,
                           ps: int, wait: bool):
