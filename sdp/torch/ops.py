@@ -70,6 +70,12 @@ def _op(op) -> ReduceOp:
     return op if type(op) is ReduceOp else resolve_op(op)
 
 
+def _set(process_set):
+    """``process_set`` as ``sdp.api`` takes it fastest: 0 for the global set (its object costs
+    ``sdp.api`` a lookup of its id per call)."""
+    return 0 if process_set is global_process_set else process_set
+
+
 def _device(tensor: torch.Tensor) -> Optional[torch.device]:
     return tensor.device if tensor.is_cuda else None
 
@@ -92,7 +98,7 @@ def allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=None, p
     op = _op(op)
     arr = _t.as_input(tensor, "allreduce")
     out = _t.in_place(tensor, arr) if inplace else None
-    h = api.allreduce_async(arr, name, op, prescale_factor, postscale_factor, out, process_set)
+    h = api.allreduce_async(arr, name, op, prescale_factor, postscale_factor, out, _set(process_set))
     return _register([h], _into(tensor) if inplace else _new(tensor), (tensor, arr))
 
 
@@ -103,12 +109,12 @@ def allreduce_now(tensor: torch.Tensor, name: Optional[str] = None, op=None, pre
     if not inplace and tensor.dtype in _t.NUMPY_VIEWS and not tensor.requires_grad and tensor.is_cpu \
             and tensor.is_contiguous():  # (the common case: one view in, one view out, no more calls)
         result = api.allreduce(tensor.numpy(), name, op if type(op) is ReduceOp else resolve_op(op),
-                               prescale_factor, postscale_factor, None, process_set)
+                               prescale_factor, postscale_factor, None, _set(process_set))
         return torch.from_numpy(result) if result.flags.writeable else _t.as_tensor(result)
     arr = _t.as_input(tensor, "allreduce")
     out = _t.in_place(tensor, arr) if inplace else None
     result = api.allreduce(arr, name, op if type(op) is ReduceOp else resolve_op(op), prescale_factor,
-                           postscale_factor, out, process_set)
+                           postscale_factor, out, _set(process_set))
     if result is out is not None:  # (reduced into the tensor's own memory)
         return tensor
     return _t.copy_into(tensor, result) if inplace else _t.as_tensor(result, _device(tensor))
@@ -127,7 +133,7 @@ def grouped_allreduce_async(tensors, name: Optional[str] = None, op=None, presca
     op = _op(op)
     arrays = [_t.as_input(t, "grouped_allreduce") for t in tensors]
     hs = api.grouped_allreduce_async(arrays, _member_names(name, len(arrays)), op, prescale_factor,
-                                     postscale_factor, process_set) if arrays else []
+                                     postscale_factor, _set(process_set)) if arrays else []
     if inplace:
         finish = lambda results: tuple(_t.copy_into(t, r) for t, r in zip(tensors, results))  # noqa: E731
     else:
@@ -143,7 +149,7 @@ def grouped_allreduce_now(tensors, name: Optional[str] = None, op=None, prescale
     if not tensors:
         return []
     arrays = [_t.as_input(t, "grouped_allreduce") for t in tensors]
-    results = api.grouped_allreduce(arrays, name, _op(op), prescale_factor, postscale_factor, process_set)
+    results = api.grouped_allreduce(arrays, name, _op(op), prescale_factor, postscale_factor, _set(process_set))
     if inplace:
         return [_t.copy_into(t, r) for t, r in zip(tensors, results)]
     return [_t.as_tensor(r, _device(t)) for t, r in zip(tensors, results)]
