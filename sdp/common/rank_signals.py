@@ -66,6 +66,7 @@ _raised = False  # KeyboardInterrupt raised for it
 _stderr_fd: Optional[int] = None  # the original standard error, once fd 2 is silenced
 _fault_fd: Optional[int] = None  # a copy of the original standard error for crash stacks
 _installed = False
+_stderr_lock = threading.Lock()  # _stderr_fd and fd 2 change together (see _silence_stderr)
 
 
 def _on_stop(signum, frame):
@@ -78,17 +79,20 @@ def _on_stop(signum, frame):
 
 
 def _silence_stderr() -> None:
-    """Point fd 2 at /dev/null, keeping the original in ``_stderr_fd`` (once)."""
+    """Point fd 2 at /dev/null, keeping the original in ``_stderr_fd`` (once).  Under
+    ``_stderr_lock``, which the one-line writer takes too: a line written while this runs (the
+    main thread gets the GIL back at each system call here) goes to the original, never to
+    /dev/null."""
     global _stderr_fd
-    if _stderr_fd is not None:
-        return
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-    finally:
-        os.close(devnull)
-    _stderr_fd = saved
+    with _stderr_lock:
+        if _stderr_fd is not None:
+            return
+        _stderr_fd = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 2)
+        finally:
+            os.close(devnull)
 
 
 def _watch(read_fd: int) -> None:
@@ -203,7 +207,8 @@ def _excepthook(previous):
         line = interrupted_line(rank, _received, step_of(tb)) + "\n"
         try:
             sys.stderr.flush()
-            os.write(_stderr_fd if _stderr_fd is not None else 2, line.encode())
+            with _stderr_lock:
+                os.write(_stderr_fd if _stderr_fd is not None else 2, line.encode())
         except Exception:  # pragma: no cover - stderr closed
             pass
         _die_by(_received)
