@@ -19,7 +19,9 @@ Quiet stops
     ``atexit`` handlers and ends by the signal it got (exit status 130 for SIGINT, 143 for
     SIGTERM) without the rest of the interpreter's finalization: TensorFlow's teardown took
     longer than ``sdprun``'s 3 s grace period on a loaded 2-core machine, so the ranks were
-    killed.  A script that catches the interruption itself ends as it chooses.
+    killed.  A script that catches the interruption itself ends as it chooses.  A stop signal
+    that comes after the script ended with an exception (its ``atexit`` handlers, sdp's shutdown
+    among them, running: ``sdprun`` stops the other ranks when one fails) is noted, not raised.
 
 sdp's errors in one line
     An sdp error that ends the script (``sdp.common.errors.sdp_message``: a
@@ -66,6 +68,7 @@ _raised = False  # KeyboardInterrupt raised for it
 _stderr_fd: Optional[int] = None  # the original standard error, once fd 2 is silenced
 _fault_fd: Optional[int] = None  # a copy of the original standard error for crash stacks
 _installed = False
+_ended = False  # the script ended with an exception (the excepthook ran): exiting already
 _stderr_lock = threading.Lock()  # _stderr_fd and fd 2 change together (see _silence_stderr)
 
 
@@ -73,8 +76,8 @@ def _on_stop(signum, frame):
     global _received, _raised
     if _received is None:
         _received = signum
-    if not _raised:
-        _raised = True
+    if not _raised and not _ended:  # (a script that ended already is in its atexit handlers: sdp's
+        _raised = True  # shutdown; interrupting it printed "Exception ignored in atexit callback")
         raise KeyboardInterrupt
 
 
@@ -193,7 +196,8 @@ def error_line(rank: str, exc: BaseException, tb: Optional[types.TracebackType])
 
 def _excepthook(previous):
     def hook(exc_type, exc, tb):
-        global _received
+        global _received, _ended
+        _ended = True
         if _received is None and issubclass(exc_type, KeyboardInterrupt):
             _received = signal.SIGINT  # raised by Python's own handler (a handler set before ours)
         if _received is None:
