@@ -64,6 +64,9 @@ class Net(torch.nn.Module):
         self.fc1 = torch.nn.Linear(12 * 12 * 64, 128)
         self.drop2 = torch.nn.Dropout(0.5)
         self.fc2 = torch.nn.Linear(128, 10)
+        for layer in (self.conv1, self.conv2, self.fc1, self.fc2):  # (Keras' defaults, as the TF example:
+            torch.nn.init.xavier_uniform_(layer.weight)  # Glorot uniform weights, zero biases)
+            torch.nn.init.zeros_(layer.bias)
 
     def forward(self, x):
         x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)

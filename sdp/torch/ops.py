@@ -109,7 +109,8 @@ def allreduce_now(tensor: torch.Tensor, name: Optional[str] = None, op=None, pre
     if not inplace and tensor.dtype in _t.NUMPY_VIEWS and not tensor.requires_grad and tensor.is_cpu \
             and tensor.is_contiguous():  # (the common case: one view in, one view out, no more calls)
         result = api.allreduce(tensor.numpy(), name, op if type(op) is ReduceOp else resolve_op(op),
-                               prescale_factor, postscale_factor, None, _set(process_set))
+                               prescale_factor, postscale_factor, None,
+                               0 if process_set is global_process_set else process_set)
         return torch.from_numpy(result) if result.flags.writeable else _t.as_tensor(result)
     arr = _t.as_input(tensor, "allreduce")
     out = _t.in_place(tensor, arr) if inplace else None
