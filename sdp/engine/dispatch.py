@@ -66,6 +66,10 @@ class Call:
         return (not self.ps and type(self.tensor) is np.ndarray and self.prescale == 1.0
                 and self.op is not _ADASUM)
 
+    def post(self) -> float:
+        """``postscale`` as a float (what the in-caller paths take)."""
+        return self.postscale if type(self.postscale) is float else float(self.postscale)
+
     def request(self) -> Request:
         if self._req is None:
             self._req = Request(self.name, "allreduce", as_input(self.tensor), self.op, None, self.prescale,
@@ -122,8 +126,7 @@ class LaneNow(Path):
 
     def run(self, call: Call):
         lane = self.rt.lane
-        post = call.postscale if type(call.postscale) is float else float(call.postscale)
-        return None if lane is None else lane.allreduce_now(call.name, call.tensor, call.op, post, call.out)
+        return None if lane is None else lane.allreduce_now(call.name, call.tensor, call.op, call.post(), call.out)
 
 
 class LinkNow(Path):
@@ -143,8 +146,7 @@ class LinkNow(Path):
         if call.plain():
             if not self.rt.usable():
                 return None
-            post = call.postscale if type(call.postscale) is float else float(call.postscale)
-            return link.allreduce_now(call.name, call.tensor, call.op, post, call.out)
+            return link.allreduce_now(call.name, call.tensor, call.op, call.post(), call.out)
         link.skip()
         return None
 
