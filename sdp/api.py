@@ -321,6 +321,22 @@ def allreduce(tensor, name: Optional[str] = None, op=None, prescale_factor: floa
     # gets its own kind back)
 
 
+def allreduce_front():
+    """The compiled entry of ``allreduce`` (the first path ``Dispatch.allreduce`` tries), for a
+    face's hot path, or None where there is none (not initialized, no fast lane, one rank).
+
+    ``front(name, array, op, postscale, out)`` takes what ``Dispatch.allreduce`` gives it: an
+    engine ``name`` of the global set (``str``), a C-contiguous numpy ``array``, a ``ReduceOp``
+    other than ``Adasum``, ``postscale`` (a number; the prescale is 1.0) and ``out`` (a
+    preallocated array or None).  It returns the result as ``allreduce`` would, or None where the
+    call must go through ``allreduce`` instead (a name not learnt yet, the lane busy, a peer
+    late): a face that gets None calls ``allreduce`` with the same arguments.  Raises what
+    ``allreduce`` raises for a learnt name (``TensorMismatchError`` and the other ``SdpError``
+    classes)."""
+    rt = _runtime
+    return None if rt is None else rt.front
+
+
 def check_adasum(process_set=0) -> None:
     """Raise what an allreduce with ``op=Adasum`` of ``process_set`` raises on this rank before
     anything is sent: ``NotImplementedError`` with Horovod's text for a process set other than

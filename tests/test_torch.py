@@ -55,7 +55,9 @@ def _two_ranks():
 
 
 def _collective_cases(n):
-    cases = [("adapter", "workers_torch:adapter_allreduce", [DTYPES]),
+    cases = [("named", "workers_torch:named_allreduce", [DTYPES]),  # (first: the collectives' join() turns the
+             # fast lane off for good)
+             ("adapter", "workers_torch:adapter_allreduce", [DTYPES]),
              ("collectives", "workers_torch:collectives", [DTYPES]),
              ("gradients", "workers_torch:gradients", [["float32", "float64"]])]
     if n == 3:
@@ -66,7 +68,8 @@ def _collective_cases(n):
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_every_collective_and_its_gradient(n):
     """Every collective on float16/bfloat16/float32/float64/int32/int64, out of place, in place,
-    async with poll + synchronize, grouped; Horovod's gradients through each (float32/float64);
+    async with poll + synchronize, grouped; a named allreduce again and again (the compiled entry
+    from sdp.torch.allreduce: exact, new tensors that keep their values); Horovod's gradients through each (float32/float64);
     Adasum at 1 and 2 ranks; at 3 ranks also a process set, and mismatches raised on every rank
     as HorovodInternalError."""
     runs = _two_ranks() if n == 2 else run_cases(n, _collective_cases(n), env=DYNAMIC)
@@ -75,6 +78,9 @@ def test_every_collective_and_its_gradient(n):
             assert equal and in_place and same, (rank, name, equal, in_place, same)
     _no_problems(runs, "collectives")
     _no_problems(runs, "gradients")
+    for rank, (problems, entered, has_front) in enumerate(check_ok(runs["named"])):
+        assert not problems, (rank, problems)
+        assert entered > 0 or not has_front, (rank, entered)  # (sdp.torch.allreduce entered the compiled entry)
     if n == 3:
         for rank, (problems, errors) in enumerate(check_ok(runs["sets and errors"])):
             assert not problems, (rank, problems)

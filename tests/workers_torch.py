@@ -148,6 +148,47 @@ def collectives(dtypes, device="cpu"):
     return list(c)
 
 
+def named_allreduce(dtypes):
+    """A named allreduce called again and again (its first call teaches the compiled entry, the
+    next ones enter it from ``sdp.torch.allreduce`` through ``sdp.api.allreduce_front``): every
+    result exact, a new tensor of the input's dtype and shape that keeps its values after later
+    calls; Average with a postscale, a strided input and a tensor that requires a gradient under
+    ``torch.no_grad()`` on the same names.  Returns [problems, calls the compiled entry took,
+    whether there is one]."""
+    from workers_lane import _counting
+    c, r, n = _Checks(), hvd.rank(), hvd.size()
+    rt = sdp.api.runtime()
+    has_front = rt.front is not None
+    entered = _counting(rt, "front") if has_front else [0]
+    tri = n * (n + 1) // 2
+    for name in dtypes:
+        dt = TORCH_DTYPES[name]
+        base = torch.arange(12, dtype=torch.float64).reshape(3, 4)
+        kept = []
+        for i in range(4):
+            x = (base + (r + 1) * (i + 1)).to(dt)
+            got = hvd.allreduce(x, name=f"n.{name}", op=hvd.Sum)
+            c.true(f"{name} call {i}: a new tensor", got.data_ptr() != x.data_ptr())
+            kept.append((got, (base * n + tri * (i + 1)).to(dt)))
+        for i, (got, want) in enumerate(kept):  # (each after every later call)
+            c.eq(f"{name} named Sum, call {i}", got, want)
+        if dt.is_floating_point:
+            for i in range(3):
+                x = (base + (r + 1)).to(dt)
+                c.eq(f"{name} named Average x 0.5, call {i}",
+                     hvd.allreduce(x, name=f"n.{name}.avg", postscale_factor=0.5), ((base + (n + 1) / 2) * 0.5).to(dt))
+        for i in range(2):  # (a strided view: never the compiled entry's, exact all the same)
+            strided = (base + (r + 1)).to(dt).t()
+            c.eq(f"{name} strided input, call {i}", hvd.allreduce(strided, name=f"n.{name}.t", op=hvd.Sum),
+                 (base * n + tri).to(dt).t())
+        if dt.is_floating_point:
+            with torch.no_grad():
+                x = (base + (r + 1)).to(dt).requires_grad_()
+                c.eq(f"{name} requires_grad under no_grad", hvd.allreduce(x, name=f"n.{name}", op=hvd.Sum),
+                     (base * n + tri).to(dt))
+    return [list(c), entered[0], has_front]
+
+
 def gradients(dtypes, device="cpu"):
     """Autograd through every collective, Horovod's gradients (see sdp.torch.mpi_ops)."""
     c, r, n = _Checks(), hvd.rank(), hvd.size()
