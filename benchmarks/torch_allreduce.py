@@ -4,6 +4,7 @@ Run under the launcher (2 ranks, one host)::
 
     sdprun -np 2 python benchmarks/torch_allreduce.py
     sdprun -np 2 python benchmarks/torch_allreduce.py --sizes 1K,1M --rounds 3
+    sdprun -np 2 python benchmarks/torch_allreduce.py --device cuda --sizes 1M,64M   # a GPU (tests/gpu_run.sh)
 
 Rank 0 prints an environment line, then one table:
 
@@ -15,6 +16,13 @@ Rank 0 prints an environment line, then one table:
 - the step time of DDP training a small CNN (batch 64 of 28x28 images) over the ``sdp``
   backend and over Gloo;
 - PASS/FAIL against the targets below (a miss does not change the exit status).
+
+With ``--device cuda`` the tensors are CUDA tensors on the rank's local GPU (every rank on one GPU
+shares it; ``tests/gpu_run.sh`` runs this under MPS): each timed call ends with
+``torch.cuda.synchronize()``, the numpy API's column and the DDP step are left out, and the
+targets are the GPU ones (``sdp.torch`` 64 MB busbw, no device-to-host copy with CUDA IPC
+(``sdp.device_counters()``), and Gloo on the same CUDA tensors).  A mode that raises is reported
+as failed and left out of the table; the others go on.
 
 The modes alternate: ``--rounds`` rounds, each running every mode in turn (rotated per round), so
 a slow stretch of this shared machine hits each alike.  A time is the median over a round's
@@ -48,6 +56,8 @@ TARGET_TORCH_1K_VS_NUMPY = 1.5      # sdp.torch 1 KB time <= 1.5 x the numpy API
 TARGET_TORCH_64M_BUSBW = 0.9        # sdp.torch 64 MB busbw >= 0.9 x the numpy API's
 TARGET_VS_GLOO = 2.0                # sdp.torch and the numpy API >= 2 x faster than Gloo (1K, 1M, 64M)
 TARGET_DDP_VS_GLOO = 1.0            # DDP step over sdp <= 1.0 x over Gloo
+TARGET_CUDA_64M_BUSBW = 150.0       # a GPU: sdp.torch 64 MB busbw >= 150 GB/s (CUDA IPC, 2 ranks, one GPU)
+TARGET_CUDA_VS_GLOO = 5.0           # a GPU: sdp.torch >= 5 x faster than Gloo on the same CUDA tensors at 64 MB
 
 MODES = ("sdp.torch", "numpy API", "dist sdp", "dist gloo")
 
@@ -65,19 +75,24 @@ def iterations(nbytes: int) -> int:
     return 200 if nbytes <= 64 << 10 else 40 if nbytes <= 4 << 20 else 6
 
 
-def callers(nbytes: int, gloo):
-    """{mode: a function that runs one allreduce of ``nbytes`` float32}, or None where absent."""
+def callers(nbytes: int, gloo, device: str = "cpu"):
+    """{mode: a function that runs one allreduce of ``nbytes`` float32 on ``device``}, or None
+    where absent (on CUDA each call waits for the device: ``torch.cuda.synchronize()``)."""
     n = nbytes // 4
-    t_in, t_sdp, t_gloo = torch.ones(n), torch.zeros(n), torch.zeros(n)  # (in place: zeros stay finite)
+    t_in, t_sdp, t_gloo = (torch.ones(n, device=device), torch.zeros(n, device=device),
+                           torch.zeros(n, device=device))  # (in place: zeros stay finite)
     a_in, a_out = np.ones(n, np.float32), np.empty(n, np.float32)
     name = f"bench.{fmt_size(nbytes)}"
     has_face = hasattr(sdp.torch, "allreduce")
-    return {
+    calls = {
         "sdp.torch": (lambda: sdp.torch.allreduce(t_in, name=name + ".torch", op=sdp.torch.Sum)) if has_face else None,
-        "numpy API": lambda: sdp.allreduce(a_in, name=name + ".np", op=sdp.Sum, out=a_out),
+        "numpy API": (lambda: sdp.allreduce(a_in, name=name + ".np", op=sdp.Sum, out=a_out)) if device == "cpu" else None,
         "dist sdp": lambda: dist.all_reduce(t_sdp),
         "dist gloo": lambda: dist.all_reduce(t_gloo, group=gloo),
     }
+    if device == "cpu":
+        return calls
+    return {m: None if f is None else (lambda f=f: (f(), torch.cuda.synchronize())) for m, f in calls.items()}
 
 
 def time_mode(call, iters: int) -> float:
@@ -127,12 +142,20 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="1K,1M,64M", help="message sizes (binary units), float32")
     p.add_argument("--rounds", type=int, default=5, help="rounds of alternating modes")
     p.add_argument("--ddp-steps", type=int, default=10, help="timed DDP steps per mode per round")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the tensors are (cuda: the rank's local GPU; GPU targets, no DDP step)")
     args = p.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print(f"torch_allreduce.py: --device cuda: torch {torch.__version__} sees no CUDA device", file=sys.stderr)
+        return 2
 
     if not sdp.is_initialized():
         sdp.init()
     rank, n = sdp.rank(), sdp.size()
+    if cuda:
+        torch.cuda.set_device(sdp.local_rank() % torch.cuda.device_count())
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // sdp.local_size()))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the baseline on loopback only
     tmp = sdp.broadcast_object(tempfile.mkdtemp(prefix="sdp_torch_bench_") if rank == 0 else None, 0)
@@ -142,21 +165,34 @@ def main(argv=None) -> int:
 
     log0(env_line(n))
     log0("The machine is shared: other processes skew every figure; compare columns of one run.")
-    results = {}  # (size, mode) -> [seconds per round]
+    results, failed = {}, {}  # (size, mode) -> [seconds per round]; (size, mode) -> what it raised
+    d2h = {}  # a GPU: size -> bytes sdp.torch's calls copied device-to-host after the first round
     for size in sizes:
-        calls = callers(size, gloo)
+        calls = callers(size, gloo, args.device)
         modes = [m for m in MODES if calls[m] is not None]
         for r in range(args.rounds):
             for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
-                results.setdefault((size, mode), []).append(time_mode(calls[mode], iterations(size)))
-    ddp = {"DDP sdp": ddp_steps(None), "DDP gloo": ddp_steps(gloo)}
-    for r in range(args.rounds):
-        for mode in (list(ddp) if r % 2 == 0 else list(ddp)[::-1]):
-            results.setdefault(("ddp", mode), []).append(time_mode(ddp[mode], args.ddp_steps))
+                if (size, mode) in failed:
+                    continue
+                counted = cuda and mode == "sdp.torch" and r > 0  # (the first round opens the IPC windows)
+                before = sdp.device_counters()["d2h"] if counted else 0
+                try:
+                    results.setdefault((size, mode), []).append(time_mode(calls[mode], iterations(size)))
+                except Exception as e:  # (reported below; the other modes go on)
+                    failed[(size, mode)] = f"{type(e).__name__}: {e}"
+                    results.pop((size, mode), None)
+                if counted:
+                    d2h[size] = d2h.get(size, 0) + sdp.device_counters()["d2h"] - before
+    if not cuda:
+        ddp = {"DDP sdp": ddp_steps(None), "DDP gloo": ddp_steps(gloo)}
+        for r in range(args.rounds):
+            for mode in (list(ddp) if r % 2 == 0 else list(ddp)[::-1]):
+                results.setdefault(("ddp", mode), []).append(time_mode(ddp[mode], args.ddp_steps))
     t = {k: max_over_ranks(statistics.median(v)) for k, v in sorted(results.items(), key=lambda kv: str(kv[0]))}
 
     head = f"{'size':>6}" + "".join(f" {m + ' us':>14} {'busbw':>7}" for m in MODES)
-    log0(f"\nallreduce, float32 SUM, {n} ranks, median of {args.rounds} alternating rounds (GB/s = 1e9 B/s)")
+    where = "CUDA tensors, " if cuda else ""
+    log0(f"\nallreduce, {where}float32 SUM, {n} ranks, median of {args.rounds} alternating rounds (GB/s = 1e9 B/s)")
     log0(head)
     for size in sizes:
         cells = []
@@ -164,12 +200,15 @@ def main(argv=None) -> int:
             s = t.get((size, m))
             cells.append(f" {'n/a':>14} {'':>7}" if s is None else f" {s * 1e6:>14.1f} {size / s * factor / 1e9:>7.3f}")
         log0(f"{fmt_size(size):>6}" + "".join(cells))
-    ddp_sdp, ddp_gloo = t[("ddp", "DDP sdp")], t[("ddp", "DDP gloo")]
-    log0(f"\nDDP step (small CNN, batch 64 per rank): sdp backend {ddp_sdp * 1e3:.2f} ms, "
-         f"Gloo {ddp_gloo * 1e3:.2f} ms, "
-         f"ratio {ddp_sdp / ddp_gloo:.2f}")
+    for (size, mode), why in sorted(failed.items()):
+        log0(f"{fmt_size(size)} {mode}: failed ({why})")
+    if not cuda:
+        ddp_sdp, ddp_gloo = t[("ddp", "DDP sdp")], t[("ddp", "DDP gloo")]
+        log0(f"\nDDP step (small CNN, batch 64 per rank): sdp backend {ddp_sdp * 1e3:.2f} ms, "
+             f"Gloo {ddp_gloo * 1e3:.2f} ms, "
+             f"ratio {ddp_sdp / ddp_gloo:.2f}")
 
-    log0("\ntargets (2 ranks, one host):")
+    log0(f"\ntargets ({n} ranks, one host{', one GPU' if cuda else ''}):")
 
     def check(label, ok, detail):
         log0(f"  {'PASS' if ok else 'FAIL'}  {label}: {detail}")
@@ -177,6 +216,9 @@ def main(argv=None) -> int:
     def ratio(a, b):
         return None if a is None or b is None else a / b
     one_k, one_m, big = 1 << 10, 1 << 20, 64 << 20
+    if cuda:
+        gpu_targets(t, d2h, factor, check)
+        return finish(tmp, rank)
     if one_k in sizes and t.get((one_k, "sdp.torch")) is not None:
         q = ratio(t[(one_k, "sdp.torch")], t[(one_k, "numpy API")])
         check(f"sdp.torch 1 KB <= {TARGET_TORCH_1K_VS_NUMPY}x numpy API", q <= TARGET_TORCH_1K_VS_NUMPY, f"{q:.2f}x")
@@ -194,7 +236,29 @@ def main(argv=None) -> int:
     check(f"DDP step over sdp <= {TARGET_DDP_VS_GLOO}x over Gloo", q <= TARGET_DDP_VS_GLOO, f"{q:.2f}x")
     if not hasattr(sdp.torch, "allreduce"):
         log0("  n/a   sdp.torch.allreduce targets: sdp.torch has no allreduce on this checkout")
+    return finish(tmp, rank)
 
+
+def gpu_targets(t: dict, d2h: dict, factor: float, check) -> None:
+    """The GPU targets (``--device cuda``) from the table's times ``t`` and the bytes copied
+    device-to-host per size ``d2h``."""
+    big = 64 << 20
+    s, g = t.get((big, "sdp.torch")), t.get((big, "dist gloo"))
+    if s is None:
+        log0("  n/a   the 64 MB targets: no sdp.torch time at 64 MB (--sizes, or it failed)")
+        return
+    bw = big / s * factor / 1e9
+    check(f"sdp.torch 64 MB busbw >= {TARGET_CUDA_64M_BUSBW:.0f} GB/s", bw >= TARGET_CUDA_64M_BUSBW, f"{bw:.1f} GB/s")
+    if g is not None:
+        check(f"sdp.torch 64 MB >= {TARGET_CUDA_VS_GLOO}x faster than Gloo (CUDA tensors)", g / s >= TARGET_CUDA_VS_GLOO,
+              f"{g / s:.2f}x")
+    copied = max_over_ranks(float(d2h.get(big, 0)))
+    ipc = bool(sdp.device_counters().get("ipc"))
+    check("sdp.torch 64 MB: no device-to-host copy (CUDA IPC)", ipc and copied == 0,
+          f"{copied:.0f} bytes copied, CUDA IPC {'on' if ipc else 'off'}")
+
+
+def finish(tmp: str, rank: int) -> int:
     dist.destroy_process_group()
     sdp.barrier()
     if rank == 0:

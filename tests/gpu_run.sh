@@ -3,8 +3,10 @@
 #   bash tests/gpu_run.sh [OUTDIR]
 # Needs: nvcc and the CUDA headers, a driver, Python with numpy (+ CuPy / PyTorch for those kinds),
 # and in .whl/ the PyCUDA sdist (or a built wheel) plus wheels of pyzmq, pytools, platformdirs,
-# mako, siphash24, python-hostlist (no package index is assumed).  Builds PyCUDA once (the wheel
-# is left in OUTDIR for the next run), runs the GPU and device tests, then the device benchmark.
+# mako, siphash24, python-hostlist (no package index is assumed; tests/gpu_wheels.sh fetches them
+# here).  Builds PyCUDA once (the wheel is left in OUTDIR for the next run), runs the GPU and
+# device tests (the PyTorch face's with CUDA tensors too), then the device benchmark and, where
+# torch sees the GPU, benchmarks/torch_allreduce.py --device cuda.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/sdp-gpu}}; mkdir -p "$out"
 site=/tmp/sdp-site; mkdir -p "$site"
@@ -37,4 +39,8 @@ if command -v nvidia-cuda-mps-control >/dev/null; then  # ranks sharing the GPU 
 fi
 $py -m sdp.launcher.cli -np 2 $py benchmarks/allreduce.py --device gpu --sizes 1K,1M,16M,64M,256M 2>&1 | tee "$out/bench2.log"
 $py -m sdp.launcher.cli -np 4 $py benchmarks/allreduce.py --device gpu --sizes 1K,64M 2>&1 | tee "$out/bench4.log" | tail -12
+if $py -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then  # the PyTorch face
+  $py -m sdp.launcher.cli -np 2 $py benchmarks/torch_allreduce.py --device cuda --sizes 1K,1M,64M --rounds 3 2>&1 |
+    tee "$out/torch_bench.log" | tail -16
+fi
 command -v nvidia-cuda-mps-control >/dev/null && echo quit | nvidia-cuda-mps-control

@@ -127,6 +127,19 @@ def test_torch_benchmark_runs_and_prints_its_table(two_ranks):
     assert "DDP step over sdp <= 1.0x over Gloo" in out, out
 
 
+def test_torch_benchmark_on_cuda_without_a_gpu_says_so_in_one_line(capsys):
+    """``--device cuda`` (tests/gpu_run.sh's GPU rows) where torch sees no GPU: exit status 2 and
+    one line, before any rank meets the others."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here: tests/gpu_run.sh runs the benchmark on it")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch_allreduce
+    assert torch_allreduce.main(["--device", "cuda", "--sizes", "64M"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device cuda: torch" in err and "sees no CUDA device" in err, err
+
+
 def test_compat_smddp_is_smdistributed():
     from sdp.common.compat_names import parse_families
     from sdp.launcher.cli import _compat_list
