@@ -58,7 +58,7 @@ import numpy as np
 from sdp.common import blas_threads
 from sdp.common import topology as _topology
 from sdp.common.config import Config
-from sdp.common.errors import AlreadyInitializedError, NotInitializedError
+from sdp.common.errors import NotInitializedError
 from sdp.common.reduce_ops import ReduceOp, resolve_op
 from sdp.engine.device_arrays import host_result
 from sdp.engine.process_sets import MAX_SET_ID
@@ -98,16 +98,16 @@ def _setup_logging() -> None:
 def init(config: Optional[Config] = None) -> None:
     """Start sdp in this process: read the topology, rendezvous with all ranks, start the engine.
 
-    Mirrors ``smdistributed.dataparallel.tensorflow.init`` / ``horovod.tensorflow.init``.
-    Raises ``AlreadyInitializedError`` if called twice (as SMDDP documents; ``sdp.tensorflow.init``
-    checks ``is_initialized()`` first and returns, Horovod's rule, and only SMDDP's names raise),
-    ``TopologyError`` for a bad environment, one ``ValueError`` naming every
+    Mirrors ``horovod.tensorflow.init``: a call while sdp is initialized returns at once and
+    changes nothing (``config`` included), Horovod's rule; SMDDP's names (``sdp.compat_smddp``)
+    raise ``AlreadyInitializedError`` there instead, as SMDDP documents.  After ``shutdown()`` it
+    initializes again.  Raises ``TopologyError`` for a bad environment, one ``ValueError`` naming every
     ``SDP_*``/``HOROVOD_*`` setting whose value is not allowed (``sdp.common.config.check_env``), ``RendezvousError`` if the other ranks do
     not show up within ``SDP_START_TIMEOUT`` seconds."""
     global _runtime, _set_ids
     with _lock:
         if _runtime is not None:
-            raise AlreadyInitializedError()
+            return
         cfg = config or Config.from_env()  # first: one ValueError naming every setting not allowed
         _setup_logging()
         lifeline.watch_launcher()  # end with sdprun, however it ends

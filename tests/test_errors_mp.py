@@ -141,8 +141,8 @@ def test_calls_before_init_and_init_twice():
     assert values[1][0] == "NotInitializedError"
     assert values[2][0] == "NotInitializedError" and "before alltoall()" in values[2][1]
     assert values[3][0] == "NotInitializedError" and "before broadcast_object()" in values[3][1]
-    assert values[4][0] == "AlreadyInitializedError"
-    assert "init() called more than once" in values[4][1]
+    assert values[4][0] == "none"  # a second sdp.init() is a no-op (Horovod's rule; SMDDP's names raise)
+    assert values[5] == [True, True, True, 1.0]
 
 
 def test_unsupported_dtypes_are_refused_and_the_engine_goes_on():

@@ -119,7 +119,10 @@ def before_init_and_twice(_):
     res.append(_expect(lambda: sdp.alltoall(np.ones(2))))
     res.append(_expect(lambda: sdp.broadcast_object({"a": 1})))
     sdp.init()
-    res.append(_expect(sdp.init))
+    rank, size = sdp.rank(), sdp.size()
+    res.append(_expect(sdp.init))  # (Horovod's rule: nothing happens)
+    res.append([sdp.is_initialized(), sdp.rank() == rank, sdp.size() == size,
+                float(sdp.allreduce(np.ones(2), name="after_second_init", op=sdp.Sum)[0])])
     return res
 
 
