@@ -7,7 +7,7 @@ from sdp.api import (allgather, allgather_async, allgather_object, allreduce, al
                      alltoall, barrier, broadcast, broadcast_async, broadcast_object, cross_rank,
                      cross_size, device_counters, grouped_allgather, grouped_allreduce, grouped_allreduce_async,
                      grouped_broadcast_async, init, is_initialized, join,
-                     local_rank, local_size, rank, reducescatter, shutdown, size, start_timeline,
+                     local_rank, local_size, rank, recv, reducescatter, send, shutdown, size, start_timeline,
                      stop_timeline)
 from sdp.common import errors  # noqa: F401
 from sdp.common import rank_signals as _rank_signals

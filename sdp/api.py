@@ -7,6 +7,7 @@ other ranks and starts the engine.  Collectives come in ``*_async`` forms return
 Names identify a collective across ranks: ranks may submit in different orders, and the engine
 matches them by name.  Without a ``name``, one is generated from a per-process counter, which
 matches across ranks when every rank makes the same unnamed calls in the same order.
+``send``/``recv`` are point to point between two ranks (no name: a rank and a tag).
 
 Process sets (Horovod's ``process_set=``): every collective takes ``process_set``, a set id (int)
 or an object with a ``process_set_id`` (``sdp.process_sets.ProcessSet``); 0, the default,
@@ -63,6 +64,7 @@ from sdp.common.reduce_ops import ReduceOp, resolve_op
 from sdp.engine.device_arrays import host_result
 from sdp.engine.process_sets import MAX_SET_ID
 from sdp.engine.handles import Handle
+from sdp.engine.p2p import MAX_TAG as _MAX_TAG
 from sdp.engine.dispatch import as_input
 from sdp.engine.request import Request
 from sdp.engine.runtime import Runtime
@@ -503,6 +505,49 @@ def _set_ranks(ranks, size: int) -> List[int]:
                        for r in out) or len(set(out)) != len(out)):
         raise ValueError(f"a process set is a non-empty list of distinct ranks in [0, {size}), got {ranks!r}")
     return [int(r) for r in out]
+
+
+def _peer(rt: Runtime, peer, kind: str, role: str) -> int:
+    if type(peer) is not int and not isinstance(peer, np.integer) or not 0 <= peer < rt.size or peer == rt.rank:
+        raise ValueError(f"{kind} on rank {rt.rank}: {role} {peer!r} is not another rank of the job "
+                         f"(0 to {rt.size - 1}, not {rt.rank})")
+    return int(peer)
+
+
+def _tag(tag, kind: str) -> int:
+    if type(tag) is not int and not isinstance(tag, np.integer) or not 0 <= tag <= _MAX_TAG:
+        raise ValueError(f"{kind}: tag {tag!r} is not an int from 0 to {_MAX_TAG}")
+    return int(tag)
+
+
+def send(tensor, dst: int, tag: int = 0) -> Handle:
+    """Start sending ``tensor`` (a host array of any shape and dtype; not C-contiguous ones are
+    copied first) to rank ``dst``; returns a handle whose ``wait()`` returns None once the
+    array may be changed again.  Rank ``dst`` receives it with ``recv(out, src=<this rank>,
+    tag=tag)`` into an array of the same number of bytes; messages of one rank and tag are
+    received in the order sent.  No other rank takes part, nothing is negotiated.  Mirrors
+    ``torch.distributed.isend`` (the ``sdp`` backend's ``send`` is this).  Raises
+    ``ValueError`` for ``dst`` not another rank or a tag outside 0 to 2**32 - 1; the handle
+    raises ``PeerLostError`` if ``dst`` is lost."""
+    rt = runtime("send()")
+    arr = np.ascontiguousarray(tensor)
+    return rt.submit_p2p(True, arr, _peer(rt, dst, "send", "dst"), _tag(tag, "send"))
+
+
+def recv(out: np.ndarray, src: int, tag: int = 0) -> Handle:
+    """Start receiving into ``out`` (a writeable C-contiguous numpy array) what rank ``src`` sent
+    with ``send(..., dst=<this rank>, tag=tag)``; returns a handle whose ``wait()`` returns
+    ``out`` once the message is in it.  Mirrors ``torch.distributed.irecv`` (the ``sdp``
+    backend's ``recv`` is this).  Raises ``ValueError`` for ``out`` not such an array, ``src``
+    not another rank or a tag outside 0 to 2**32 - 1; the handle raises
+    ``TensorMismatchError`` when the message's byte count is not ``out.nbytes`` (naming both
+    ranks, the tag and both sizes; the message is dropped) and ``PeerLostError`` if ``src`` is
+    lost first."""
+    rt = runtime("recv()")
+    if type(out) is not np.ndarray or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"recv on rank {rt.rank}: out must be a writeable C-contiguous numpy array, "
+                         f"not {type(out).__name__}")
+    return rt.submit_p2p(False, out, _peer(rt, src, "recv", "src"), _tag(tag, "recv"))
 
 
 def add_process_sets(rank_lists: Sequence[Sequence[int]]) -> List[int]:

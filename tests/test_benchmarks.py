@@ -110,3 +110,12 @@ def test_adasum_benchmark_prints_both_ops_and_their_ratio():
     assert [r[:2] for r in rows] == [("64K", "Average"), ("64K", "Adasum"), ("1M", "Average"), ("1M", "Adasum")], rows
     for _, op, t, alg, bus, ratio in rows:  # (2 ranks: busbw = algbw)
         assert float(t) > 0 and alg == bus and bool(ratio) == (op == "Adasum"), rows
+
+
+def test_p2p_benchmark_prints_its_table():
+    """benchmarks/p2p.py: sdp.send/recv ping-pong beside Gloo's (where torch is installed)."""
+    import importlib.util
+    out = run_benchmark("--sizes", "1K,5M", "--rounds", "1", script="benchmarks/p2p.py")
+    gloo = r"\s+[0-9.]+\s+[0-9.]+" if importlib.util.find_spec("torch") else r"\s+n/a"
+    for size in ("1K", "5M"):
+        assert re.search(rf"\[0\]<stdout>:\s+{size}\s+[0-9.]+\s+[0-9.]+{gloo}\s*$", out, re.M), out

@@ -97,6 +97,24 @@ def collectives():
     lst = [{"from": r}]
     dist.broadcast_object_list(lst, src=0)
     ok["broadcast_object_list"] = lst == [{"from": 0}]
+    # point to point around the ring: isend/irecv (a bfloat16 and a strided tensor), send/recv
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    got_b, got_s = torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3, 2).t()
+    works = [dist.irecv(got_b, src=prv, tag=1), dist.irecv(got_s, src=prv, tag=2),
+             dist.isend(torch.full((3,), float(r), dtype=torch.bfloat16), dst=nxt, tag=1),
+             dist.isend(torch.arange(6.0).reshape(2, 3) + r, dst=nxt, tag=2)]
+    for w in works:
+        w.wait()
+    ok["isend/irecv"] = (torch.equal(got_b, torch.full((3,), float(prv), dtype=torch.bfloat16))
+                         and torch.equal(got_s, torch.arange(6.0).reshape(2, 3) + prv))
+    got = torch.zeros(4, dtype=torch.int64)
+    if r % 2 == 0:
+        dist.send(torch.arange(4) * (r + 1), dst=nxt)
+        dist.recv(got, src=prv)
+    else:
+        dist.recv(got, src=prv)
+        dist.send(torch.arange(4) * (r + 1), dst=nxt)
+    ok["send/recv"] = torch.equal(got, torch.arange(4) * (prv + 1))
     dist.barrier()
     group = dist.new_group(list(range(n)))
     t = torch.ones(2)

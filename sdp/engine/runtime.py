@@ -21,6 +21,7 @@ from sdp.common.reduce_ops import UFUNCS, ReduceOp, accumulation_dtype
 from sdp.engine import collectives, dispatch, fusion, groups, hostlink, inline, lane, process_sets
 from sdp.engine.coordinator import JOIN, Coordinator, wire_dtype
 from sdp.engine.handles import Handle
+from sdp.engine.p2p import PointToPoint
 from sdp.engine.execute import Execution
 from sdp.engine.request import Request
 from sdp.transport.zmq_mesh import Mesh
@@ -72,6 +73,7 @@ class Runtime(Execution):
         self._queue_lock = threading.Lock()
         self.mesh.poller.register(self._wake_r, 1)  # zmq.POLLIN
         self._pending: Dict[str, Request] = {}
+        self.p2p = PointToPoint(self.rank, self._wake)  # send/recv between two ranks (sdp.engine.p2p)
         # tensor name -> (Request.key(), response-cache id): one entry per name, replaced when
         # the name is agreed with another key (the coordinator forgets the old id then)
         self._cache: Dict[str, tuple] = {}
@@ -187,6 +189,15 @@ class Runtime(Execution):
             self._enqueue(reqs)
         return handles
 
+    def submit_p2p(self, send: bool, array: np.ndarray, peer: int, tag: int) -> Handle:
+        """Queue a send to or a receive from ``peer`` (``sdp.engine.p2p``); its handle.  Raises
+        the engine's fatal error if it has already failed."""
+        if self._failed is not None:
+            raise self._failed
+        if self._stop.is_set():
+            raise errors.NotInitializedError(f"{'send' if send else 'recv'}() after shutdown()")
+        return self.p2p.submit(send, array, peer, tag)
+
     def _enqueue(self, reqs: List[Request]) -> None:
         """Queue ``reqs`` for the engine thread (any thread) and wake it."""
         for req in reqs:
@@ -258,6 +269,9 @@ class Runtime(Execution):
         lane_s = self.lane.engine_turn() if self.lane is not None else None
         if lane_s is not None:
             wait_ms = min(wait_ms, lane_s * 1000)
+        p2p_ms = self.p2p.poll_ms()
+        if p2p_ms is not None:
+            wait_ms = min(wait_ms, p2p_ms)
         self.mesh.pump(wait_ms)
         if spin:
             os.sched_yield()
@@ -267,6 +281,10 @@ class Runtime(Execution):
         except BlockingIOError:
             pass
         self._handle_control()  # first: answers that arrived before a peer left still count
+        if self.p2p.busy():
+            self.p2p.run(self.mesh)
+            if self.mesh.lost:
+                self.p2p.fail_lost(self.mesh.lost)
         if (self.mesh.lost and (self._pending or self._queue or lane_s is not None or self.link_busy)
                 and self._waits_on_lost()):
             raise self.mesh.peer_error()
@@ -595,5 +613,6 @@ class Runtime(Execution):
         for req in list(self._pending.values()):
             req.handle._set(error=err)
         self._pending.clear()
+        self.p2p.fail_all(err)
         if self.lane is not None:
             self.lane.fail_all(err)

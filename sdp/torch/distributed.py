@@ -37,8 +37,9 @@ MAX, PRODUCT; BAND/BOR/BXOR/PREMUL_SUM raise ``ValueError``), ``allreduce_coales
 ``broadcast``, ``allgather``, ``all_gather_single`` (``all_gather_into_tensor``) and its coalesced
 form, ``reduce_scatter``, ``reduce_scatter_single`` (``reduce_scatter_tensor``) and its
 coalesced form, ``reduce``, ``gather``, ``scatter``, ``alltoall``, ``all_to_all_single``,
-``barrier``.  Point-to-point ``send``/``recv`` raise ``NotImplementedError`` (sdp's engine has
-collectives only).
+``barrier``, and point to point ``send``/``recv`` (``isend``/``irecv``: ``sdp.api.send``/``recv``, only
+the two ranks take part; CUDA tensors go through host memory); ``recv`` from any source raises
+``NotImplementedError``.
 
 **Work and futures.**  Every collective returns a ``Work`` at once.  An allreduce that is
 waited on at once (``async_op=False``), and, when every rank is on this host, one of a CPU tensor
@@ -483,20 +484,36 @@ class ProcessGroupSDP(dist.ProcessGroup):
                                      process_set=self._process_set)
         return self._work([handle], _nothing, [], [])
 
+    def _peer(self, rank: int, role: str) -> int:
+        """The job rank of group rank ``rank`` (``send``'s ``dst``, ``recv``'s ``src``)."""
+        if not 0 <= rank < self._size:
+            raise ValueError(f"{role} rank {rank} is outside the group's ranks [0, {self._size})")
+        return self._global[rank]
+
     def send(self, tensors, dst, tag=0):
-        """``NotImplementedError``: sdp's engine has collectives only."""
-        raise NotImplementedError(_NO_P2P)
+        """``dist.send``/``isend``: each tensor to group rank ``dst`` (``sdp.api.send``: no other
+        rank takes part; a CUDA tensor goes through host memory).  The ``Work`` completes once the
+        tensors may be changed again."""
+        peer = self._peer(dst, "send: dst")
+        handles = [api.send(_tensors.as_input(t.detach().cpu() if t.is_cuda else t, "send"), peer, tag)
+                   for t in tensors]
+        return self._work(handles, _nothing, [], tensors)
 
     def recv(self, tensors, src, tag=0):
-        """``NotImplementedError``: sdp's engine has collectives only."""
-        raise NotImplementedError(_NO_P2P)
+        """``dist.recv``/``irecv``: each tensor overwritten with what group rank ``src`` sent with
+        ``tag`` (``sdp.api.recv``: into a CPU tensor's own memory, else through host memory); a
+        message of another byte count raises ``TensorMismatchError`` from ``Work.wait()``."""
+        peer = self._peer(src, "recv: src")
+        outs = [_tensors.out_array(t) for t in tensors]
+        outs = [o if o is not None else _tensors.as_input(torch.empty(t.shape, dtype=t.dtype), "recv")
+                for t, o in zip(tensors, outs)]
+        handles = [api.recv(o, peer, tag) for o in outs]
+        return self._work(handles, _into(tensors), list(tensors), tensors)
 
     def recv_anysource(self, tensors, tag=0):
-        """``NotImplementedError``: sdp's engine has collectives only."""
-        raise NotImplementedError(_NO_P2P)
-
-
-_NO_P2P = "torch.distributed backend 'sdp' has collectives only: send/recv are not supported"
+        """``NotImplementedError``: ``recv`` needs its source rank here."""
+        raise NotImplementedError("torch.distributed backend 'sdp': recv from any source is not supported "
+                                  "(give src)")
 
 
 def _nothing(results) -> None:

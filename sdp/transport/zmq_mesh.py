@@ -62,7 +62,7 @@ log = logging.getLogger("sdp.transport")
 MAGIC = b"SDP1"
 HEADER = struct.Struct("<4sBIQ")
 # message kinds
-HELLO, CTRL, DATA, BYE, SYNC, ABORT = 1, 2, 3, 4, 5, 6
+HELLO, CTRL, DATA, BYE, SYNC, ABORT, P2P = 1, 2, 3, 4, 5, 6, 7  # (P2P: sdp.engine.p2p's send/recv)
 BYE_WAIT_S = 0.05  # seconds a closing rank waits for the BYEs of peers that are closing too
 COPY_BELOW = 64 * 1024  # bytes: smaller payloads are copied (cheaper than tracking)
 TRACKER_SLICE_S = 0.05  # seconds between checks for lost peers while a sent buffer is still held
@@ -496,6 +496,17 @@ class Mesh:
             raise ProtocolError(f"rank {self.rank}: expected message seq={seq} aux={aux} from rank "
                                 f"{src}, got seq={m_seq} aux={m_aux}")
         return frames
+
+    def take(self, src: int, kind: int, aux: int):
+        """``(seq, payload frames)`` of the first ``kind`` message from ``src`` that has arrived
+        with ``aux`` (messages with another ``aux`` stay, in order), or None (never blocks)."""
+        box = self.inbox.get((src, kind))
+        if box:
+            for i, (m_aux, seq, frames) in enumerate(box):
+                if m_aux == aux:
+                    del box[i]
+                    return seq, frames
+        return None
 
     def peer_error(self) -> PeerLostError:
         """The error to raise now that some peer is lost: names the rank that failed first,
