@@ -17,14 +17,13 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 import sdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sdpbench.common import fmt_size, parse_size  # noqa: E402  (benchmarks/sdpbench/, beside this script)
+from sdpbench.common import fmt_size, median_call_time, parse_size  # noqa: E402  (benchmarks/sdpbench/)
 
 
 def ping_pong_sdp(nbytes: int):
@@ -70,17 +69,6 @@ def gloo_group():
     return dist.group.WORLD
 
 
-def median_time(once, iters: int) -> float:
-    for _ in range(2):
-        once()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1K,1M,64M", help="message sizes (binary units), float32")
@@ -99,7 +87,7 @@ def main(argv=None) -> int:
         iters = 200 if size <= 64 << 10 else 20 if size <= 4 << 20 else 4
         for r in range(args.rounds):
             for m in list(modes)[r % len(modes):] + list(modes)[:r % len(modes)]:
-                t.setdefault((size, m), []).append(median_time(modes[m], iters))
+                t.setdefault((size, m), []).append(median_call_time(modes[m], iters))
         sdp.barrier()
     if sdp.rank() == 0:
         print(f"ping-pong between ranks 0 and 1 of {sdp.size()}, float32, median of {args.rounds} alternating rounds")

@@ -37,7 +37,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 import torch
@@ -49,7 +48,7 @@ import sdp.torch
 import sdp.torch.distributed  # noqa: F401  (registers "sdp")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sdpbench.common import fmt_size, parse_size  # noqa: E402  (benchmarks/sdpbench/, beside this script)
+from sdpbench.common import fmt_size, median_call_time, parse_size  # noqa: E402  (benchmarks/sdpbench/)
 
 # ---- targets (issue 52; 2 ranks, one host, float32) ------------------------------------------------
 TARGET_TORCH_1K_VS_NUMPY = 1.5      # sdp.torch 1 KB time <= 1.5 x the numpy API's
@@ -86,25 +85,14 @@ def callers(nbytes: int, gloo, device: str = "cpu"):
     has_face = hasattr(sdp.torch, "allreduce")
     calls = {
         "sdp.torch": (lambda: sdp.torch.allreduce(t_in, name=name + ".torch", op=sdp.torch.Sum)) if has_face else None,
-        "numpy API": (lambda: sdp.allreduce(a_in, name=name + ".np", op=sdp.Sum, out=a_out)) if device == "cpu" else None,
+        "numpy API": ((lambda: sdp.allreduce(a_in, name=name + ".np", op=sdp.Sum, out=a_out))
+                      if device == "cpu" else None),
         "dist sdp": lambda: dist.all_reduce(t_sdp),
         "dist gloo": lambda: dist.all_reduce(t_gloo, group=gloo),
     }
     if device == "cpu":
         return calls
     return {m: None if f is None else (lambda f=f: (f(), torch.cuda.synchronize())) for m, f in calls.items()}
-
-
-def time_mode(call, iters: int) -> float:
-    """Median seconds of ``iters`` calls after 2 untimed ones (every rank runs as many)."""
-    for _ in range(2):
-        call()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def build_cnn():
@@ -177,7 +165,7 @@ def main(argv=None) -> int:
                 counted = cuda and mode == "sdp.torch" and r > 0  # (the first round opens the IPC windows)
                 before = sdp.device_counters()["d2h"] if counted else 0
                 try:
-                    results.setdefault((size, mode), []).append(time_mode(calls[mode], iterations(size)))
+                    results.setdefault((size, mode), []).append(median_call_time(calls[mode], iterations(size)))
                 except Exception as e:  # (reported below; the other modes go on)
                     failed[(size, mode)] = f"{type(e).__name__}: {e}"
                     results.pop((size, mode), None)
@@ -187,7 +175,7 @@ def main(argv=None) -> int:
         ddp = {"DDP sdp": ddp_steps(None), "DDP gloo": ddp_steps(gloo)}
         for r in range(args.rounds):
             for mode in (list(ddp) if r % 2 == 0 else list(ddp)[::-1]):
-                results.setdefault(("ddp", mode), []).append(time_mode(ddp[mode], args.ddp_steps))
+                results.setdefault(("ddp", mode), []).append(median_call_time(ddp[mode], args.ddp_steps))
     t = {k: max_over_ranks(statistics.median(v)) for k, v in sorted(results.items(), key=lambda kv: str(kv[0]))}
 
     head = f"{'size':>6}" + "".join(f" {m + ' us':>14} {'busbw':>7}" for m in MODES)
@@ -250,8 +238,8 @@ def gpu_targets(t: dict, d2h: dict, factor: float, check) -> None:
     bw = big / s * factor / 1e9
     check(f"sdp.torch 64 MB busbw >= {TARGET_CUDA_64M_BUSBW:.0f} GB/s", bw >= TARGET_CUDA_64M_BUSBW, f"{bw:.1f} GB/s")
     if g is not None:
-        check(f"sdp.torch 64 MB >= {TARGET_CUDA_VS_GLOO}x faster than Gloo (CUDA tensors)", g / s >= TARGET_CUDA_VS_GLOO,
-              f"{g / s:.2f}x")
+        check(f"sdp.torch 64 MB >= {TARGET_CUDA_VS_GLOO}x faster than Gloo (CUDA tensors)",
+              g / s >= TARGET_CUDA_VS_GLOO, f"{g / s:.2f}x")
     copied = max_over_ranks(float(d2h.get(big, 0)))
     ipc = bool(sdp.device_counters().get("ipc"))
     check("sdp.torch 64 MB: no device-to-host copy (CUDA IPC)", ipc and copied == 0,

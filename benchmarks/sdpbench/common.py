@@ -1,9 +1,10 @@
-"""What every section of ``benchmarks/allreduce.py`` uses (and ``torch_allreduce.py``,
+"""What every section of ``benchmarks/allreduce.py`` uses (and ``torch_allreduce.py``, ``p2p.py``,
 ``overlap.py``, ``tf_overlap.py`` with it): message sizes and their names, the busbw factor,
 printing on rank 0, the max over ranks, iteration planning, the timing loop of every table and
 the environment line that heads a run."""
 import os
 import platform
+import statistics
 import time
 
 import numpy as np
@@ -48,6 +49,18 @@ def plan_iters(est_s: float, target_s: float, lo: int, hi: int) -> int:
 def collectives_done() -> int:
     """Collectives this rank's engine has run so far (a private counter; -1 if unavailable)."""
     return getattr(sdp.api.runtime(), "_seq", -1)
+
+
+def median_call_time(call, iters: int, warmup: int = 2) -> float:
+    """Median seconds of ``iters`` calls of ``call`` after ``warmup`` untimed ones (this rank's)."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def time_calls(call, iters: int, warmup: int, target_s: float, name: str):
