@@ -181,7 +181,10 @@ def named_allreduce(dtypes):
             strided = (base + (r + 1)).to(dt).t()
             c.eq(f"{name} strided input, call {i}", hvd.allreduce(strided, name=f"n.{name}.t", op=hvd.Sum),
                  (base * n + tri).to(dt).t())
-        if dt.is_floating_point:
+        if dt.is_floating_point:  # (a lazily negated view: numpy() refuses it, the values are -x)
+            neg = torch._neg_view((base + (r + 1)).to(dt))
+            c.eq(f"{name} negative-bit view", hvd.allreduce(neg, name=f"n.{name}", op=hvd.Sum),
+                 (-(base * n + tri)).to(dt))
             with torch.no_grad():
                 x = (base + (r + 1)).to(dt).requires_grad_()
                 c.eq(f"{name} requires_grad under no_grad", hvd.allreduce(x, name=f"n.{name}", op=hvd.Sum),

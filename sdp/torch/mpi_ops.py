@@ -62,7 +62,6 @@ from sdp.process_sets import set_size as _set_size
 from sdp.torch import ops as _ops
 from sdp.torch.compression import Compression
 from sdp.torch.compression import NoneCompressor as _NoneCompressor
-from sdp.torch.tensors import NUMPY_VIEWS as _NUMPY_VIEWS
 from sdp.torch.tensors import as_tensor as _as_tensor
 from sdp.torch.ops import (allgather_async, alltoall_async, barrier, join, poll, synchronize)  # noqa: F401
 from sdp.api import (cross_rank, cross_size, is_initialized, local_rank, local_size, rank, size,  # noqa: F401
@@ -170,9 +169,13 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         elif name is not None and process_set is global_process_set and prescale_factor == 1.0 \
                 and type(op) is ReduceOp and op is not Adasum and tensor.is_cpu:
             front = _api.allreduce_front()  # (the common case whole in C: a learnt name, a view in and out)
-            if front is not None and tensor.dtype in _NUMPY_VIEWS and tensor.is_contiguous():
-                result = front(name, tensor.numpy(), op, postscale_factor, None)
-                if result is not None:
+            if front is not None:
+                try:
+                    view = tensor.numpy()  # (its own memory; bfloat16 and negative-bit views raise)
+                except (TypeError, RuntimeError):
+                    view = None
+                result = None if view is None else front(name, view, op, postscale_factor, None)
+                if result is not None:  # (else not learnt, strided, another dtype, the lane busy...)
                     return _from_numpy(result) if result.flags.writeable else _as_tensor(result)
         return _ops.allreduce_now(tensor, name, op, prescale_factor, postscale_factor, process_set)
     compressed, ctx = compression.compress(tensor)

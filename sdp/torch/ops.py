@@ -107,7 +107,7 @@ def allreduce_now(tensor: torch.Tensor, name: Optional[str] = None, op=None, pre
                   inplace: bool = False) -> torch.Tensor:
     """``allreduce_async`` waited at once (small host tensors may take the fast lane whole)."""
     if not inplace and tensor.dtype in _t.NUMPY_VIEWS and not tensor.requires_grad and tensor.is_cpu \
-            and tensor.is_contiguous():  # (the common case: one view in, one view out, no more calls)
+            and tensor.is_contiguous() and not tensor.is_neg():  # (the common case: a view in, a view out)
         result = api.allreduce(tensor.numpy(), name, op if type(op) is ReduceOp else resolve_op(op),
                                prescale_factor, postscale_factor, None,
                                0 if process_set is global_process_set else process_set)

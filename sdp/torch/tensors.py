@@ -86,6 +86,8 @@ def as_input(tensor: torch.Tensor, what: str = "collective"):
     t = tensor.detach()
     if not t.is_contiguous():
         t = t.contiguous()
+    if t.is_neg():  # (a lazily negated view, torch._neg_view: its values made real, a copy)
+        t = t.resolve_neg()
     if t.dtype not in _CARRIED:
         check_dtype(t, what)
     if t.is_cuda:
