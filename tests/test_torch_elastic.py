@@ -44,14 +44,15 @@ def test_torch_mnist_elastic_survives_kill9_then_grows(tmp_path):
     last commit and re-form as 2 ranks (the sampler splits what is left over them, the learning
     rate is rescaled); then the discovery script shows a fourth slot and at the next commit the job
     grows to 3 (4 slots, one failed), the newcomer taking rank 0's model, optimizer and sampler
-    state.  Every sample the sampler counts as trained was trained exactly once; all end with the
+    state (70 steps: sdprun sees the new slot one discovery poll after the write, by step 30-50 on
+    2 cores, and the job must still have a commit to come; with 50 it ended first once in 4 suite runs).  Every sample the sampler counts as trained was trained exactly once; all end with the
     same weights; sdprun exits 0."""
     if not os.path.isdir(MNIST_DIR):
         pytest.skip(f"no MNIST data at {MNIST_DIR}")
     script, hosts = _discovery(tmp_path, 3)
     rc, out, fired = _run_with_events(
         ["-np", "3", "--min-np", "2", "--max-np", "4", "--host-discovery-script", script, sys.executable,
-         os.path.join(REPO, "examples", "torch_mnist_elastic.py"), "--data-dir", MNIST_DIR, "--steps", "50"], _env(),
+         os.path.join(REPO, "examples", "torch_mnist_elastic.py"), "--data-dir", MNIST_DIR, "--steps", "70"], _env(),
         [("step 20 on 3 ranks", lambda p: _kill_worker(p, "2")),
          ("sync: rank 0 of 2", lambda p: hosts.write_text("localhost:4\n"))])
     assert fired == 2 and rc == 0, out[-5000:]
