@@ -44,9 +44,10 @@ def test_torch_mnist_elastic_survives_kill9_then_grows(tmp_path):
     last commit and re-form as 2 ranks (the sampler splits what is left over them, the learning
     rate is rescaled); then the discovery script shows a fourth slot and at the next commit the job
     grows to 3 (4 slots, one failed), the newcomer taking rank 0's model, optimizer and sampler
-    state (70 steps: sdprun sees the new slot one discovery poll after the write, by step 30-50 on
-    2 cores, and the job must still have a commit to come; with 50 it ended first once in 4 suite runs).  Every sample the sampler counts as trained was trained exactly once; all end with the
-    same weights; sdprun exits 0."""
+    state.  Every sample the sampler counts as trained was trained exactly once; all end with the
+    same weights; sdprun exits 0.  (70 steps: sdprun sees the new slot one discovery poll after
+    the write, by step 30-50 on 2 cores, and a commit must still be to come; with 50 the job
+    ended first once in 4 suite runs.)"""
     if not os.path.isdir(MNIST_DIR):
         pytest.skip(f"no MNIST data at {MNIST_DIR}")
     script, hosts = _discovery(tmp_path, 3)
