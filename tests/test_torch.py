@@ -67,11 +67,11 @@ def _collective_cases(n):
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_every_collective_and_its_gradient(n):
-    """Every collective on float16/bfloat16/float32/float64/int32/int64, out of place, in place,
-    async with poll + synchronize, grouped; a named allreduce again and again (the compiled entry
-    from sdp.torch.allreduce: exact, new tensors that keep their values); Horovod's gradients through each (float32/float64);
-    Adasum at 1 and 2 ranks; at 3 ranks also a process set, and mismatches raised on every rank
-    as HorovodInternalError."""
+    """Every collective on float16/bfloat16/float32/float64/int32/int64, out of place, in place, async
+    with poll + synchronize, grouped; a named allreduce again and again (the compiled entry from
+    sdp.torch.allreduce: exact, new tensors that keep their values); Horovod's gradients through each
+    (float32/float64); Adasum at 1 and 2 ranks; at 3 ranks also a process set, and mismatches raised on
+    every rank as HorovodInternalError."""
     runs = _two_ranks() if n == 2 else run_cases(n, _collective_cases(n), env=DYNAMIC)
     for rank, cases_ in enumerate(check_ok(runs["adapter"])):
         for name, equal, in_place, same in cases_:

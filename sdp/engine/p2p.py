@@ -17,8 +17,8 @@ the mesh (:meth:`PointToPoint.run`, once per engine cycle):
 
 An operation whose peer is lost (what arrived from it before is still received) fails with
 ``PeerLostError`` naming that peer; the engine and the other operations go on (a collective that
-needs the lost rank fails as ever).  A send whose peer ended cleanly (it said BYE) completes: ZeroMQ may hold the
-buffer, but nobody will read it.
+needs the lost rank fails as ever).  A send whose peer ended cleanly (it said BYE) completes:
+ZeroMQ may hold the buffer, but nobody will read it.
 """
 import collections
 import threading
