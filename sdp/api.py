@@ -610,12 +610,17 @@ def join() -> int:
     """Declare that this rank has no more data: until every rank has joined, its part of the
     other ranks' allreduces (SUM/AVERAGE) is zeros.  Blocks until all ranks joined; returns the
     rank that joined last.  Other collectives involving a joined rank raise
-    ``TensorMismatchError`` on every rank.  Mirrors ``horovod.tensorflow.join``."""
+    ``TensorMismatchError`` on every rank.  On one host the fast lane is then on again
+    (:meth:`sdp.engine.lane.Lane.rearm`: two engine allreduces more).  Mirrors
+    ``horovod.tensorflow.join``."""
     from sdp.engine.coordinator import JOIN
-    link = runtime("join()").link
-    if link is not None:  # (the path of sdp.engine.hostlink turns off on every rank)
-        link.join()
-    return _submit("join", np.zeros(0, np.uint8), JOIN).wait()
+    rt = runtime("join()")
+    if rt.link is not None:  # (the path of sdp.engine.hostlink turns off on every rank)
+        rt.link.join()
+    last = _submit("join", np.zeros(0, np.uint8), JOIN).wait()
+    if rt.lane is not None:  # (every rank's fast lane turned off at the join: on again, in step)
+        rt.lane.rearm(lambda ok: int(allreduce(np.array([ok], np.int32), name="join.lane", op=ReduceOp.MIN)[0]))
+    return last
 
 
 def barrier(process_set=0) -> None:

@@ -112,6 +112,13 @@ def test_adasum_benchmark_prints_both_ops_and_their_ratio():
         assert float(t) > 0 and alg == bus and bool(ratio) == (op == "Adasum"), rows
 
 
+def test_join_benchmark_prints_the_lane_on_after_each_join():
+    out = run_benchmark("--joins", "2", "--iters", "50", script="benchmarks/join.py")
+    assert "fast lane on" in out, out
+    rows = re.findall(r"<stdout>:\| (before join\(\)|after join\(\) \d) \| ([0-9.]+) \|", out)
+    assert [r[0] for r in rows] == ["before join()", "after join() 1", "after join() 2"], out
+
+
 def test_p2p_benchmark_prints_its_table():
     """benchmarks/p2p.py: sdp.send/recv ping-pong beside Gloo's (where torch is installed)."""
     import importlib.util

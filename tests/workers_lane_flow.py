@@ -76,17 +76,27 @@ def far_ahead(count, late_s):
     return [ok, sdp.api.runtime().lane.counts]
 
 
-def joined(rounds):
-    """The last rank joins at once; the others run ``rounds`` allreduces (the joined rank adds
-    zeros), then join.  Returns (results, the lane is off)."""
+def joined(rounds, epochs=1):
+    """``epochs`` times: the last rank joins at once; the others run ``rounds`` allreduces (the
+    joined rank adds zeros), then join; then every rank runs 20 allreduces.  Returns (the first
+    epoch's results, its join's last rank, the allreduces after each join exact, the lane is
+    off, the lane's FAST count after each join's 20 allreduces minus before them)."""
     n, r = sdp.size(), sdp.rank()
-    got = []
-    if r != n - 1:
-        for i in range(rounds):
-            got.append(float(sdp.allreduce(np.full(3, 1.0 + i), name=f"j{i}", op=sdp.Sum)[0]))
-    last = sdp.join()
-    after = float(sdp.allreduce(np.ones(2), name="after", op=sdp.Sum)[0])
-    return [got, last, after, sdp.api.runtime().lane.off]
+    lane = sdp.api.runtime().lane
+    got, lasts, after, fast = [], [], True, []
+    for epoch in range(epochs):
+        if r != n - 1:
+            for i in range(rounds + epoch):  # (each epoch leaves the ranks' positions further apart)
+                y = float(sdp.allreduce(np.full(3, 1.0 + i), name=f"j{i}", op=sdp.Sum)[0])
+                if epoch == 0:
+                    got.append(y)
+        lasts.append(sdp.join())
+        before = lane.counts["fast"]
+        for i in range(20):
+            after = after and float(sdp.allreduce(np.full(2, float(i + r)), name="after", op=sdp.Sum)[0]) == \
+                sum(i + q for q in range(n))
+        fast.append(lane.counts["fast"] - before)
+    return [got, lasts[0], after, lane.off, fast]
 
 
 def mismatch():
@@ -149,7 +159,8 @@ def bursts(steps):
 def join_after_burst(count):
     """Every rank submits ``count`` small allreduces without waiting; the last rank then joins at
     once, the others wait theirs, run 3 more (the joined rank adds zeros) and join; then one
-    more by all.  Returns (the burst exact, the 3 results, the last one, the lane is off)."""
+    more by all, and 4 more.  Returns (the burst and the 4 exact, the 3 results, the one after the
+    join, the lane is off, how many of the last 5 the lane ran)."""
     n, r = sdp.size(), sdp.rank()
     hs = [sdp.allreduce_async(np.full(16, float(i + r), np.float32), name=f"jb{i}", op=sdp.Sum) for i in range(count)]
     more = []
@@ -159,8 +170,11 @@ def join_after_burst(count):
     if r != n - 1:
         more = [float(sdp.allreduce(np.full(4, 1.0), name=f"jm{i}", op=sdp.Sum)[0]) for i in range(3)]
         sdp.join()
+    fast = sdp.api.runtime().lane.counts["fast"]
     after = float(sdp.allreduce(np.ones(2), name="after", op=sdp.Sum)[0])
-    return [ok, more, after, sdp.api.runtime().lane.off]
+    for i in range(4):
+        ok = ok and float(sdp.allreduce(np.full(2, float(i)), name="after", op=sdp.Sum)[0]) == n * i
+    return [ok, more, after, sdp.api.runtime().lane.off, sdp.api.runtime().lane.counts["fast"] - fast]
 
 
 def groups(rounds):

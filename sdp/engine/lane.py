@@ -49,8 +49,8 @@ from sdp.engine.lane_batch import LaneBatching, _Batch
 from sdp.engine.lane_decide import LaneDecisions
 from sdp.engine.lane_now import LaneNow
 from sdp.engine.lane_reduce import LaneReductions
-from sdp.engine.lane_ring import (_BACKLOG, _BATCH_MAX, _REC, DATA_BYTES, DECIDED, DEPTH, GRACE_S, JOIN_SIG, JOINED,
-                                  LATEST, OFF, PART_SIG, POSTED, READ_BYTES, SLOW, SPIN_S, LaneRing)
+from sdp.engine.lane_ring import (_BACKLOG, _BATCH_MAX, _REC, CLAIM, DATA_BYTES, DECIDED, DEPTH, GRACE_S, JOIN_SIG,
+                                  JOINED, LATEST, OFF, PART_SIG, POSTED, READ_BYTES, SLOW, SPIN_S, LaneRing)
 # (read here by sdp.engine.hostlink and the tests)
 from sdp.engine.lane_ring import _NATIVE_DTYPES, _NATIVE_OPS, DONE, NOW_READ_BYTES, signature  # noqa: F401
 
@@ -93,7 +93,8 @@ class Lane(LaneNow, LaneBatching, LaneDecisions, LaneReductions, LaneRing):
         self.data = {q: seg.at(q, base + DEPTH * (_REC + 1) * 8, np.uint8, DATA_BYTES) for q in seg.peers}
         self.lock = threading.Lock()
         self.held = {}  # name -> Request this lane holds (posted eligible, not yet decided)
-        self.off = False  # a join() was decided: everything goes to the engine from now on
+        self.off = False  # a join() was decided: everything goes to the engine until rearm()
+        self._armed = 0  # the position from which the lane is on again (rearm(): decisions before it are old)
         self.enabled = True  # False: this rank posts nothing eligible (a timeline is being written)
         self.failed: Optional[BaseException] = None
         self._posted = 0
@@ -211,6 +212,59 @@ class Lane(LaneNow, LaneBatching, LaneDecisions, LaneReductions, LaneRing):
         if self.rank != 0 and page[LATEST] != latest:  # (something rank 0 decides at once was posted)
             self._ring_sleepers()
         return engine
+
+    def rearm(self, vote) -> bool:
+        """After a ``join()`` completed (every rank posted its join, its last post: every rank's
+        lane is off), turn the lane on again at one position on every rank.  ``vote(ok)`` is an
+        allreduce MIN of ``ok`` (0 or 1) by every rank through the engine (a barrier).
+
+        1. Every rank pads its records with 0s up to the furthest rank's count ``B`` (the same
+           on every rank: no count moves after a join), clears its ``JOINED``, and votes.
+        2. Every rank runs the lane until rank 0 has decided, and every rank consumed, every
+           position below ``B``; rank 0 then forgets the join (its claim drops to ``B``).  Votes.
+        3. On a unanimous vote every rank's next post is position ``B``, lane on; else the lane
+           stays off on every rank (an off lane on some ranks only would wait
+           :data:`ESCALATE_S` on every position they do not post).
+
+        Returns whether the lane is on again.  Raises what the vote's allreduce raises."""
+        with self.lock:
+            ok = self.off and self.failed is None and not (self.held or self._deferred or self._batch)
+            if ok:
+                page, rec = self.page[self.rank], self.rec[self.rank]
+                end = max(self.page[q][POSTED] for q in range(self.size))
+                while self._posted < end:
+                    if self._full(self._posted):
+                        self._wait_room()
+                    i = (self._posted % DEPTH) * _REC
+                    rec[i] = rec[i + 1] = rec[i + 2] = 0
+                    self._posted += 1
+                page[POSTED] = end  # (the records before their count)
+                page[JOINED] = 0
+        if not vote(int(ok)):
+            return False
+        deadline = time.monotonic() + self.timeout_s
+        with self.lock:
+            while ok and not (self.page[0][DECIDED] >= end and self._min_done() >= end):
+                self._progress()
+                if self.failed is not None or time.monotonic() > deadline:
+                    ok = False
+                    break
+                self.lock.release()
+                try:
+                    time.sleep(50e-6)
+                finally:
+                    self.lock.acquire()
+            if ok and self.rank == 0:
+                self._closing = self._first_seen = None
+                self.page[0][CLAIM] = end
+            engine = self._take_handoff()  # (none: this rank held no request)
+        if engine:
+            self._to_engine(engine)
+        if not vote(int(ok)):
+            return False
+        with self.lock:
+            self.off, self._armed = False, end
+        return True
 
     def fail_all(self, err: BaseException) -> None:
         """Fail every request the lane holds with ``err``; later posts raise it."""

@@ -18,8 +18,9 @@ is a mixin of :class:`sdp.engine.lane.Lane` (its methods use the Lane's attribut
   (a rank busy elsewhere, or waiting for something that needs this decision first): an eligible
   request then goes to the engine like any other, which negotiates, reports mismatches and
   stalls on every rank as before.  A SLOW decision costs speed, never correctness.
-* OFF once any rank posted ``join()``: the lane stays off for the rest of the job (a joined rank
-  posts nothing more, so positions could never fill).
+* OFF once any rank posted ``join()``: the lane stays off until that join completed on every rank
+  (a joined rank posts nothing more, so positions could never fill); then
+  :meth:`sdp.engine.lane.Lane.rearm` turns it on again at one position on every rank.
 
 A position every rank posted is decided by its records alone (OFF with a join's, SLOW with a 0
 or two that differ, else FAST), so a rank that sees every record of its held request equal
@@ -230,8 +231,8 @@ class LaneDecisions:
                 req.handle._lane = None
             self._handoff += self._deferred
             self._deferred = []
-        if 0 < min(done, decided) and self.dec[(min(done, decided) - 1) % DEPTH] == OFF:  # (OFF is for good:
-            self.off = True  # the last position tells)
+        if self._armed < min(done, decided) and self.dec[(min(done, decided) - 1) % DEPTH] == OFF:  # (OFF lasts
+            self.off = True  # until rearm(): the last position since tells)
         self._done = done
         self.page[self.rank][DONE] = done  # (after the reductions read the peers' copies)
 
