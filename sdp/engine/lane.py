@@ -249,11 +249,7 @@ class Lane(LaneNow, LaneBatching, LaneDecisions, LaneReductions, LaneRing):
                 if self.failed is not None or time.monotonic() > deadline:
                     ok = False
                     break
-                self.lock.release()
-                try:
-                    time.sleep(50e-6)
-                finally:
-                    self.lock.acquire()
+                self._nap()
             if ok and self.rank == 0:
                 self._closing = self._first_seen = None
                 self.page[0][CLAIM] = end

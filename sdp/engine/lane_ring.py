@@ -155,11 +155,15 @@ class LaneRing:
                 raise errors.CollectiveTimeoutError(
                     f"rank {self.rank}: ranks {late} did not run the fast lane's position {p - DEPTH} "
                     f"within {self.timeout_s:g} s")
-            self.lock.release()
-            try:
-                time.sleep(50e-6)
-            finally:
-                self.lock.acquire()
+            self._nap()
+
+    def _nap(self) -> None:
+        """(The lock held.)  Let the lock go for ~50 us, so other threads of this rank run the lane."""
+        self.lock.release()
+        try:
+            time.sleep(50e-6)
+        finally:
+            self.lock.acquire()
 
     def _alloc(self, nbytes: int, p: int) -> Optional[int]:
         """Offset in this rank's data ring for ``nbytes`` of position ``p``, or None (full).
